@@ -1,0 +1,281 @@
+"""Attention of one new query token per sequence over its paged KV cache.
+
+The Triton version is bound by the bytes of K/V it reads, so:
+- each program owns one KV head and computes all query heads of its group at once (K/V
+  are read once per KV head); the group is padded to 16 rows for `tl.dot`;
+- long contexts are split across programs (flash-decoding): each split writes its partial
+  (max, sum, unnormalised acc) and a second kernel merges them, so batch 1 at 8k context
+  still fills the chip. With one split the first kernel writes the output directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minivllm.kernels.dispatch import (
+    INDEX_DTYPES,
+    check_kv_cache,
+    check_tensor,
+    num_sms,
+    require_triton,
+    tl,
+    triton,
+)
+
+
+def decode_attention_ref(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,  # [num_seqs]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_blocks = (int(seq_lens.max()) + block_size - 1) // block_size
+    blocks = block_tables[:, :max_blocks].long()
+    # [num_seqs, max_len, num_kv_heads, head_dim] -> [num_seqs, num_heads, max_len, head_dim]
+    k = k_cache[blocks].flatten(1, 2).transpose(1, 2).repeat_interleave(group, dim=1)
+    v = v_cache[blocks].flatten(1, 2).transpose(1, 2).repeat_interleave(group, dim=1)
+    positions = torch.arange(k.shape[2], device=q.device)
+    mask = (positions[None, :] < seq_lens[:, None].to(q.device))[:, None, None, :]
+    o = F.scaled_dot_product_attention(
+        q[:, :, None, :].to(k.dtype), k, v, attn_mask=mask, scale=scale
+    )  # [num_seqs, num_heads, 1, head_dim]
+    return o[:, :, 0].to(q.dtype)
+
+
+LOG2E = 1.4426950408889634
+MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) dominates
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    q_stride_s,
+    q_stride_h,
+    out_stride_s,
+    out_stride_h,
+    bt_stride_s,
+    qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Splits divide the actual context (in whole tiles), not the grid's capacity, so a
+    # launch sized for the longest context stays balanced for shorter ones.
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    rows = tl.arange(0, GROUP_PAD)
+    row_mask = rows < GROUP
+    heads = kv_head * GROUP + rows  # [GROUP_PAD]
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + seq.to(tl.int64) * q_stride_s + heads[:, None] * q_stride_h + dims[None, :],
+        mask=row_mask[:, None],
+        other=0.0,
+    ).to(k_cache_ptr.dtype.element_ty)  # [GROUP_PAD, HEAD_DIM]
+
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * bt_stride_s
+    head_offset = kv_head * HEAD_DIM + dims[None, :]  # [1, HEAD_DIM]
+    for tile_start in range(start, end, BLOCK_N):
+        offs = tile_start + tl.arange(0, BLOCK_N)
+        valid = offs < end
+        page = tl.load(block_table + offs // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        # NOTE: int64: a layer's pool can exceed 2**31 elements.
+        slot = page * BLOCK_SIZE + offs % BLOCK_SIZE  # [BLOCK_N]
+        kv_offsets = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset
+        k = tl.load(k_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # an empty context gives zeros
+        out_offsets = seq.to(tl.int64) * out_stride_s + heads[:, None] * out_stride_h
+        tl.store(out_ptr + out_offsets + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None])
+    else:
+        # Partials are [num_seqs, num_heads, NUM_SPLITS(, HEAD_DIM)], fp32; an empty split
+        # writes (-inf, 0, 0), which the merge weighs to nothing.
+        part = (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split
+        tl.store(part_m_ptr + part, m, mask=row_mask)
+        tl.store(part_l_ptr + part, l, mask=row_mask)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=row_mask[:, None])
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    out_ptr,
+    out_stride_s,
+    out_stride_h,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    part = (seq * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)  # [NUM_SPLITS]
+    m = tl.load(part_m_ptr + part)
+    l = tl.load(part_l_ptr + part)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty
+    w = tl.exp2(m - m_max)  # [NUM_SPLITS]
+    dims = tl.arange(0, HEAD_DIM)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :])  # [NUM_SPLITS, D]
+    total = tl.sum(w * l, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + seq * out_stride_s + head * out_stride_h + dims,
+             out.to(out_ptr.dtype.element_ty))
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
+    """Splits per (sequence, KV head): double them until there are a few waves of programs
+    on the chip, keeping at least MIN_TOKENS_PER_SPLIT context per split. Always a power
+    of two. Depends only on host-known sizes, so a CUDA graph can capture it."""
+    programs = num_seqs * num_kv_heads
+    splits = 1
+    while (
+        splits < MAX_SPLITS
+        and programs * splits < 4 * sms
+        and max_seq_len >= 2 * splits * MIN_TOKENS_PER_SPLIT
+    ):
+        splits *= 2
+    return splits
+
+
+def _tile_config(dtype: torch.dtype) -> dict:
+    if dtype == torch.float32:  # exact fp32 dots; small tiles to keep registers in check
+        return dict(BLOCK_N=32, DOT_PRECISION="ieee", num_warps=4, num_stages=1)
+    return dict(BLOCK_N=64, DOT_PRECISION="tf32", num_warps=4, num_stages=2)
+
+
+def decode_attention(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,  # [num_seqs]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    tile_config: dict | None = None,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """Triton version of `decode_attention_ref`; no host sync.
+
+    The split count comes from the batch size and `max_seq_len` (default: the block
+    table's capacity, block_tables.shape[1] * block_size), never from `seq_lens`' values,
+    so the launch is graph-capturable. `num_splits` (a power of two) and `tile_config`
+    override the choices (tests, benchmarks).
+    """
+    require_triton()
+    block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    device = k_cache.device
+    check_tensor("q", q, 3, device=device)
+    check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES, device=device)
+    check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, device=device)
+    num_seqs, num_heads, _ = q.shape
+    if q.shape[2] != head_dim:
+        raise ValueError(f"q has head_dim {q.shape[2]}, the cache {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
+                         f"{num_kv_heads}")
+    if seq_lens.shape[0] != num_seqs or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"seq_lens {tuple(seq_lens.shape)} and block_tables "
+                         f"{tuple(block_tables.shape)} must have one row per sequence "
+                         f"({num_seqs})")
+    group = num_heads // num_kv_heads
+    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    if num_seqs == 0:
+        return out
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * block_size
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms(device))
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    config = _tile_config(k_cache.dtype) if tile_config is None else tile_config
+
+    if num_splits == 1:
+        part_m = part_l = part_acc = out  # unused: the kernel writes `out` directly
+    else:
+        part_m = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
+                             device=device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim),
+                               dtype=torch.float32, device=device)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_m,
+        part_l,
+        part_acc,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        scale * LOG2E,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        NUM_SPLITS=num_splits,
+        **config,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(num_seqs, num_heads)](
+            part_m,
+            part_l,
+            part_acc,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_heads,
+            HEAD_DIM=head_dim,
+            NUM_SPLITS=num_splits,
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,238 @@
+"""Causal attention for variable-length query chunks over the paged KV cache.
+
+A sequence's queries may start after tokens already cached (a prefix-cache hit or an
+earlier prefill chunk) and attend to them. This step's K/V must already be stored.
+
+The Triton version is flash attention over the paged cache: one program per (query head,
+tile of BLOCK_M queries of one sequence), online softmax over BLOCK_N-token KV tiles
+gathered through the block table, fp32 accumulation. Programs find their sequence by a
+binary search over cu_seqlens_q, so the grid needs no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minivllm.kernels.dispatch import (
+    INDEX_DTYPES,
+    check_kv_cache,
+    check_tensor,
+    require_triton,
+    tl,
+    triton,
+)
+
+
+def gather_kv(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [max_blocks]
+    seq_len: int,
+) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
+    block_size = cache.shape[1]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    blocks = block_table[:num_blocks].long()
+    return cache[blocks].flatten(0, 1)[:seq_len]
+
+
+def prefill_attention_ref(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1]
+    seq_lens: torch.Tensor,  # [num_seqs]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_cache.shape[2]
+    starts = cu_seqlens_q.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[i], seq_len).repeat_interleave(group, dim=1)
+        v = gather_kv(v_cache, block_tables[i], seq_len).repeat_interleave(group, dim=1)
+        # Query j sits at position seq_len - q_len + j and sees keys 0..that position.
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(
+            q[q_start:q_end].transpose(0, 1).to(k.dtype),  # [num_heads, q_len, head_dim]
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+        )
+        out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
+    return out
+
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_seq(cu_seqlens_ptr, num_seqs, tile, BLOCK_M: tl.constexpr):
+    # Sequence i owns the query tiles [cu[i] // BLOCK_M + i, cu[i + 1] // BLOCK_M + i + 1):
+    # at least cdiv(q_len_i, BLOCK_M) of them, and num_tokens // BLOCK_M + num_seqs in all.
+    # Find the last i whose first tile is <= tile.
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(cu_seqlens_ptr + mid) // BLOCK_M + mid
+        if first_tile <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    cu_seqlens_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    q_stride_t,
+    q_stride_h,
+    out_stride_t,
+    out_stride_h,
+    bt_stride_s,
+    num_seqs,
+    qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
+    GROUP: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Heads vary fastest across the grid so a KV group's heads run together and share
+    # their K/V tiles through L2.
+    head = tl.program_id(0)
+    tile = tl.program_id(1)
+    seq = _find_seq(cu_seqlens_ptr, num_seqs, tile, BLOCK_M)
+    q_start = tl.load(cu_seqlens_ptr + seq)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+    local_tile = tile - (q_start // BLOCK_M + seq)
+    if local_tile * BLOCK_M >= q_len:  # spare program of the grid's upper bound
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    kv_head = head // GROUP
+
+    offs_m = local_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_valid = offs_m < q_len
+    q_pos = seq_len - q_len + offs_m  # [BLOCK_M] positions in the context
+    dims = tl.arange(0, HEAD_DIM)
+    tokens = (q_start + offs_m).to(tl.int64)
+    q = tl.load(
+        q_ptr + tokens[:, None] * q_stride_t + head * q_stride_h + dims[None, :],
+        mask=m_valid[:, None],
+        other=0.0,
+    ).to(k_cache_ptr.dtype.element_ty)  # [BLOCK_M, HEAD_DIM]
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * bt_stride_s
+    head_offset = kv_head * HEAD_DIM + dims[None, :]  # [1, HEAD_DIM]
+    # Causal: nothing past this tile's last query. Every row sees key 0, so the first tile
+    # makes each row's max finite and later fully masked tiles add exp2(-inf) = 0.
+    kv_end = tl.minimum(seq_len, seq_len - q_len + (local_tile + 1) * BLOCK_M)
+    for kv_start in range(0, kv_end, BLOCK_N):
+        offs_n = kv_start + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < kv_end
+        page = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
+        # NOTE: int64: a layer's pool can exceed 2**31 elements.
+        slot = page * BLOCK_SIZE + offs_n % BLOCK_SIZE  # [BLOCK_N]
+        kv_offsets = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset
+        k = tl.load(k_cache_ptr + kv_offsets, mask=n_valid[:, None], other=0.0)  # [BLOCK_N, D]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
+        s = tl.where(visible, s, float("-inf"))  # [BLOCK_M, BLOCK_N]
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + kv_offsets, mask=n_valid[:, None], other=0.0)  # [BLOCK_N, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+
+    out = acc / l[:, None]
+    tl.store(out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
+
+
+def _tile_config(dtype: torch.dtype, head_dim: int) -> dict:
+    if dtype == torch.float32:  # exact fp32 dots; small tiles to keep registers in check
+        return dict(BLOCK_M=32, BLOCK_N=32, DOT_PRECISION="ieee", num_warps=4, num_stages=1)
+    if head_dim > 128:
+        return dict(BLOCK_M=64, BLOCK_N=32, DOT_PRECISION="tf32", num_warps=4, num_stages=2)
+    return dict(BLOCK_M=64, BLOCK_N=64, DOT_PRECISION="tf32", num_warps=4, num_stages=2)
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,  # [num_seqs + 1]
+    seq_lens: torch.Tensor,  # [num_seqs]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    scale: float,
+    *,
+    tile_config: dict | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Triton version of `prefill_attention_ref`; no host sync. The caller guarantees
+    cu_seqlens_q[-1] == num_tokens and q_len <= seq_len for every sequence (values on
+    the device are not checked). `tile_config` overrides the tiles (tests, benchmarks)."""
+    require_triton()
+    block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    device = k_cache.device
+    check_tensor("q", q, 3, device=device)
+    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, INDEX_DTYPES, device=device)
+    check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES, device=device)
+    check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, device=device)
+    num_tokens, num_heads, _ = q.shape
+    num_seqs = seq_lens.shape[0]
+    if q.shape[2] != head_dim:
+        raise ValueError(f"q has head_dim {q.shape[2]}, the cache {head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
+                         f"{num_kv_heads}")
+    if cu_seqlens_q.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} needs num_seqs + 1 "
+                         f"entries and block_tables {tuple(block_tables.shape)} one row per "
+                         f"sequence; seq_lens has {num_seqs}")
+    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    config = _tile_config(k_cache.dtype, head_dim) if tile_config is None else tile_config
+    num_tiles = num_tokens // config["BLOCK_M"] + num_seqs
+    _prefill_kernel[(num_heads, num_tiles)](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        cu_seqlens_q,
+        seq_lens,
+        block_tables,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        num_seqs,
+        scale * LOG2E,
+        GROUP=num_heads // num_kv_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        **config,
+    )
+    return out

@@ -1,0 +1,333 @@
+"""Engine and model configuration: frozen, validated once, built from the seed's dict."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
+
+# The seed's architecture keys -> ModelConfig field names.
+ARCH_KEYS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "num_heads": "num_heads",
+    "head_dim": "head_dim",
+    "num_kv_heads": "num_kv_heads",
+    "intermediate_size": "intermediate_size",
+    "num_layers": "num_layers",
+    "tie_word_embeddings": "tie_word_embeddings",
+    "base": "rope_theta",
+    "rms_norm_epsilon": "rms_norm_eps",
+    "qkv_bias": "qkv_bias",
+    "scale": "scale",
+    "max_position": "max_position",
+    "ffn_bias": "ffn_bias",
+    "architecture": "architecture",
+}
+
+ENGINE_KEYS = {
+    "model_name_or_path",
+    "world_size",
+    "max_num_sequences",
+    "max_num_batched_tokens",
+    "max_cached_blocks",
+    "block_size",
+    "eos",
+    "enforce_eager",
+    "gpu_memory_utilization",
+    "max_num_batch_tokens",
+    "max_model_length",
+    "device",
+    "dtype",
+    "load_format",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "seed",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a decoder-only model (Qwen3 or Llama family)."""
+
+    architecture: str = "Qwen3ForCausalLM"
+    vocab_size: int = 151936
+    hidden_size: int = 1024
+    num_heads: int = 16
+    head_dim: int = 128
+    num_kv_heads: int = 8
+    intermediate_size: int = 3072
+    num_layers: int = 28
+    tie_word_embeddings: bool = True
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    scale: float | None = None  # attention softmax scale; None means head_dim ** -0.5
+    max_position: int = 40960
+    ffn_bias: bool = False
+    rope_scaling: dict | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture={self.architecture!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_heads",
+            "head_dim",
+            "num_kv_heads",
+            "intermediate_size",
+            "num_layers",
+            "max_position",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be a positive int")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3 normalises each head of q and k before rotary."""
+        return self.architecture == "Qwen3ForCausalLM"
+
+    @property
+    def attn_scale(self) -> float:
+        return self.scale if self.scale is not None else self.head_dim**-0.5
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Read a Hugging Face config.json dict (transformers 4.x or 5.x layout)."""
+        archs = hf.get("architectures") or [hf.get("model_type", "?")]
+        arch = archs[0]
+        rope = dict(hf.get("rope_parameters") or {})
+        scaling = hf.get("rope_scaling") or None
+        if scaling is None and rope.get("rope_type", "default") != "default":
+            scaling = rope
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) in (
+            None,
+            "default",
+        ):
+            scaling = None
+        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=arch,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_heads=heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            num_kv_heads=hf.get("num_key_value_heads") or heads,
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rope_theta=float(theta),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            qkv_bias=bool(hf.get("attention_bias", False)),
+            max_position=hf.get("max_position_embeddings", 2048),
+            ffn_bias=bool(hf.get("mlp_bias", False)),
+            rope_scaling=dict(scaling) if scaling else None,
+            eos_token_ids=eos_ids,
+            bos_token_id=hf.get("bos_token_id"),
+        )
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"model_name_or_path={str(path)!r}: no config.json in {path}")
+        with open(config_file) as f:
+            model = cls.from_hf_config(json.load(f))
+        gen_file = path / "generation_config.json"
+        if gen_file.is_file():
+            with open(gen_file) as f:
+                eos = json.load(f).get("eos_token_id")
+            if eos is not None:
+                ids = tuple(eos) if isinstance(eos, list) else (eos,)
+                model = dataclasses.replace(
+                    model, eos_token_ids=tuple(dict.fromkeys(ids + model.eos_token_ids))
+                )
+        return model
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r}: must be an int >= {minimum}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, validated in `__post_init__`.
+
+    `from_dict` takes the seed's dict, resolves the checkpoint and checks that any
+    architecture keys given agree with it. Runtime facts (the KV block count found by
+    sizing) live on the engine, not here; `LLMEngine.config` is a copy with
+    `max_cached_blocks` set to the block count in use.
+    """
+
+    model_name_or_path: str
+    model: ModelConfig = field(default_factory=ModelConfig)
+    model_path: str | None = None  # resolved local folder with the weights, None for dummy
+    world_size: int = 1
+    max_num_sequences: int = 16
+    max_num_batched_tokens: int = 1024
+    max_cached_blocks: int | None = None
+    block_size: int = 256
+    eos: tuple[int, ...] | None = None
+    enforce_eager: bool = False
+    gpu_memory_utilization: float = 0.9
+    max_num_batch_tokens: int | None = None
+    max_model_length: int | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    load_format: str = "auto"
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("world_size", self.world_size, 1)
+        _check_int("max_num_sequences", self.max_num_sequences, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        bs = self.block_size
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 16 or bs > 256 or bs & (bs - 1):
+            raise ValueError(f"block_size={bs!r}: must be a power of two in [16, 256]")
+        g = self.gpu_memory_utilization
+        if not isinstance(g, (int, float)) or not math.isfinite(g) or not 0 < g <= 1:
+            raise ValueError(f"gpu_memory_utilization={g!r}: must be in (0, 1]")
+        if self.max_cached_blocks is not None:
+            _check_int("max_cached_blocks", self.max_cached_blocks, 1)
+        if self.max_num_batch_tokens is not None:
+            _check_int("max_num_batch_tokens", self.max_num_batch_tokens, 1)
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"device={self.device!r}: must be 'auto', 'cuda' or 'cpu'")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(
+                f"dtype={self.dtype!r}: must be 'auto', 'bfloat16', 'float16' or 'float32'"
+            )
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format={self.load_format!r}: must be 'auto' or 'dummy'")
+        if self.eos is not None:
+            vocab = self.model.vocab_size
+            for t in self.eos:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise ValueError(f"eos={self.eos!r}: ids must be ints in [0, vocab_size)")
+        ml = self.max_model_length
+        if ml is not None:
+            _check_int("max_model_length", ml, 1)
+            if ml > self.model.max_position:
+                raise ValueError(
+                    f"max_model_length={ml} is above the model's "
+                    f"max_position={self.model.max_position}"
+                )
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0)
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        n = self.world_size
+        m = self.model
+        for name, value in (
+            ("num_heads", m.num_heads),
+            ("num_kv_heads", m.num_kv_heads),
+            ("intermediate_size", m.intermediate_size),
+            ("vocab_size", m.vocab_size),
+        ):
+            if value % n:
+                raise ValueError(
+                    f"{name}={value} is not divisible by world_size={n}: each rank needs an "
+                    f"equal share"
+                )
+
+    # -- derived ---------------------------------------------------------------------
+
+    @property
+    def max_len(self) -> int:
+        """The longest prompt + completion a request may reach."""
+        return self.max_model_length or self.model.max_position
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.eos if self.eos is not None else self.model.eos_token_ids
+
+    @property
+    def warmup_tokens(self) -> int:
+        return self.max_num_batch_tokens or self.max_num_batched_tokens
+
+    # -- building from the seed's dict -------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
+        unknown = sorted(set(d) - ENGINE_KEYS - set(ARCH_KEYS))
+        if unknown:
+            raise ValueError(
+                f"unknown config key(s): {', '.join(unknown)}; known keys: "
+                f"{', '.join(sorted(ENGINE_KEYS | set(ARCH_KEYS)))}"
+            )
+        if "model_name_or_path" not in d:
+            raise ValueError("config key 'model_name_or_path' is required")
+        name = d["model_name_or_path"]
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"model_name_or_path={name!r}: must be a non-empty string")
+        load_format = d.get("load_format", "auto")
+        given = {ARCH_KEYS[k]: v for k, v in d.items() if k in ARCH_KEYS}
+
+        model_path = None
+        if load_format == "dummy":
+            model = _dummy_model_config(name, given)
+        else:
+            from .loader import resolve_model
+
+            model_path = resolve_model(name)
+            model = ModelConfig.from_checkpoint(model_path)
+            for key, value in given.items():
+                if getattr(model, key) != value:
+                    seed_key = next(k for k, v in ARCH_KEYS.items() if v == key)
+                    raise ValueError(
+                        f"config key {seed_key}={value!r} disagrees with the checkpoint's "
+                        f"{getattr(model, key)!r} ({model_path}/config.json)"
+                    )
+        engine = {k: v for k, v in d.items() if k in ENGINE_KEYS and k != "model_name_or_path"}
+        if engine.get("eos") is not None:
+            eos = engine["eos"]
+            engine["eos"] = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        if "max_cached_blocks" in engine and engine["max_cached_blocks"] in (None, -1):
+            engine.pop("max_cached_blocks")
+        return cls(
+            model_name_or_path=name,
+            model=model,
+            model_path=str(model_path) if model_path else None,
+            **engine,
+        )
+
+
+def _dummy_model_config(name: str, given: dict[str, Any]) -> ModelConfig:
+    """Random weights: the architecture from a checkpoint if one resolves, else from the keys."""
+    from .loader import KNOWN_CONFIGS, resolve_model
+
+    base: ModelConfig | None = None
+    if name in KNOWN_CONFIGS:
+        base = ModelConfig.from_hf_config(KNOWN_CONFIGS[name])
+    else:
+        try:
+            base = ModelConfig.from_checkpoint(resolve_model(name, allow_download=False))
+        except (FileNotFoundError, OSError, ValueError):
+            base = None
+    if base is None:
+        return ModelConfig(**given)
+    return dataclasses.replace(base, **given)

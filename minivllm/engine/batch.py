@@ -1,0 +1,63 @@
+"""The model runner's input for one step, built from the scheduler's output. No torch.
+
+Plain lists, so the same object can be sent to tensor-parallel workers as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .scheduler import SchedulerOutput
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: list[int]  # this step's tokens, sequence after sequence
+    positions: list[int]
+    slot_mapping: list[int]  # cache slot of each token
+    cu_seqlens_q: list[int]  # [num_seqs + 1]
+    seq_lens: list[int]  # context length of each sequence after this step
+    block_tables: list[list[int]]
+    # Sampling, one entry per sequence (used on rank 0 only).
+    temperatures: list[float]
+    top_ks: list[int]
+    top_ps: list[float]
+    min_ps: list[float]
+    seeds: list[int | None]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == self.num_seqs
+
+
+def build_forward_batch(out: SchedulerOutput, block_size: int) -> ForwardBatch:
+    b = ForwardBatch([], [], [], [0], [], [], [], [], [], [], [])
+    for item in out.scheduled:
+        seq = item.seq
+        start = seq.num_computed_tokens
+        end = start + item.num_tokens
+        b.input_ids.extend(seq.token_ids[start:end])
+        b.positions.extend(range(start, end))
+        table = seq.block_table
+        b.slot_mapping.extend(
+            table[p // block_size] * block_size + p % block_size for p in range(start, end)
+        )
+        b.cu_seqlens_q.append(b.cu_seqlens_q[-1] + item.num_tokens)
+        b.seq_lens.append(end)
+        b.block_tables.append(table)
+        p = seq.params
+        b.temperatures.append(float(p.temperature))
+        b.top_ks.append(p.top_k)
+        b.top_ps.append(float(p.top_p))
+        b.min_ps.append(float(p.min_p))
+        # A seeded request's noise depends on its seed and position only.
+        b.seeds.append(None if p.seed is None else (p.seed * 1_000_003 + end) % (1 << 62))
+    return b

@@ -1,0 +1,429 @@
+"""LLMEngine: the public entry point. Requests in, tokens and text out."""
+
+from __future__ import annotations
+
+import atexit
+import time
+from collections import deque
+from collections.abc import Callable
+from collections.abc import Sequence as SeqLike
+from typing import Any
+
+import torch
+
+from ..config import EngineConfig
+from ..detokenizer import IncrementalDetokenizer
+from ..outputs import Delta, EngineStats
+from ..sampling_params import SamplingParams
+from .batch import build_forward_batch
+from .block_manager import BlockManager
+from .model_runner import ModelRunner
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+STATS_WINDOW_S = 1.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine hit an error it cannot recover from and refuses new work."""
+
+
+class LLMEngine:
+    """Continuous-batching inference over a paged KV cache.
+
+    The seed's API: `generate()`, or `add_prompt()` + `step()` until
+    `scheduler.is_finished()`, then `exit()`. For streaming: `pop_deltas()` returns what
+    every sequence gained since the previous call (the first call switches streaming
+    on: from then on finished sequences are kept until a call reports them).
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig | dict[str, Any],
+        *,
+        on_progress: Callable[[str, float], None] | None = None,
+    ) -> None:
+        self._closed = True
+        progress = on_progress or (lambda stage, fraction: None)
+        progress("reading the configuration", 0.0)
+        if isinstance(config, dict):
+            config = EngineConfig.from_dict(config)
+        elif not isinstance(config, EngineConfig):
+            raise TypeError(f"config: expected a dict or EngineConfig, got {type(config).__name__}")
+        self.device = _resolve_device(config.device)
+        self.dtype = _resolve_dtype(config.dtype, self.device)
+        if config.world_size > 1:
+            raise NotImplementedError("world_size > 1 is not implemented yet")
+
+        self.tokenizer = None
+        if config.model_path is not None:
+            from ..loader import load_tokenizer
+
+            progress("loading the tokenizer", 0.05)
+            self.tokenizer = load_tokenizer(config.model_path)
+
+        self.runner = ModelRunner(config, self.device, self.dtype, on_progress=progress)
+        progress("sizing the KV cache", 0.5)
+        num_blocks = self.runner.size_kv_pool()
+        _check_pool_fits(config, num_blocks, self.runner.bytes_per_block)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.config = EngineConfig(**{**config.__dict__, "max_cached_blocks": num_blocks})
+
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_sequences,
+            config.max_num_batched_tokens,
+            config.enable_chunked_prefill,
+        )
+        self.eos_token_ids = frozenset(config.eos_token_ids)
+        self._next_seq_id = 0
+        self._seqs: dict[int, Sequence] = {}  # unfinished, or finished and not yet reported
+        self._streaming = False
+        self._num_prompt_tokens = 0
+        self._num_generated_tokens = 0
+        self._num_steps = 0
+        self._last_step_time = 0.0
+        self._last_batch_size = 0
+        self._recent: deque[tuple[float, int, int]] = deque()  # (time, prompt, generated)
+        self._dead: str | None = None
+        self._closed = False
+        atexit.register(self.exit)
+        progress("ready", 1.0)
+
+    # -- requests ------------------------------------------------------------------------
+
+    def add_prompt(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+    ) -> int:
+        """Queue a request; returns its sequence id. Bad input raises ValueError/TypeError."""
+        self._check_alive()
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(
+                f"sampling_params: expected SamplingParams, got {type(params).__name__}"
+            )
+        params.validate()
+        token_ids = self._tokenize(prompt)
+        max_len = self.config.max_len
+        if params.max_model_length is not None:
+            max_len = min(max_len, params.max_model_length)
+        if len(token_ids) >= max_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens but max_model_length is {max_len}: "
+                f"the prompt must leave room for at least one new token"
+            )
+        if not self.config.enable_chunked_prefill:
+            longest = min(max_len, len(token_ids) + params.max_tokens)
+            if longest > self.config.max_num_batched_tokens:
+                raise ValueError(
+                    f"with enable_chunked_prefill=False a request must fit one step: "
+                    f"{longest} tokens > max_num_batched_tokens="
+                    f"{self.config.max_num_batched_tokens}"
+                )
+        seq = Sequence(self._next_seq_id, token_ids, params, max_len)
+        self._next_seq_id += 1
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids)
+        self._seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: empty string")
+            if self.tokenizer is None:
+                raise ValueError("prompt: a text prompt needs a tokenizer; this model has none")
+            ids = self.tokenizer.encode(prompt)
+            bos = self.tokenizer.bos_token_id
+            if len(ids) >= 2 and bos is not None and ids[0] == ids[1] == bos:
+                ids = ids[1:]  # the text (a chat template) already starts with BOS
+            if not ids:
+                raise ValueError(f"prompt: {prompt!r} tokenizes to nothing")
+            return ids
+        if not isinstance(prompt, (list, tuple)):
+            raise TypeError(
+                f"prompt: expected str or list of token ids, got {type(prompt).__name__}"
+            )
+        if not prompt:
+            raise ValueError("prompt: empty token list")
+        vocab = self.config.model.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt: token id {t!r} is outside the vocabulary [0, {vocab})")
+        return list(prompt)
+
+    def abort(self, seq_id: int) -> None:
+        """Stop a request now; its blocks are freed at once. Unknown or ended ids are ignored."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+            self._forget_if_unstreamed(seq)
+
+    # -- stepping ------------------------------------------------------------------------
+
+    def step(self) -> tuple[list[tuple[int, list[int]]], int, bool]:
+        """Run one scheduler step.
+
+        Returns (finished, num_tokens, is_prefill): the sequences that finished this step
+        as (seq_id, completion token ids), the tokens computed, and whether the step did
+        prefill work.
+        """
+        self._check_alive()
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return [], 0, False
+        batch = build_forward_batch(out, self.config.block_size)
+        try:
+            sampled = self.runner.run(batch)
+        except Exception as e:
+            for item in out.scheduled:
+                item.seq.error = f"{type(e).__name__}: {e}"
+                self.scheduler.finish(item.seq, "error")
+            raise RuntimeError(
+                f"engine step failed ({type(e).__name__}: {e}); the "
+                f"{len(out.scheduled)} sequences in it were ended"
+            ) from e
+        prompt_tokens = sum(s.num_tokens for s in out.scheduled if s.is_prefill)
+        grown = self.scheduler.update_from_output(out, sampled)
+        now = time.perf_counter()
+        finished = []
+        for seq in grown:
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._finish_reason(seq)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            if seq.is_finished:
+                finished.append((seq.seq_id, seq.completion_token_ids))
+                self._forget_if_unstreamed(seq)
+        self._record_step(start, now, prompt_tokens, len(grown), len(out.scheduled))
+        return finished, out.num_tokens, out.is_prefill
+
+    def _finish_reason(self, seq: Sequence) -> str | None:
+        token = seq.last_token
+        params = seq.params
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if params.stop and self._hit_stop_string(seq):
+            return "stop"
+        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= seq.max_len:
+            return "length"
+        return None
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        detok = seq.detokenizer
+        if detok is None:
+            return False
+        before = len(detok.text)
+        detok.push(seq.token_ids[seq.num_prompt_tokens + seq.num_detokenized :])
+        seq.num_detokenized = seq.num_completion_tokens
+        longest = max(len(s) for s in seq.params.stop)
+        search_from = max(0, before - longest + 1)
+        cut = min(
+            (i for s in seq.params.stop if (i := detok.text.find(s, search_from)) != -1),
+            default=-1,
+        )
+        if cut == -1:
+            return False
+        seq.stop_text_len = cut
+        return True
+
+    def _record_step(self, start: float, now: float, prompt: int, generated: int, size: int):
+        self._num_steps += 1
+        self._num_prompt_tokens += prompt
+        self._num_generated_tokens += generated
+        self._last_step_time = now - start
+        self._last_batch_size = size
+        self._recent.append((now, prompt, generated))
+        while self._recent and self._recent[0][0] < now - STATS_WINDOW_S:
+            self._recent.popleft()
+
+    def _forget_if_unstreamed(self, seq: Sequence) -> None:
+        if not self._streaming:
+            self._seqs.pop(seq.seq_id, None)
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine was shut down with exit()")
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    # -- streaming -----------------------------------------------------------------------
+
+    def pop_deltas(self) -> list[Delta]:
+        """What each sequence gained since the last call; finished ones are then dropped."""
+        self._streaming = True
+        deltas = []
+        for seq in list(self._seqs.values()):
+            new_ids = seq.completion_token_ids[seq.num_reported_tokens :]
+            text = self._new_text(seq)
+            if not new_ids and not text and not seq.is_finished:
+                continue
+            seq.num_reported_tokens += len(new_ids)
+            deltas.append(
+                Delta(seq.seq_id, new_ids, text, seq.is_finished, seq.finish_reason, seq.error)
+            )
+            if seq.is_finished:
+                del self._seqs[seq.seq_id]
+        return deltas
+
+    def _new_text(self, seq: Sequence) -> str:
+        detok = seq.detokenizer
+        if detok is None:
+            return ""
+        detok.push(seq.token_ids[seq.num_prompt_tokens + seq.num_detokenized :])
+        seq.num_detokenized = seq.num_completion_tokens
+        if seq.is_finished:
+            if seq.stop_text_len is None:
+                detok.flush()
+            end = seq.stop_text_len if seq.stop_text_len is not None else len(detok.text)
+        else:
+            # A stop string may be forming: hold back as many characters as could start one.
+            hold = max((len(s) - 1 for s in seq.params.stop), default=0)
+            end = len(detok.text) - hold
+        if end <= seq.num_reported_chars:
+            return ""
+        text = detok.text[seq.num_reported_chars : end]
+        seq.num_reported_chars = end
+        return text
+
+    # -- batch API -----------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: SeqLike[str] | SeqLike[list[int]],
+        sampling_params: SamplingParams | SeqLike[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> dict[str, list]:
+        """Run prompts to completion; returns {"text": [...], "token_ids": [...]} in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise TypeError("prompts: expected a list of prompts (strings or token-id lists)")
+        if isinstance(sampling_params, SamplingParams) or sampling_params is None:
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=False):
+                ids.append(self.add_prompt(prompt, p))
+        except Exception:
+            for seq_id in ids:
+                self.abort(seq_id)
+            raise
+        wanted = set(ids)
+        results: dict[int, list[int]] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="generating", unit="req")
+        try:
+            while wanted - results.keys():
+                finished, _, _ = self.step()
+                for seq_id, token_ids in finished:
+                    if seq_id in wanted:
+                        results[seq_id] = token_ids
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for seq_id in wanted - results.keys():
+                self.abort(seq_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        token_lists = [results[i] for i in ids]
+        texts = [self._final_text(i, results[i]) for i in ids]
+        for seq_id in ids:
+            seq = self._seqs.pop(seq_id, None)
+            if seq is not None and seq.error:
+                raise RuntimeError(f"sequence {seq_id} failed: {seq.error}")
+        return {"text": texts, "token_ids": token_lists}
+
+    def _final_text(self, seq_id: int, token_ids: list[int]) -> str:
+        seq = self._seqs.get(seq_id)
+        if seq is not None and seq.detokenizer is not None:
+            self._new_text(seq)  # brings detokenizer.text up to date, cut at a stop string
+            end = seq.stop_text_len
+            return seq.detokenizer.text if end is None else seq.detokenizer.text[:end]
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(
+            token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+
+    # -- introspection -------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        now = time.perf_counter()
+        recent = [r for r in self._recent if r[0] >= now - STATS_WINDOW_S]
+        bm = self.block_manager
+        return EngineStats(
+            block_size=bm.block_size,
+            num_blocks=bm.num_blocks,
+            num_used_blocks=bm.num_used_blocks,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_hit_rate=bm.hit_rate,
+            prompt_tokens_per_s=sum(r[1] for r in recent) / STATS_WINDOW_S,
+            generation_tokens_per_s=sum(r[2] for r in recent) / STATS_WINDOW_S,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generated_tokens=self._num_generated_tokens,
+            num_steps=self._num_steps,
+            last_step_time_s=self._last_step_time,
+            last_batch_size=self._last_batch_size,
+            window_s=STATS_WINDOW_S,
+        )
+
+    def exit(self) -> None:
+        """Release the engine. Safe to call twice; also runs at interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.exit)
+        for seq in list(self._seqs.values()):
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        self.runner = None  # drops the model and the KV pool
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda': no CUDA GPU is available here")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def _check_pool_fits(config: EngineConfig, num_blocks: int, bytes_per_block: int) -> None:
+    """One request of max_model_length must fit the pool, or nothing could be promised."""
+    needed = (config.max_len + config.block_size - 1) // config.block_size
+    if num_blocks >= needed:
+        return
+    gib = 1 << 30
+    need_gib = needed * bytes_per_block / gib
+    have_gib = num_blocks * bytes_per_block / gib
+    raise ValueError(
+        f"KV cache too small for max_model_length={config.max_len}: "
+        f"{need_gib:.2f} GiB needed, {have_gib:.2f} GiB available; "
+        f"the largest length that fits is {num_blocks * config.block_size} "
+        f"(lower max_model_length or raise gpu_memory_utilization / max_cached_blocks)"
+    )

@@ -1,0 +1,177 @@
+"""Owns the model, the KV pool and the sampler of one rank; runs one step at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..config import EngineConfig
+from ..layers.attention import Attention, AttentionMetadata, attention_metadata
+from ..layers.sampler import Sampler, SamplingTensors
+from ..models import build_model
+from ..models.weights import init_dummy_weights, load_weights
+from .batch import ForwardBatch
+
+CPU_KV_BUDGET_BYTES = 2 << 30  # the CPU pool's default size, when max_cached_blocks is unset
+
+Progress = Callable[[str, float], None]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        rank: int = 0,
+        on_progress: Progress | None = None,
+    ) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.rank = rank
+        self.block_size = config.block_size
+        self.progress = on_progress or (lambda stage, fraction: None)
+        seed = config.seed if config.seed is not None else 0
+        torch.manual_seed(seed)
+
+        self.progress("building the model", 0.0)
+        old_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                self.model = build_model(config.model)
+        finally:
+            torch.set_default_dtype(old_dtype)
+        if config.load_format == "dummy" or config.model_path is None:
+            self.progress("random weights", 0.2)
+            init_dummy_weights(self.model, seed)
+        else:
+            self.progress("loading weights", 0.2)
+            load_weights(self.model, config.model_path)
+        self.model.eval()
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        generator = None
+        if config.seed is not None:
+            generator = torch.Generator(device).manual_seed(config.seed)
+        self.sampler = Sampler(generator)
+        self.kv_cache: torch.Tensor | None = None
+        self.num_blocks = 0
+
+    # -- KV pool -------------------------------------------------------------------------
+
+    @property
+    def bytes_per_block(self) -> int:
+        layer = self.attention_layers[0]
+        per_token = 2 * len(self.attention_layers) * layer.num_kv_heads * layer.head_dim
+        return per_token * self.block_size * self.dtype.itemsize
+
+    def size_kv_pool(self) -> int:
+        """How many blocks the pool gets on this rank."""
+        if self.device.type != "cuda":
+            if self.config.max_cached_blocks is not None:
+                return self.config.max_cached_blocks
+            return max(1, CPU_KV_BUDGET_BYTES // self.bytes_per_block)
+        return self._size_kv_pool_cuda()
+
+    def _size_kv_pool_cuda(self) -> int:
+        """Warm up with the largest batch, then give the KV pool its share of what is free.
+
+        `gpu_memory_utilization` is the share of the memory still free after the weights
+        and the warm-up's peak activations that the pool takes (the seed's semantics).
+        """
+        self.progress("warming up", 0.4)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.warm_up()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        current = torch.cuda.memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        available = (free - (peak - current)) * self.config.gpu_memory_utilization
+        return max(0, int(available) // self.bytes_per_block)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One forward pass over `max_num_batch_tokens` tokens without a cache."""
+        num_tokens = self.config.warmup_tokens
+        max_len = self.config.max_len
+        num_seqs = min(self.config.max_num_sequences, max(1, num_tokens // max(1, max_len)))
+        lens = [num_tokens // num_seqs] * num_seqs
+        ids = torch.zeros(sum(lens), dtype=torch.long, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        cu = torch.tensor([0] + lens, device=self.device).cumsum(0).to(torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full_like(ids, -1),
+            cu_seqlens_q=cu,
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(num_seqs, 1, dtype=torch.int32, device=self.device),
+            is_decode=False,
+        )
+        with attention_metadata(meta):
+            hidden = self.model(ids, positions)
+        self.model.compute_logits(hidden[cu[1:].long() - 1])
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        layer = self.attention_layers[0]
+        shape = (
+            2,
+            len(self.attention_layers),
+            num_blocks,
+            self.block_size,
+            layer.num_kv_heads,
+            layer.head_dim,
+        )
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, attn in enumerate(self.attention_layers):
+            attn.k_cache = self.kv_cache[0, i]
+            attn.v_cache = self.kv_cache[1, i]
+        self.num_blocks = num_blocks
+
+    # -- one step ------------------------------------------------------------------------
+
+    def _tensor(self, data, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def prepare(self, b: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        width = max(len(t) for t in b.block_tables)
+        tables = [t + [0] * (width - len(t)) for t in b.block_tables]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(b.slot_mapping, torch.long),
+            cu_seqlens_q=self._tensor(b.cu_seqlens_q, torch.int32),
+            seq_lens=self._tensor(b.seq_lens, torch.int32),
+            block_tables=self._tensor(tables, torch.int32),
+            is_decode=b.is_decode,
+        )
+        return self._tensor(b.input_ids, torch.long), self._tensor(b.positions, torch.long), meta
+
+    def sampling_tensors(self, b: ForwardBatch) -> SamplingTensors:
+        return SamplingTensors(
+            temperatures=self._tensor(b.temperatures, torch.float32),
+            top_ks=self._tensor(b.top_ks, torch.long),
+            top_ps=self._tensor(b.top_ps, torch.float32),
+            min_ps=self._tensor(b.min_ps, torch.float32),
+            seeds=b.seeds,
+            needs_top_k=any(k > 0 for k in b.top_ks),
+            needs_top_p=any(p < 1 for p in b.top_ps),
+            needs_min_p=any(p > 0 for p in b.min_ps),
+            all_greedy=all(t == 0 for t in b.temperatures),
+        )
+
+    @torch.inference_mode()
+    def run(self, b: ForwardBatch) -> list[int] | None:
+        """Forward one step; on rank 0 return one sampled token per sequence."""
+        input_ids, positions, meta = self.prepare(b)
+        with attention_metadata(meta):
+            hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
+        last = hidden if b.is_decode else hidden[meta.cu_seqlens_q[1:].long() - 1]
+        logits = self.model.compute_logits(last)
+        if logits is None:  # not rank 0
+            return None
+        return self.sampler(logits.float(), self.sampling_tensors(b)).tolist()

@@ -1,0 +1,81 @@
+"""A request's tokens and bookkeeping. Plain Python: no torch."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+from ..sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """One request: its prompt, what it generated, and which KV blocks hold it.
+
+    `num_computed_tokens` counts the tokens whose K/V are in the cache. A step gives a
+    sequence some of its uncomputed tokens; when it reaches `num_tokens` the model
+    samples the next token. Prefill, chunked prefill, prefix hits and decode are all
+    "some tokens this step".
+    """
+
+    def __init__(
+        self,
+        seq_id: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        max_len: int,
+    ) -> None:
+        self.seq_id = seq_id
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.max_len = max_len  # prompt + completion cap for this request
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache on admission
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # hash chain of the full blocks registered so far
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.num_preemptions = 0
+        self.first_token_time: float | None = None
+        self.stop_text_len: int | None = None  # where a stop string cut the text
+        # Streaming bookkeeping (the engine's): the detokenizer and what was reported.
+        self.detokenizer = None
+        self.num_detokenized = 0  # completion tokens pushed into the detokenizer
+        self.num_reported_tokens = 0
+        self.num_reported_chars = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]

@@ -1,0 +1,102 @@
+"""Linear layers that know their tensor-parallel shard.
+
+Each parameter carries a `weight_loader(param, loaded, shard_id=None)` that copies this
+rank's slice of a full checkpoint tensor into it, so the weight loader stays generic.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..distributed import all_reduce, get_tp_rank, get_tp_size
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """The same full weight on every rank."""
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; each rank computes its slice of the output."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features // get_tp_size(), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        size = param.shape[0]
+        param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs in one matmul (gate and up -> gate_up)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        shard = loaded.narrow(0, self.tp_rank * size, size)
+        param.data.narrow(0, offset, size).copy_(shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul, split across ranks by head."""
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
+    ) -> None:
+        tp = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp  # per rank
+        self.num_kv_heads = num_kv_heads // tp
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[
+            shard_id
+        ]
+        shard = loaded.narrow(0, self.tp_rank * size, size)
+        param.data.narrow(0, offset, size).copy_(shard)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs are summed by an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features // get_tp_size(), out_features, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 1:  # the bias is whole, added once after the sum
+            param.data.copy_(loaded)
+            return
+        size = param.shape[1]
+        param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return all_reduce(y)

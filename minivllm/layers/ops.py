@@ -1,0 +1,68 @@
+"""Picks each kernel's implementation: Triton on CUDA, the pure-torch reference elsewhere."""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.kernels.decode_attention import decode_attention_ref
+from minivllm.kernels.prefill_attention import prefill_attention_ref
+from minivllm.kernels.rms_norm import rms_norm_ref
+from minivllm.kernels.rotary import rotary_ref
+from minivllm.kernels.silu_and_mul import silu_and_mul_ref
+from minivllm.kernels.store_kvcache import store_kvcache_ref
+
+
+def _triton(device: torch.device) -> bool:
+    try:
+        from minivllm.kernels.dispatch import use_triton
+    except ImportError:
+        return False
+    return use_triton(device)
+
+
+def rms_norm(x, weight, eps, residual=None):
+    if _triton(x.device):
+        from minivllm.kernels.rms_norm import rms_norm as kernel
+
+        return kernel(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)
+
+
+def rotary(positions, q, k, cos_sin_cache):
+    if _triton(q.device):
+        from minivllm.kernels.rotary import rotary as kernel
+
+        return kernel(positions, q, k, cos_sin_cache)
+    return rotary_ref(positions, q, k, cos_sin_cache)
+
+
+def silu_and_mul(x):
+    if _triton(x.device):
+        from minivllm.kernels.silu_and_mul import silu_and_mul as kernel
+
+        return kernel(x)
+    return silu_and_mul_ref(x)
+
+
+def store_kvcache(key, value, k_cache, v_cache, slot_mapping):
+    if _triton(key.device):
+        from minivllm.kernels.store_kvcache import store_kvcache as kernel
+
+        return kernel(key, value, k_cache, v_cache, slot_mapping)
+    return store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
+
+
+def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
+    if _triton(q.device):
+        from minivllm.kernels.prefill_attention import prefill_attention as kernel
+
+        return kernel(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+    return prefill_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+
+
+def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale):
+    if _triton(q.device):
+        from minivllm.kernels.decode_attention import decode_attention as kernel
+
+        return kernel(q, k_cache, v_cache, seq_lens, block_tables, scale)
+    return decode_attention_ref(q, k_cache, v_cache, seq_lens, block_tables, scale)
