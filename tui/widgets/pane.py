@@ -1,0 +1,212 @@
+"""A conversation pane: title line, transcript, and its own input box.
+
+The pane owns its `Conversation` (the data) and keeps the view in step with it. The app
+drives it: it never talks to the engine itself.
+"""
+
+from __future__ import annotations
+
+import time
+
+from textual.app import ComposeResult
+from textual.containers import Vertical, VerticalScroll
+from textual.content import Content
+from textual.widgets import Static
+
+from ..conversation import ChatMessage, Conversation, Status
+from ..sanitize import clean_text
+from .chat_input import ChatInput
+from .message import AssistantMessage, UserMessage
+
+BUSY_STATES = ("queued", "prefill", "streaming")
+
+
+class ConversationPane(Vertical):
+    """One conversation. States: idle, queued, prefill, streaming, stopped, error."""
+
+    def __init__(self, conversation: Conversation, number: int) -> None:
+        super().__init__(classes="pane")
+        self.conversation = conversation
+        self.number = number
+        self.state = "idle"
+        self.state_detail = ""
+        self.request_id: int | None = None
+        self.regenerate_after_stop = False
+        self.transcript = VerticalScroll(classes="transcript")
+        self.input = ChatInput(placeholder="Message (Enter sends, ctrl+j newline)")
+        self._reply: AssistantMessage | None = None
+        self._pending: list[str] = []
+        self._sent_at = 0.0
+        self._first_at: float | None = None
+        self._last_at = 0.0
+        self._tokens = 0
+        self._title_dirty = True
+        self.title_text = ""
+
+    # -- building ----------------------------------------------------------------------
+
+    def compose(self) -> ComposeResult:
+        with self.transcript:
+            for m in self.conversation.messages:
+                yield self._widget_for(m)
+        yield self.input
+
+    def _widget_for(self, m: ChatMessage) -> UserMessage | AssistantMessage:
+        if m.role == "user":
+            return UserMessage(m.content)
+        status: Status = "interrupted" if m.status == "streaming" else m.status
+        return AssistantMessage(m.content, status, m.error)
+
+    def on_mount(self) -> None:
+        self.transcript.anchor()
+        last = self.conversation.messages[-1] if self.conversation.messages else None
+        if last is not None and last.status in ("stopped", "interrupted"):
+            self.state = "stopped"
+        elif last is not None and last.status == "error":
+            self.state = "error"
+        self.refresh_title(force=True)
+
+    # -- title -------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return self.state in BUSY_STATES
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self._first_at is None else self._first_at - self._sent_at
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        if self._first_at is None or self._tokens < 2 or self._last_at <= self._first_at:
+            return None
+        return (self._tokens - 1) / (self._last_at - self._first_at)
+
+    def set_state(self, state: str, detail: str = "") -> None:
+        if (state, detail) != (self.state, self.state_detail):
+            self.state, self.state_detail = state, detail
+            self._title_dirty = True
+            for s in ("idle", "queued", "prefill", "streaming", "stopped", "error"):
+                self.set_class(s == state, f"-{s}")
+
+    def refresh_title(self, force: bool = False) -> None:
+        if not (force or self._title_dirty):
+            return
+        self._title_dirty = False
+        parts = [f"#{self.number} {self.state_detail or self.state}"]
+        if self.ttft is not None:
+            parts.append(f"TTFT {self.ttft:.2f}s")
+        if self.tokens_per_s is not None:
+            parts.append(f"{self.tokens_per_s:.1f} tok/s")
+        if self._tokens:
+            parts.append(f"{self._tokens} tok")
+        self.title_text = " · ".join(parts)
+        self.border_title = Content(self.title_text)
+        self.border_subtitle = Content(self.conversation.settings.summary())
+
+    def renumber(self, number: int) -> None:
+        self.number = number
+        self.refresh_title(force=True)
+
+    # -- a turn --------------------------------------------------------------------------
+
+    async def add_user(self, text: str) -> None:
+        self.conversation.messages.append(ChatMessage("user", text))
+        await self.transcript.mount(UserMessage(text))
+        self.transcript.anchor()
+
+    async def begin_reply(self, request_id: int) -> None:
+        self.conversation.messages.append(ChatMessage("assistant", "", status="streaming"))
+        self._reply = AssistantMessage()
+        await self.transcript.mount(self._reply)
+        self.transcript.anchor()
+        self.request_id = request_id
+        self._pending.clear()
+        self._sent_at = time.monotonic()
+        self._first_at = None
+        self._tokens = 0
+        self.set_state("queued")
+        self.refresh_title(force=True)
+
+    def accepted(self, opens_thinking: bool) -> None:
+        if self._reply is not None and opens_thinking:
+            self._reply.start_in_thinking()
+        if self.state == "queued":
+            self.set_state("prefill")
+
+    def set_queued(self, queued: bool) -> None:
+        """From the stats snapshot: is this request still in the engine's waiting queue?"""
+        if self.state in ("queued", "prefill") and self._first_at is None:
+            self.set_state("queued" if queued else "prefill")
+
+    def feed(self, text: str, num_tokens: int, at: float) -> None:
+        """Buffer streamed text; `flush()` renders it (at most ~30 times a second)."""
+        if self._reply is None:
+            return
+        if num_tokens or text:
+            if self._first_at is None:
+                self._first_at = at
+            self._last_at = at
+            self._tokens += num_tokens
+            self._title_dirty = True
+            if self.state != "streaming":
+                self.set_state("streaming")
+        text = clean_text(text)
+        if text:
+            self._pending.append(text)
+            self.conversation.messages[-1].content += text
+
+    async def flush(self) -> str:
+        """Render buffered text; returns it (for the session file)."""
+        text = "".join(self._pending)
+        self._pending.clear()
+        if text and self._reply is not None:
+            near_bottom = self.transcript.scroll_y >= self.transcript.max_scroll_y - 1
+            await self._reply.append(text)
+            if near_bottom:
+                self.transcript.anchor()  # NOTE: anchor does not re-engage by itself
+        self.refresh_title()
+        return text
+
+    async def finish(self, status: Status, error: str | None = None) -> ChatMessage:
+        """End the reply in progress; the partial text stays."""
+        await self.flush()
+        msg = self.conversation.messages[-1]
+        msg.status, msg.error = status, error
+        if self._reply is not None:
+            await self._reply.finish(status, error)
+        self._reply = None
+        self.request_id = None
+        state = {"done": "idle", "length": "idle", "stopped": "stopped"}.get(status, "error")
+        self.set_state(state)
+        self.refresh_title(force=True)
+        self.transcript.anchor()
+        return msg
+
+    # -- other -------------------------------------------------------------------------
+
+    async def drop_last_reply(self) -> None:
+        """For regenerate: remove the reply after the last user message (data and view)."""
+        i = self.conversation.last_user_index()
+        if i is None:
+            return
+        self.conversation.drop_last_reply()
+        children = list(self.transcript.children)
+        messages = [c for c in children if isinstance(c, (UserMessage, AssistantMessage))]
+        if len(messages) > i:
+            cut = children.index(messages[i]) + 1
+            if children[cut:]:
+                await self.transcript.remove_children(children[cut:])
+
+    async def clear(self) -> None:
+        self.conversation.messages.clear()
+        await self.transcript.remove_children()
+        self._first_at = None
+        self._tokens = 0
+        self.set_state("idle")
+        self.refresh_title(force=True)
+
+    async def show_error(self, error: str) -> None:
+        """A notice at the end of the transcript (e.g. the engine thread died)."""
+        await self.transcript.mount(Static(f"[{error}]", markup=False, classes="pane-error"))
+        self.transcript.anchor()
