@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -56,7 +57,7 @@ class LLMEngine:
             raise NotImplementedError("world_size > 1 is not implemented yet")
 
         self.tokenizer = None
-        if config.model_path is not None:
+        if config.model_path is not None and _has_tokenizer(config.model_path):
             from ..loader import load_tokenizer
 
             progress("loading the tokenizer", 0.05)
@@ -397,6 +398,12 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
         self.runner = None  # drops the model and the KV pool
+
+
+def _has_tokenizer(path: str) -> bool:
+    """A checkpoint without tokenizer files still serves token-id prompts."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    return any(os.path.exists(os.path.join(path, n)) for n in names)
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -1,0 +1,119 @@
+"""Shared fixtures: tiny random checkpoints, the embedded SmolLM2, engine builders."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Two cores: torch's default of one thread per core already fights the helpers' pytest
+# workers; keep each test process to the cores it has.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    if has_gpu:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from minivllm.loader import resolve_model
+
+    return resolve_model(SMOLLM2)
+
+
+def write_tiny_checkpoint(path: Path, arch: str, std: float = 0.15, **overrides) -> Path:
+    """A small random model saved by transformers, with weights large enough that greedy
+    decoding does not collapse into one repeated token."""
+    import torch
+    import transformers
+
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    common.update(overrides)
+    if arch == "llama":
+        common.setdefault(
+            "rope_scaling",
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+        config = transformers.LlamaConfig(tie_word_embeddings=True, **common)
+        model_cls = transformers.LlamaForCausalLM
+    else:
+        config = transformers.Qwen3Config(head_dim=32, tie_word_embeddings=False, **common)
+        model_cls = transformers.Qwen3ForCausalLM
+    torch.manual_seed(1234)
+    model = model_cls(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, std)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3")
+
+
+def tiny_engine(path: Path, **kw):
+    """An engine over a tiny checkpoint that has no tokenizer (token-id prompts only)."""
+    from minivllm import EngineConfig, LLMEngine, ModelConfig
+
+    kw.setdefault("device", "cpu")
+    kw.setdefault("block_size", 16)
+    kw.setdefault("max_cached_blocks", 256)
+    config = EngineConfig(
+        model_name_or_path=str(path),
+        model=ModelConfig.from_checkpoint(path),
+        model_path=str(path),
+        **kw,
+    )
+    return LLMEngine(config)
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    import torch
+
+    out = model.generate(
+        torch.tensor([prompt_ids]),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt_ids) :].tolist()
