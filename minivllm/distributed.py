@@ -2,40 +2,85 @@
 
 With one rank nothing here touches torch.distributed, so a single-process engine
 needs no process group.
+
+NOTE: each engine has its own process group (not torch.distributed's global default
+one), so two tensor-parallel engines can live in one process. The group in use is held
+in a context variable: rank 0 enters `use_tp(...)` around building and running its
+model, a worker process calls `set_tp(...)` once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-_rank = 0
-_world_size = 1
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This process's place in one engine's tensor-parallel group."""
+
+    rank: int = 0
+    world_size: int = 1
+    # The engine's own c10d backend (ProcessGroupGloo / ProcessGroupNCCL); None means
+    # torch.distributed's default group, when someone initialised one.
+    group: Any = None
 
 
-def set_tp(rank: int, world_size: int) -> None:
-    global _rank, _world_size
-    _rank, _world_size = rank, world_size
+_SINGLE = TPGroup()
+_current: ContextVar[TPGroup] = ContextVar("minivllm_tp_group", default=_SINGLE)
+
+
+def set_tp(rank: int, world_size: int, group: Any = None) -> None:
+    """Set the TP group for the current context (a worker process calls this once)."""
+    _current.set(TPGroup(rank, world_size, group))
+
+
+@contextmanager
+def use_tp(tp: TPGroup) -> Iterator[TPGroup]:
+    """Make `tp` the current TP group for the duration of the block."""
+    token = _current.set(tp)
+    try:
+        yield tp
+    finally:
+        _current.reset(token)
 
 
 def get_tp_rank() -> int:
-    return _rank
+    return _current.get().rank
 
 
 def get_tp_size() -> int:
-    return _world_size
+    return _current.get().world_size
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if _world_size > 1:
-        dist.all_reduce(x)
+    """Sum `x` over the ranks, in place."""
+    tp = _current.get()
+    if tp.world_size > 1:
+        if tp.group is None:
+            dist.all_reduce(x)
+        else:
+            tp.group.allreduce([x]).wait()
     return x
 
 
 def gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
     """Concatenate every rank's `x` along the last dim on rank 0; None elsewhere."""
-    if _world_size == 1:
+    tp = _current.get()
+    if tp.world_size == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(_world_size)] if _rank == 0 else None
-    dist.gather(x, parts, dst=0)
-    return torch.cat(parts, dim=-1) if _rank == 0 else None
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(tp.world_size)] if tp.rank == 0 else None
+    if tp.group is None:
+        dist.gather(x, parts, dst=0)
+    else:
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        tp.group.gather([parts] if parts is not None else [], [x], opts).wait()
+    return torch.cat(parts, dim=-1) if parts is not None else None
