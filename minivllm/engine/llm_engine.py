@@ -8,7 +8,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as SeqLike
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -16,13 +16,24 @@ from ..config import EngineConfig
 from ..detokenizer import IncrementalDetokenizer
 from ..outputs import Delta, EngineStats
 from ..sampling_params import SamplingParams
-from .batch import build_forward_batch
+from .batch import ForwardBatch, build_forward_batch
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .worker import (
+    AllocateKVCache,
+    Command,
+    LoadModel,
+    RunBatch,
+    SizeKVPool,
+    WorkerGroup,
+    tp_device,
+)
 
 STATS_WINDOW_S = 1.0
+
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -54,7 +65,7 @@ class LLMEngine:
         self.device = _resolve_device(config.device)
         self.dtype = _resolve_dtype(config.dtype, self.device)
         if config.world_size > 1:
-            raise NotImplementedError("world_size > 1 is not implemented yet")
+            self.device = tp_device(self.device, config.world_size)  # rank 0's; checks GPUs
 
         self.tokenizer = None
         if config.model_path is not None and _has_tokenizer(config.model_path):
@@ -63,11 +74,26 @@ class LLMEngine:
             progress("loading the tokenizer", 0.05)
             self.tokenizer = load_tokenizer(config.model_path)
 
-        self.runner = ModelRunner(config, self.device, self.dtype, on_progress=progress)
-        progress("sizing the KV cache", 0.5)
-        num_blocks = self.runner.size_kv_pool()
-        _check_pool_fits(config, num_blocks, self.runner.bytes_per_block)
-        self.runner.allocate_kv_cache(num_blocks)
+        self.workers: WorkerGroup | None = None  # tensor-parallel ranks 1..N-1
+        try:
+            if config.world_size > 1:
+                progress("starting the tensor-parallel workers", 0.05)
+                self.workers = WorkerGroup(config, self.device, self.dtype)
+            self.runner, _ = self._on_all_ranks(
+                LoadModel(),
+                lambda: ModelRunner(config, self.device, self.dtype, on_progress=progress),
+            )
+            progress("sizing the KV cache", 0.5)
+            mine, theirs = self._on_all_ranks(SizeKVPool(), self.runner.size_kv_pool)
+            num_blocks = min([mine, *theirs])  # every rank holds every block
+            _check_pool_fits(config, num_blocks, self.runner.bytes_per_block)
+            self._on_all_ranks(
+                AllocateKVCache(num_blocks), lambda: self.runner.allocate_kv_cache(num_blocks)
+            )
+        except BaseException:  # Ctrl-C or an error while loading: leave no worker behind
+            if self.workers is not None:
+                self.workers.close()
+            raise
         self.config = EngineConfig(**{**config.__dict__, "max_cached_blocks": num_blocks})
 
         self.block_manager = BlockManager(
@@ -182,7 +208,7 @@ class LLMEngine:
             return [], 0, False
         batch = build_forward_batch(out, self.config.block_size)
         try:
-            sampled = self.runner.run(batch)
+            sampled = self._run(batch)
         except Exception as e:
             for item in out.scheduled:
                 item.seq.error = f"{type(e).__name__}: {e}"
@@ -206,6 +232,25 @@ class LLMEngine:
                 self._forget_if_unstreamed(seq)
         self._record_step(start, now, prompt_tokens, len(grown), len(out.scheduled))
         return finished, out.num_tokens, out.is_prefill
+
+    def _on_all_ranks(self, command: Command, local: Callable[[], T]) -> tuple[T, list[Any]]:
+        """Run `local` here (rank 0) while every tensor-parallel worker runs `command`;
+        returns local's result and the workers' values."""
+        if self.workers is None:
+            return local(), []
+        return self.workers.run(command, local)
+
+    def _run(self, batch: ForwardBatch) -> list[int]:
+        if self.workers is None:
+            return self.runner.run(batch)
+        try:
+            sampled, _ = self.workers.run(RunBatch(batch), lambda: self.runner.run(batch))
+        except BaseException as e:
+            # A dead worker or an interrupted collective leaves the ranks out of step.
+            self._dead = f"the tensor-parallel group failed: {type(e).__name__}: {e}"
+            self.workers.close()
+            raise
+        return sampled
 
     def _finish_reason(self, seq: Sequence) -> str | None:
         token = seq.last_token
@@ -397,6 +442,8 @@ class LLMEngine:
         for seq in list(self._seqs.values()):
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
+        if self.workers is not None:
+            self.workers.close()
         self.runner = None  # drops the model and the KV pool
 
 
