@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -71,12 +72,13 @@ class ChatApp(App):
         keymap: dict[str, str] | None = None,
         export_dir: Path | None = None,
         owns_engine: bool | None = None,
+        stats_interval: float = 0.25,
     ) -> None:
         super().__init__()
         enable_alt_digits()
         self.worker = EngineWorker(
             self.post_message, engine=engine, engine_factory=engine_factory,
-            owns_engine=owns_engine,
+            owns_engine=owns_engine, stats_interval=stats_interval,
         )
         # With a built engine nothing else runs yet, so reading it here is safe.
         self.info: EngineInfo | None = engine_info(engine) if engine is not None else None
@@ -129,6 +131,11 @@ class ChatApp(App):
     # -- start-up ----------------------------------------------------------------------
 
     def on_mount(self) -> None:
+        # NOTE: the UI thread renders in pure Python; a shorter GIL switch interval lets
+        # the engine thread back in sooner after each step's host work (measured: the
+        # fake engine under three streaming panes finishes ~25% sooner).
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, 0.001))
         if self._keymap:
             self.set_keymap(self._keymap)
         self.worker.start()
@@ -418,7 +425,7 @@ class ChatApp(App):
             pane = self._requests.get(d.request_id)
             if pane is None:
                 continue
-            pane.feed(d.text, d.num_tokens, msg.at)
+            pane.feed(d.text, d.num_tokens, d.first_at or msg.at, d.last_at or msg.at)
             if d.finished:
                 status = FINISH_TO_STATUS.get(d.finish_reason, "done")
                 await self._finish(pane, d.request_id, status, d.error)
@@ -475,6 +482,7 @@ class ChatApp(App):
 
     def on_unmount(self) -> None:
         # Also reached when the app ends some other way; nothing here may lose text.
+        sys.setswitchinterval(self._switch_interval)
         self.store.close()
         if self.worker.alive:
             self.worker.stop(timeout=5)

@@ -91,13 +91,21 @@ class Conversation:
     def template_messages(self) -> list[dict[str, str]]:
         """The history for `apply_chat_template`: system prompt, then user/assistant turns.
 
-        Thinking is left out, and so are assistant messages with nothing to show (an
-        error, or a reply interrupted before its first token).
+        Thinking is left out, and so are assistant messages with nothing to show (a reply
+        interrupted before its first token) and failed turns (a user message whose reply
+        is an error: a rejected prompt must not poison every later turn).
         """
         out: list[dict[str, str]] = []
         if self.settings.system_prompt:
             out.append({"role": "system", "content": self.settings.system_prompt})
-        for m in self.messages:
+        msgs = self.messages
+        for i, m in enumerate(msgs):
+            nxt = msgs[i + 1] if i + 1 < len(msgs) else None
+            if m.status == "error" or (
+                m.role == "user" and nxt is not None and nxt.role == "assistant"
+                and nxt.status == "error"
+            ):
+                continue
             text = m.answer
             if m.role == "assistant" and (not text or m.status == "streaming"):
                 continue

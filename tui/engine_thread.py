@@ -107,6 +107,7 @@ class EngineWorker:
         engine_factory: EngineFactory | None = None,
         owns_engine: bool | None = None,
         stats_interval: float = 0.25,
+        delta_interval: float = 1 / 60,
         idle_wait: float = 0.05,
     ) -> None:
         if (engine is None) == (engine_factory is None):
@@ -116,6 +117,7 @@ class EngineWorker:
         self._factory = engine_factory
         self._owns = owns_engine if owns_engine is not None else engine is None
         self._stats_interval = stats_interval
+        self._delta_interval = delta_interval
         self._idle_wait = idle_wait
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
@@ -123,6 +125,11 @@ class EngineWorker:
         self._seq_of: dict[int, int] = {}  # request id -> seq id, for live requests
         self._req_of: dict[int, int] = {}  # seq id -> request id
         self._no_tokens_yet: list[int] = []  # accepted requests without output, FCFS
+        # Deltas are merged per request and posted at most every `delta_interval`: one
+        # UI message per step would cost the UI (and, through the GIL, the engine) more
+        # than the text is worth.
+        self._outbox: dict[int, RequestDelta] = {}
+        self._next_post = 0.0
         self.died: str | None = None
 
     # -- UI side -----------------------------------------------------------------------
@@ -210,8 +217,10 @@ class EngineWorker:
                 except Exception as exc:  # noqa: BLE001 - fail the live requests, keep serving
                     self._fail_live(_describe(exc))
             if self._seq_of or commands:
-                self._post_deltas(engine.pop_deltas())
+                self._collect(engine.pop_deltas())
             now = time.monotonic()
+            if self._outbox and (now >= self._next_post or not self._seq_of):
+                self._flush_outbox(now)
             if want_stats or now >= next_stats:
                 self._post_stats(now)
                 next_stats = now + self._stats_interval
@@ -241,25 +250,37 @@ class EngineWorker:
         opens = prompt.rstrip().endswith("<think>")
         self._post(RequestAccepted(cmd.request_id, seq, opens))
 
-    def _post_deltas(self, deltas: list[Any]) -> None:
-        out: list[RequestDelta] = []
+    def _collect(self, deltas: list[Any]) -> None:
+        now = time.monotonic()
+        finished = False
         for d in deltas:
             req = self._req_of.get(d.seq_id)
             if req is None:
                 continue  # already failed and reported
-            if d.token_ids or d.text or d.finished:
-                if req in self._no_tokens_yet and (d.token_ids or d.text):
-                    self._no_tokens_yet.remove(req)
-            out.append(
-                RequestDelta(
-                    req, d.text, len(d.token_ids), d.finished, d.finish_reason,
-                    getattr(d, "error", None),
-                )
+            if req in self._no_tokens_yet and (d.token_ids or d.text):
+                self._no_tokens_yet.remove(req)
+            old = self._outbox.get(req)
+            self._outbox[req] = RequestDelta(
+                req,
+                (old.text if old else "") + d.text,
+                (old.num_tokens if old else 0) + len(d.token_ids),
+                d.finished,
+                d.finish_reason,
+                getattr(d, "error", None),
+                first_at=old.first_at if old else now,
+                last_at=now,
             )
             if d.finished:
+                finished = True
                 self._forget(req)
-        if out:
-            self._post(DeltaBatch(out, time.monotonic()))
+        if finished:
+            self._flush_outbox(now)
+
+    def _flush_outbox(self, now: float) -> None:
+        if self._outbox:
+            self._post(DeltaBatch(list(self._outbox.values()), now))
+            self._outbox = {}
+        self._next_post = now + self._delta_interval
 
     def _post_stats(self, now: float) -> None:
         stats = self.engine.stats()
@@ -279,7 +300,8 @@ class EngineWorker:
         """A step raised: the live requests fail (their panes say why); free their blocks."""
         # Deltas produced before the failure still belong to their panes.
         try:
-            self._post_deltas(self.engine.pop_deltas())
+            self._collect(self.engine.pop_deltas())
+            self._flush_outbox(time.monotonic())
         except Exception:  # noqa: BLE001
             pass
         for req, seq in list(self._seq_of.items()):

@@ -37,6 +37,8 @@ class RequestDelta:
     finished: bool
     finish_reason: str | None = None
     error: str | None = None
+    first_at: float = 0.0  # time.monotonic() of the engine step that produced the first token
+    last_at: float = 0.0  # ... and the last one in this delta
 
 
 @dataclass

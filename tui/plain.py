@@ -28,7 +28,7 @@ from .messages import (
     RequestFailed,
     StatsSnapshot,
 )
-from .sanitize import clean_text
+from .sanitize import StreamCleaner
 from .stats import StatsHistory, cache_line, kv_line, queue_line, throughput_line
 from .store import SessionStore, data_dir, new_session_path
 from .thinking import ThinkParser
@@ -175,6 +175,7 @@ class PlainChat:
 
     def _stream(self, req: int, reply: ChatMessage) -> None:
         parser = ThinkParser()
+        cleaner = StreamCleaner()
         kind = "answer"
         while reply.status == "streaming":
             try:
@@ -194,7 +195,7 @@ class PlainChat:
                     for d in msg.deltas:
                         if d.request_id != req:
                             continue
-                        text = clean_text(d.text)
+                        text = cleaner.feed(d.text) + (cleaner.finish() if d.finished else "")
                         reply.content += text
                         for seg_kind, seg in parser.feed(text):
                             kind = self._write(seg_kind, seg, kind)

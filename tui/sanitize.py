@@ -32,3 +32,37 @@ def clean_text(text: str) -> str:
     text = text.replace("\r\n", "\n")
     text = _ESCAPES.sub("", text)
     return _CONTROLS.sub("", text)
+
+
+# An escape sequence still open at the end of a chunk: its end may come in the next one.
+_OPEN_SEQUENCE = re.compile(
+    r"""
+    ( \x1b
+    | (?:\x1b\[|\x9b)[0-?]*[ -/]*
+    | (?:\x1b\]|\x9d)[^\x07\x1b\x9c]*\x1b?
+    | \x1b[PX^_][^\x1b]*\x1b?
+    )\Z
+    """,
+    re.VERBOSE,
+)
+_MAX_HELD = 256
+
+
+class StreamCleaner:
+    """`clean_text` for a stream: a sequence split across chunks (ESC in one delta, `[2J`
+    in the next) is held back until it is complete, so no fragment of it shows."""
+
+    def __init__(self) -> None:
+        self._held = ""
+
+    def feed(self, text: str) -> str:
+        text = self._held + text
+        self._held = ""
+        start = max(text.rfind("\x1b"), text.rfind("\x9b"), text.rfind("\x9d"))
+        if start >= 0 and len(text) - start <= _MAX_HELD and _OPEN_SEQUENCE.match(text, start):
+            text, self._held = text[:start], text[start:]
+        return clean_text(text)
+
+    def finish(self) -> str:
+        text, self._held = self._held, ""
+        return clean_text(text)

@@ -14,7 +14,7 @@ from textual.content import Content
 from textual.widgets import Static
 
 from ..conversation import ChatMessage, Conversation, Status
-from ..sanitize import clean_text
+from ..sanitize import StreamCleaner
 from .chat_input import ChatInput
 from .message import AssistantMessage, UserMessage
 
@@ -35,6 +35,7 @@ class ConversationPane(Vertical):
         self.transcript = VerticalScroll(classes="transcript")
         self.input = ChatInput(placeholder="Message (Enter sends, ctrl+j newline)")
         self._reply: AssistantMessage | None = None
+        self._cleaner = StreamCleaner()
         self._pending: list[str] = []
         self._sent_at = 0.0
         self._first_at: float | None = None
@@ -86,8 +87,9 @@ class ConversationPane(Vertical):
         if (state, detail) != (self.state, self.state_detail):
             self.state, self.state_detail = state, detail
             self._title_dirty = True
-            for s in ("idle", "queued", "prefill", "streaming", "stopped", "error"):
-                self.set_class(s == state, f"-{s}")
+            # NOTE: only the error class: a class change restyles every block of the
+            # transcript, too dear to do on each state change.
+            self.set_class(state == "error", "-error")
 
     def refresh_title(self, force: bool = False) -> None:
         if not (force or self._title_dirty):
@@ -121,6 +123,7 @@ class ConversationPane(Vertical):
         await self.transcript.mount(self._reply)
         self.transcript.anchor()
         self.request_id = request_id
+        self._cleaner = StreamCleaner()
         self._pending.clear()
         self._sent_at = time.monotonic()
         self._first_at = None
@@ -139,19 +142,21 @@ class ConversationPane(Vertical):
         if self.state in ("queued", "prefill") and self._first_at is None:
             self.set_state("queued" if queued else "prefill")
 
-    def feed(self, text: str, num_tokens: int, at: float) -> None:
+    def feed(self, text: str, num_tokens: int, first_at: float, last_at: float) -> None:
         """Buffer streamed text; `flush()` renders it (at most ~30 times a second)."""
         if self._reply is None:
             return
         if num_tokens or text:
             if self._first_at is None:
-                self._first_at = at
-            self._last_at = at
+                self._first_at = first_at
+            self._last_at = last_at
             self._tokens += num_tokens
             self._title_dirty = True
             if self.state != "streaming":
                 self.set_state("streaming")
-        text = clean_text(text)
+        self._buffer(self._cleaner.feed(text))
+
+    def _buffer(self, text: str) -> None:
         if text:
             self._pending.append(text)
             self.conversation.messages[-1].content += text
@@ -170,6 +175,8 @@ class ConversationPane(Vertical):
 
     async def finish(self, status: Status, error: str | None = None) -> ChatMessage:
         """End the reply in progress; the partial text stays."""
+        if self._reply is not None:
+            self._buffer(self._cleaner.finish())
         await self.flush()
         msg = self.conversation.messages[-1]
         msg.status, msg.error = status, error

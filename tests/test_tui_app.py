@@ -1,0 +1,470 @@
+"""minivllm-chat against the scripted fake engine: keys, streaming, stop, regenerate,
+panes, persistence, errors, stats panel. Every wait polls a condition with a timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from minivllm.tui.app import create_app
+from minivllm.tui.conversation import Settings
+from minivllm.tui.fake_engine import FakeEngine
+from minivllm.tui.messages import StatsSnapshot
+from minivllm.tui.stats import StatsHistory
+from minivllm.tui.store import latest_session, load_session
+from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_until
+from minivllm.tui.widgets.message import AssistantMessage
+
+from minivllm.outputs import EngineStats
+
+SIZE = (160, 48)
+LONG = " ".join(f"w{i}" for i in range(300))  # ~900 fake tokens, under max_tokens
+
+
+def make_app(tmp_path: Path, engine: FakeEngine | None = None, **kw):
+    engine = engine or FakeEngine(step_delay=0.002)
+    kw.setdefault("data_root", tmp_path / "data")
+    kw.setdefault("export_dir", tmp_path)
+    return create_app(engine, **kw)
+
+
+def replies(pane) -> list[AssistantMessage]:
+    return list(pane.transcript.query(AssistantMessage))
+
+
+def records(tmp_path: Path) -> list[dict]:
+    path = latest_session(tmp_path / "data")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+async def test_first_input_focused_enter_sends_and_ctrl_j_inserts_newline(tmp_path):
+    app = make_app(tmp_path, FakeEngine(reply="Hello **there**.", step_delay=0.002))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await pilot.press("h", "i", "ctrl+j", "y", "o")
+        pane = app.panes[0]
+        assert pane.input.text == "hi\nyo"
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: len(pane.conversation.messages) == 2)
+        await wait_idle(pilot)
+        assert pane.input.text == ""
+        user, reply = pane.conversation.messages
+        assert (user.role, user.content) == ("user", "hi\nyo")
+        assert (reply.content, reply.status) == ("Hello **there**.", "done")
+        assert replies(pane)[0].answer_md.source == "Hello **there**."
+        assert pane.state == "idle"
+        assert pane.title_text.startswith("#1 idle · TTFT ")
+        assert "tok/s" in pane.title_text
+
+
+async def test_thinking_goes_to_a_collapsible_expanded_then_collapsed(tmp_path):
+    thinking = " ".join(["pondering"] * 150)
+    engine = FakeEngine(reply=f"<think>\n{thinking}\n</think>\n\nThe answer.", step_delay=0.003)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        pane = app.panes[0]
+        await type_and_send(pilot, 0, "think about it")
+        await wait_until(pilot, lambda: replies(pane) and replies(pane)[0].has_thinking)
+        msg = replies(pane)[0]
+        assert msg.thinking_expanded  # expanded while thinking
+        await wait_idle(pilot)
+        assert msg.has_thinking and not msg.thinking_expanded  # collapsed once answered
+        assert msg.thinking_text.strip() == thinking
+        assert msg.answer_md.source == "The answer."
+        assert "<think>" not in msg.answer_md.source
+        # Thinking is not put back into the history.
+        assert pane.conversation.template_messages()[-1] == {
+            "role": "assistant", "content": "The answer."}
+
+
+async def test_think_and_no_think_switch_the_template_per_pane(tmp_path):
+    engine = FakeEngine(thinking=True, step_delay=0.001)
+    seen: list[str] = []
+    real = engine.add_prompt
+    engine.add_prompt = lambda prompt, params=None: (seen.append(prompt), real(prompt, params))[1]
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await type_and_send(pilot, 0, "/no_think")
+        await wait_until(pilot, lambda: not app.panes[0].conversation.settings.thinking)
+        assert app.panes[0].input.text == ""
+        await type_and_send(pilot, 0, "quick one")
+        await type_and_send(pilot, 1, "slow one")
+        await wait_until(pilot, lambda: len(seen) == 2)
+        await wait_idle(pilot)
+        assert seen[0].endswith("<think>\n\n</think>\n\n")  # enable_thinking=False
+        assert not seen[1].endswith("</think>\n\n")
+        assert not replies(app.panes[0])[0].has_thinking
+        assert replies(app.panes[1])[0].has_thinking
+        assert "no_think" in str(app.panes[0].border_subtitle)
+        await type_and_send(pilot, 0, "/think and now?")  # switches and sends the rest
+        await wait_until(pilot, lambda: len(seen) == 3)
+        assert app.panes[0].conversation.settings.thinking
+        assert seen[2].endswith("and now?<|end|>\n<|assistant|>\n")
+
+
+async def test_alt_a_and_slash_all_send_to_every_pane_streaming_at_once(tmp_path):
+    reply = LONG[:400]
+    app = make_app(tmp_path, FakeEngine(reply=reply, step_delay=0.002), conversations=3)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        app.panes[0].input.text = "everyone"
+        await pilot.press("alt+a")
+        await wait_until(pilot, lambda: all(p.state == "streaming" for p in app.panes))
+        # All three stream at the same time: each has partial text before any finishes.
+        await wait_until(pilot, lambda: all(
+            replies(p) and replies(p)[0].answer_text for p in app.panes))
+        assert all(p.busy for p in app.panes)
+        await wait_idle(pilot)
+        for p in app.panes:
+            assert [m.content for m in p.conversation.messages] == ["everyone", reply]
+        assert app.panes[0].input.text == ""
+        await type_and_send(pilot, 1, "/all again")
+        await wait_until(pilot, lambda: all(len(p.conversation.messages) == 4
+                                            for p in app.panes))
+        await wait_idle(pilot)
+        assert all(p.conversation.messages[2].content == "again" for p in app.panes)
+
+
+async def test_esc_stops_keeps_partial_reply_and_frees_blocks(tmp_path):
+    engine = FakeEngine(reply=LONG, step_delay=0.003)
+    app = make_app(tmp_path, engine, stats_interval=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        pane = app.panes[0]
+        await type_and_send(pilot, 0, "go on")
+        await wait_until(pilot, lambda: pane.state == "streaming" and pane._tokens > 20)
+        assert app.history.samples[-1][1].num_used_blocks >= 0
+        await wait_until(pilot, lambda: app.history.samples[-1][1].num_running == 1)
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: pane.state == "stopped")
+        msg = pane.conversation.messages[-1]
+        assert msg.status == "stopped"
+        assert 0 < len(msg.content) < len(LONG) and LONG.startswith(msg.content)
+        assert replies(pane)[0].status == "stopped"
+        await wait_until(pilot, lambda: app.history.samples[-1][1].num_running == 0)
+        assert app.history.samples[-1][1].num_used_blocks == 0
+        assert "Running 0 reqs" in app.chat.stats_panel.lines[0]
+        assert pane.title_text.startswith("#1 stopped")
+        end = [r for r in records(tmp_path) if r["type"] == "end"][-1]
+        assert (end["status"], end["text"]) == ("stopped", msg.content)
+
+
+async def test_ctrl_r_regenerates_the_last_reply(tmp_path):
+    engine = FakeEngine(reply=["first answer", "second answer", "third"], step_delay=0.001)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        pane = app.panes[0]
+        await type_and_send(pilot, 0, "question")
+        await wait_until(pilot, lambda: pane.conversation.messages[-1].content == "first answer")
+        await wait_idle(pilot)
+        await pilot.press("ctrl+r")
+        await wait_until(pilot, lambda: pane.conversation.messages[-1].content
+                         == "second answer" and not pane.busy)
+        assert [m.content for m in pane.conversation.messages] == ["question", "second answer"]
+        assert [r.answer_md.source for r in replies(pane)] == ["second answer"]
+    loaded = load_session(latest_session(tmp_path / "data"))
+    assert [m.content for m in loaded.conversations[0].messages] == ["question", "second answer"]
+
+
+async def test_ctrl_n_ctrl_w_alt_digits_and_ctrl_arrows(tmp_path):
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: len(app.panes) == 3)
+        assert app.focused is app.panes[2].input
+        await pilot.press("alt+1")
+        assert app.focused is app.panes[0].input
+        await pilot.press("ctrl+left")  # wraps to the last pane
+        assert app.focused is app.panes[2].input
+        await pilot.press("ctrl+right")
+        assert app.focused is app.panes[0].input
+        await pilot.press("alt+2")
+        assert app.focused is app.panes[1].input
+        await type_and_send(pilot, 1, "in the middle pane")
+        await wait_idle(pilot)
+        app.panes[1].input.focus()
+        await pilot.press("ctrl+w")
+        await wait_until(pilot, lambda: len(app.panes) == 2)
+        assert [p.number for p in app.panes] == [1, 2]
+        assert [p.conversation.key for p in app.panes] == [1, 3]
+        assert app.panes[1].title_text.startswith("#2 ")
+        await pilot.press("ctrl+w", "ctrl+w")  # the last pane stays
+        await wait_until(pilot, lambda: len(app.panes) == 1)
+        await pilot.pause(0.05)
+        assert len(app.panes) == 1
+
+
+async def test_keymap_overrides_a_binding_by_id(tmp_path):
+    app = make_app(tmp_path, keymap={"chat.new_pane": "f6", "input.send": "ctrl+s"})
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await pilot.press("f6")
+        await wait_until(pilot, lambda: len(app.panes) == 3)
+        await pilot.press("alt+1", "o", "k", "enter")
+        assert app.panes[0].input.text == "ok\n"  # Enter is a plain newline now
+        await pilot.press("ctrl+s")
+        await wait_until(pilot, lambda: app.panes[0].conversation.messages)
+        assert app.panes[0].conversation.messages[0].content == "ok"
+
+
+async def test_command_palette_settings_modal_and_export(tmp_path):
+    app = make_app(tmp_path, FakeEngine(reply="Exported *reply*.", step_delay=0.001))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await pilot.press("ctrl+p")
+        await pilot.press(*"new conversation")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: len(app.panes) == 3)
+        await pilot.press("alt+1", "f2")
+        await wait_until(pilot, lambda: app.screen.id == "settings")
+        app.screen.query_one("#system").text = "You are terse."
+        app.screen.query_one("#temperature").value = "-1"
+        await pilot.press("ctrl+s")
+        await wait_until(pilot, lambda: "temperature" in str(
+            app.screen.query_one("#settings-error").render()))
+        app.screen.query_one("#temperature").value = "0"
+        app.screen.query_one("#max_tokens").value = "32"
+        await pilot.press("ctrl+s")
+        await wait_until(pilot, lambda: app.screen is app.chat)
+        s = app.panes[0].conversation.settings
+        assert (s.system_prompt, s.temperature, s.max_tokens) == ("You are terse.", 0.0, 32)
+        assert "T=0 " in str(app.panes[0].border_subtitle)
+        await type_and_send(pilot, 0, "hello")
+        await wait_idle(pilot)
+        app.panes[0].input.focus()
+        app.action_export()
+        md = app.last_export.read_text()
+        assert "## System\n\nYou are terse." in md
+        assert "## User\n\nhello" in md and "Exported *reply*." in md
+
+
+async def test_persistence_quit_and_resume_shows_the_same_messages(tmp_path):
+    engine = FakeEngine(reply=["one **1**", "two", "three", LONG], step_delay=0.001)
+    app = make_app(tmp_path, engine, settings=Settings(system_prompt="sys"))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await type_and_send(pilot, 0, "first")
+        await wait_idle(pilot)
+        await type_and_send(pilot, 1, "second")
+        await wait_idle(pilot)
+        await type_and_send(pilot, 0, "third")
+        await wait_idle(pilot)
+        before = [[(m.role, m.content, m.status) for m in p.conversation.messages]
+                  for p in app.panes]
+        await pilot.press("ctrl+q")
+    assert before[0][1][1] == "one **1**"
+    app2 = make_app(tmp_path, FakeEngine(), resume=True)
+    async with app2.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        after = [[(m.role, m.content, m.status) for m in p.conversation.messages]
+                 for p in app2.panes]
+        assert after == before
+        assert app2.panes[0].conversation.settings.system_prompt == "sys"
+        assert [r.answer_md.source for r in replies(app2.panes[0])] == ["one **1**", "three"]
+        # The resumed history continues: the next prompt carries the earlier turns.
+        await type_and_send(pilot, 1, "more")
+        await wait_idle(pilot)
+        assert [m.content for m in app2.panes[1].conversation.messages][:2] == [
+            "second", "two"]
+
+
+async def test_quit_mid_reply_keeps_the_partial_text(tmp_path):
+    app = make_app(tmp_path, FakeEngine(reply=LONG, step_delay=0.003))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await type_and_send(pilot, 0, "long please")
+        await wait_until(pilot, lambda: app.panes[0]._tokens > 10)
+        await pilot.press("ctrl+c")  # never quits, never loses anything
+        await pilot.pause(0.05)
+        assert app.is_running
+        await pilot.press("ctrl+q")
+    conv = load_session(latest_session(tmp_path / "data")).conversations[0]
+    assert conv.messages[0].content == "long please"
+    assert conv.messages[1].status == "stopped" and LONG.startswith(conv.messages[1].content)
+    assert len(conv.messages[1].content) > 10
+
+
+def test_kill_9_mid_stream_then_resume(tmp_path):
+    """The app process is killed mid-reply: the sent message is on disk, the partial
+    reply (flushed about once a second) is there and marked interrupted."""
+    script = textwrap.dedent(f"""
+        import asyncio, sys
+        from pathlib import Path
+        from minivllm.tui.app import create_app
+        from minivllm.tui.fake_engine import FakeEngine
+        from minivllm.tui.testing import type_and_send, wait_ready, wait_until
+
+        async def main():
+            app = create_app(FakeEngine(reply={LONG!r}, step_delay=0.01),
+                             data_root=Path({str(tmp_path / "data")!r}))
+            async with app.run_test(size=(160, 48)) as pilot:
+                await wait_ready(pilot)
+                await type_and_send(pilot, 0, "typed before the crash")
+                await wait_until(pilot, lambda: app.panes[0]._tokens > 5)
+                await pilot.pause(1.5)  # at least one periodic flush of the partial reply
+                print("STREAMING", flush=True)
+                await pilot.pause(60)
+        asyncio.run(main())
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "STREAMING"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    loaded = load_session(latest_session(tmp_path / "data"))
+    conv = loaded.conversations[0]
+    assert conv.messages[0].content == "typed before the crash"
+    assert conv.messages[1].status == "interrupted"
+    assert conv.messages[1].content and LONG.startswith(conv.messages[1].content)
+
+
+async def test_resume_marks_the_interrupted_reply(tmp_path):
+    data = tmp_path / "data" / "sessions"
+    data.mkdir(parents=True)
+    lines = [
+        {"type": "pane", "pane": 1, "settings": Settings().to_dict()},
+        {"type": "user", "pane": 1, "text": "hello"},
+        {"type": "chunk", "pane": 1, "text": "partial rep"},
+    ]
+    text = "".join(json.dumps(r) + "\n" for r in lines) + '{"type": "chunk", "pa'
+    (data / "20240101-000000-1.jsonl").write_text(text)
+    app = make_app(tmp_path, resume=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        pane = app.panes[0]
+        assert [m.content for m in pane.conversation.messages] == ["hello", "partial rep"]
+        assert pane.conversation.messages[1].status == "interrupted"
+        assert replies(pane)[0].status == "interrupted"
+        assert pane.state == "stopped"
+        await type_and_send(pilot, 0, "next")
+        await wait_idle(pilot)
+    convs = load_session(latest_session(tmp_path / "data")).conversations
+    assert [m.status for m in convs[0].messages] == ["done", "interrupted", "done", "done"]
+
+
+async def test_bad_input_and_step_failure_show_in_their_pane_and_the_app_stays_up(tmp_path):
+    engine = FakeEngine(reply="fine", step_delay=0.001)
+    engine.reject_prompts_containing = "FORBIDDEN"
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await type_and_send(pilot, 0, "FORBIDDEN words")
+        pane = app.panes[0]
+        await wait_until(pilot, lambda: pane.state == "error")
+        assert "prompt" in pane.conversation.messages[-1].error
+        assert app.panes[1].state == "idle"
+        engine.fail_steps = 1
+        await type_and_send(pilot, 1, "boom")
+        await wait_until(pilot, lambda: app.panes[1].state == "error")
+        assert "injected step failure" in app.panes[1].conversation.messages[-1].error
+        await type_and_send(pilot, 0, "ok now")  # both panes still work
+        await type_and_send(pilot, 1, "ok too")
+        await wait_until(pilot, lambda: all(p.conversation.messages[-1].content == "fine"
+                                            for p in app.panes))
+        await wait_idle(pilot)
+        assert [p.state for p in app.panes] == ["idle", "idle"]
+
+
+async def test_engine_thread_death_shows_in_every_pane_with_text_kept(tmp_path):
+    engine = FakeEngine(reply=LONG, step_delay=0.003)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await type_and_send(pilot, 0, "streaming when it dies")
+        await wait_until(pilot, lambda: app.panes[0]._tokens > 5)
+
+        def broken():
+            raise SystemError("engine on fire")
+
+        engine.pop_deltas = broken
+        await wait_until(pilot, lambda: app.engine_dead is not None)
+        await wait_until(pilot, lambda: all(p.state == "error" for p in app.panes))
+        assert "engine on fire" in app.engine_dead
+        kept = app.panes[0].conversation.messages[-1]
+        assert kept.status == "error" and LONG.startswith(kept.content) and kept.content
+        assert all("engine stopped" in p.title_text for p in app.panes)
+        await type_and_send(pilot, 1, "anyone?")  # refused, the text stays in the box
+        await pilot.pause(0.05)
+        assert app.panes[1].input.text == "anyone?"
+
+
+async def test_model_output_is_plain_text_without_control_sequences(tmp_path):
+    evil = "\x1b[2J\x1b]0;pwned\x07[bold red]not markup[/] \x1b[31mred\x1b[0m done"
+    app = make_app(tmp_path, FakeEngine(reply=evil, step_delay=0.001))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await type_and_send(pilot, 0, "[b]user text[/b]")
+        await wait_idle(pilot)
+        pane = app.panes[0]
+        assert pane.conversation.messages[-1].content == "[bold red]not markup[/] red done"
+        assert "\x1b" not in replies(pane)[0].answer_md.source
+        assert "[b]user text[/b]" in str(pane.transcript.children[0].render())
+
+
+FROZEN = EngineStats(
+    block_size=256, num_blocks=2047, num_used_blocks=612, num_running=3, num_waiting=1,
+    num_preemptions=2, prefix_cache_hit_rate=0.375, prompt_tokens_per_s=512.3,
+    generation_tokens_per_s=87.1, num_prompt_tokens=12345, num_generated_tokens=6789,
+    num_steps=4321, last_step_time_s=0.0123, last_batch_size=4,
+)
+
+
+async def test_stats_panel_shows_exactly_what_stats_gives(tmp_path):
+    engine = FakeEngine(frozen_stats=FROZEN)
+    app = make_app(tmp_path, engine, stats_interval=3600)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        panel = app.chat.stats_panel
+        await wait_until(pilot, lambda: panel.lines)
+        assert panel.lines == [
+            "KV cache [██████░░░░░░░░░░░░░░] 612/2,047 blocks 29.9%   "
+            "Running 3 reqs  Waiting 1 reqs  Preemptions 2",
+            # One snapshot so far: the engine's own window rates.
+            "Prompt throughput 512.3 tok/s (10 s avg 512.3)  "
+            "Generation throughput 87.1 tok/s (10 s avg 87.1)",
+            "Prefix cache hit rate 37.5%  Step 12.3 ms  Batch 4 seqs  Steps 4,321  "
+            "Tokens 12,345 in / 6,789 out",
+        ]
+        rendered = str(panel.text.render())
+        assert "612/2,047 blocks 29.9%" in rendered and "Preemptions 2" in rendered
+        # Rates are computed from the counters: two snapshots a second apart.
+        app.history = StatsHistory()
+        t0 = time.monotonic()
+        app.post_message(StatsSnapshot(FROZEN, t0))
+        # (one at a time: a newer snapshot replaces a queued one, by design)
+        await wait_until(pilot, lambda: len(app.history.samples) == 1)
+        later = EngineStats(**{**FROZEN.__dict__, "num_prompt_tokens": 12345 + 400,
+                               "num_generated_tokens": 6789 + 90})
+        app.post_message(StatsSnapshot(later, t0 + 1.0))
+        await wait_until(pilot, lambda: "400.0 tok/s" in panel.lines[1])
+        assert panel.lines[1] == (
+            "Prompt throughput 400.0 tok/s (10 s avg 400.0)  "
+            "Generation throughput 90.0 tok/s (10 s avg 90.0)"
+        )
+        assert panel.spark.data[-1] == 90.0
+
+
+@pytest.mark.parametrize("stage", ["loading weights", "sizing KV cache"])
+async def test_loading_screen_then_chat(tmp_path, stage):
+    def factory(on_progress):
+        return FakeEngine(on_progress=on_progress, load_delay=0.6)
+
+    app = create_app(engine_factory=factory, model="fake/model", data_root=tmp_path / "d")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.loading is not None
+                         and stage in str(app.loading.stage.render()))
+        await wait_ready(pilot)
+        assert app.info.model == "fake/scripted-model"

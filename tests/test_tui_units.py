@@ -1,0 +1,253 @@
+"""minivllm-chat pure parts: thinking parser, sanitizer, stats rates and formatting,
+session file replay. No Textual app here."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+from minivllm.tui.conversation import ChatMessage, Conversation, Settings
+from minivllm.tui.sanitize import StreamCleaner, clean_text
+from minivllm.tui.stats import (
+    StatsHistory,
+    cache_line,
+    kv_line,
+    pool_summary,
+    queue_line,
+    throughput_line,
+)
+from minivllm.tui.store import SessionStore, latest_session, load_session, new_session_path
+from minivllm.tui.thinking import ThinkParser, split_thinking
+
+from minivllm.outputs import EngineStats
+
+# -- thinking ------------------------------------------------------------------------------
+
+
+def feed_all(chunks: list[str], in_think: bool = False) -> tuple[str, str, list]:
+    p = ThinkParser(in_think)
+    segs = []
+    for c in chunks:
+        segs += p.feed(c)
+    segs += p.finish()
+    think = "".join(t for k, t in segs if k == "think")
+    answer = "".join(t for k, t in segs if k == "answer")
+    return think, answer, segs
+
+
+def test_think_tags_split_across_every_boundary():
+    text = "<think>\nweigh it up\n</think>\n\nThe answer is 42."
+    for i in range(len(text) + 1):
+        for j in range(i, len(text) + 1):
+            think, answer, _ = feed_all([text[:i], text[i:j], text[j:]])
+            assert think == "\nweigh it up\n"
+            assert answer == "\n\nThe answer is 42."
+
+
+def test_think_one_character_at_a_time():
+    text = "  <think>a<b</thin</think>x</think>y"
+    think, answer, segs = feed_all(list(text))
+    assert think == "a<b</thin"
+    assert answer == "x</think>y"  # after the block, tags are text
+    assert [k for k, _ in ThinkParser().feed(text)] == ["think", "answer"]  # merged
+
+
+def test_no_think_block_when_the_reply_does_not_open_with_it():
+    think, answer, _ = feed_all(["Hello <think>", "not thinking</think>"])
+    assert think == ""
+    assert answer == "Hello <think>not thinking</think>"
+
+
+def test_stream_ending_inside_a_partial_tag_keeps_the_text():
+    assert split_thinking("<thi") == ("", "<thi")
+    assert split_thinking("<think>abc</thi") == ("abc</thi", "")
+
+
+def test_reply_starting_inside_thinking():
+    assert split_thinking("reasoning</think>answer", in_think=True) == ("reasoning", "answer")
+
+
+@given(st.text(alphabet="<>/thinkab \n", max_size=40), st.lists(st.integers(0, 40), max_size=6))
+def test_think_parser_split_invariance(text: str, cuts: list[int]):
+    """However the stream is cut, the result equals parsing it whole."""
+    points = sorted({min(c, len(text)) for c in cuts})
+    chunks, prev = [], 0
+    for p in points:
+        chunks.append(text[prev:p])
+        prev = p
+    chunks.append(text[prev:])
+    think, answer, _ = feed_all(chunks)
+    assert (think, answer) == split_thinking(text)
+
+
+def test_history_leaves_thinking_out():
+    conv = Conversation(1, Settings(system_prompt="be brief"))
+    conv.messages = [
+        ChatMessage("user", "hi"),
+        ChatMessage("assistant", "<think>hmm</think>\n\nHello!"),
+        ChatMessage("user", "again"),
+        ChatMessage("assistant", "", status="error", error="boom"),
+        ChatMessage("user", "third"),
+    ]
+    assert conv.template_messages() == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "third"},  # "again" failed: that turn is left out
+    ]
+
+
+# -- sanitizing ------------------------------------------------------------------------------
+
+
+def test_clean_text_strips_terminal_control_sequences():
+    evil = (
+        "a\x1b[31mred\x1b[0m b\x1b]0;title\x07c \x1b]8;;http://x\x1b\\link\x1b]8;;\x1b\\ "
+        "\x1bPdcs\x1b\\d\x07\x08\x00\r\nnext\rline\x9b2Jz\tok"
+    )
+    out = clean_text(evil)
+    assert out == "ared bc link d\nnextlinez\tok"
+    assert not any(ord(ch) < 32 and ch not in "\n\t" for ch in out)
+    assert clean_text("[bold]not markup[/bold] ünïcødé 日本 🙂") == (
+        "[bold]not markup[/bold] ünïcødé 日本 🙂"
+    )
+
+
+def test_stream_cleaner_holds_sequences_split_across_chunks():
+    evil = "a\x1b[2Jb\x1b]0;title\x07c\x1b[31mred\x1b[0m d\x1b"
+    for i in range(len(evil) + 1):
+        for j in range(i, len(evil) + 1):
+            c = StreamCleaner()
+            out = c.feed(evil[:i]) + c.feed(evil[i:j]) + c.feed(evil[j:]) + c.finish()
+            assert out == "abcred d", (i, j)
+    c = StreamCleaner()
+    assert c.feed("x\x1bz") == "xz"  # not an open sequence: nothing held
+    c.feed("\x1b]" + "y" * 300)  # an endless OSC is not held forever
+    assert c.finish() == "" and c.feed("ok") == "ok"
+
+
+# -- stats ---------------------------------------------------------------------------------
+
+
+def make_stats(**kw) -> EngineStats:
+    base = dict(
+        block_size=256, num_blocks=2047, num_used_blocks=612, num_running=3, num_waiting=1,
+        num_preemptions=0, prefix_cache_hit_rate=0.375, prompt_tokens_per_s=512.3,
+        generation_tokens_per_s=87.1, num_prompt_tokens=0, num_generated_tokens=0,
+        num_steps=10, last_step_time_s=0.0123, last_batch_size=4,
+    )
+    base.update(kw)
+    return EngineStats(**base)
+
+
+def test_stats_lines_use_vllm_words_and_exact_numbers():
+    s = make_stats()
+    assert kv_line(s, width=10) == "KV cache [███░░░░░░░] 612/2,047 blocks 29.9%"
+    assert queue_line(s) == "Running 3 reqs  Waiting 1 reqs  Preemptions 0"
+    assert cache_line(s).startswith("Prefix cache hit rate 37.5%  Step 12.3 ms  Batch 4 seqs")
+    assert pool_summary(2048, 256, 4096) == (
+        "2,048 blocks x 256 = 524,288 tokens, max concurrency 128.0x at 4,096 tokens"
+    )
+
+
+def test_rates_from_counters_1s_window_and_10s_average():
+    h = StatsHistory()
+    r = h.add(100.0, make_stats(num_prompt_tokens=0, num_generated_tokens=0))
+    # One snapshot: nothing to difference, so the engine's own window rates.
+    assert (r.prompt_1s, r.gen_1s) == (512.3, 87.1)
+    for i in range(1, 11):  # one snapshot a second: 100 prompt and 20 generated tokens each
+        r = h.add(100.0 + i, make_stats(num_prompt_tokens=100 * i, num_generated_tokens=20 * i))
+    assert r.prompt_1s == 100.0 and r.gen_1s == 20.0
+    assert r.prompt_10s == 100.0 and r.gen_10s == 20.0
+    r = h.add(111.0, make_stats(num_prompt_tokens=1000, num_generated_tokens=300))
+    assert r.prompt_1s == 0.0 and r.gen_1s == 100.0
+    assert r.gen_10s == (300 - 20) / 10
+    assert throughput_line(r) == (
+        "Prompt throughput 0.0 tok/s (10 s avg 90.0)  "
+        "Generation throughput 100.0 tok/s (10 s avg 28.0)"
+    )
+    assert h.spark_data()[-1] == 100.0
+
+
+def test_sparkline_keeps_the_last_minute():
+    h = StatsHistory()
+    for i in range(0, 200):
+        h.add(float(i), make_stats(num_generated_tokens=i))
+    assert len(h.spark_data()) == 61  # t in [139, 199]
+
+
+# -- session file --------------------------------------------------------------------------
+
+
+def test_session_replay_statuses_regenerate_clear_close(tmp_path):
+    store = SessionStore(new_session_path(tmp_path))
+    store.session("m")
+    store.pane(1, Settings(temperature=0.0))
+    store.pane(2, Settings())
+    store.pane(3, Settings())
+    store.user(1, "q1")
+    store.chunk(1, "par")
+    store.flush_partial()
+    store.end(1, "done", "partial answer")
+    store.user(1, "q2")
+    store.end(1, "stopped", "half")
+    store.regenerate(1)
+    store.end(1, "done", "again")
+    store.user(2, "lost")
+    store.clear(2)
+    store.user(2, "kept")
+    store.chunk(2, "stream")
+    store.flush_partial()
+    store.user(3, "closing")
+    store.close_pane(3)
+    store.close()
+    loaded = load_session(latest_session(tmp_path))
+    assert [c.key for c in loaded.conversations] == [1, 2]
+    c1, c2 = loaded.conversations
+    assert c1.settings.temperature == 0.0
+    assert [(m.role, m.content, m.status) for m in c1.messages] == [
+        ("user", "q1", "done"), ("assistant", "partial answer", "done"),
+        ("user", "q2", "done"), ("assistant", "again", "done"),
+    ]
+    assert [(m.role, m.content, m.status) for m in c2.messages] == [
+        ("user", "kept", "done"), ("assistant", "stream", "interrupted"),
+    ]
+    assert loaded.interrupted == [2]
+
+
+def test_torn_last_line_is_skipped_and_appending_starts_a_fresh_line(tmp_path):
+    path = new_session_path(tmp_path)
+    store = SessionStore(path)
+    store.pane(1, Settings())
+    store.user(1, "hello")
+    store.close()
+    with open(path, "a") as f:
+        f.write('{"type": "chunk", "pane": 1, "te')  # killed mid-write
+    loaded = load_session(path)
+    assert loaded.skipped_lines == 1
+    assert [m.content for m in loaded.conversations[0].messages] == ["hello", ""]
+    assert loaded.conversations[0].messages[-1].status == "interrupted"
+    store = SessionStore(path)  # resuming appends after the torn line, on a new line
+    store.user(1, "after")
+    store.close()
+    lines = path.read_text().splitlines()
+    assert json.loads(lines[-1])["text"] == "after"
+    messages = load_session(path).conversations[0].messages
+    assert [m.content for m in messages] == ["hello", "after", ""]  # no reply yet: interrupted
+
+
+def test_session_files_are_private(tmp_path):
+    path = new_session_path(tmp_path)
+    SessionStore(path).close()
+    assert path.stat().st_mode & 0o077 == 0
+
+
+def test_export_markdown():
+    conv = Conversation(1, Settings(system_prompt="sys"))
+    conv.messages = [ChatMessage("user", "hi"),
+                     ChatMessage("assistant", "<think>plan</think>Hello", status="stopped")]
+    md = conv.to_markdown("T")
+    assert md.startswith("# T\n")
+    assert "## System\n\nsys" in md and "## User\n\nhi" in md
+    assert "> plan" in md and "Hello" in md and "_[stopped]_" in md

@@ -1,0 +1,44 @@
+"""Helpers for driving the app in tests and scripts (Textual's `run_test` pilot)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from textual.pilot import Pilot
+
+
+async def wait_until(
+    pilot: Pilot, condition: Callable[[], Any], timeout: float = 10.0, what: str = ""
+) -> None:
+    """Poll `condition` (letting the app run) until it is true; fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if condition():
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what or condition}")
+        await pilot.pause(0.01)
+
+
+async def wait_ready(pilot: Pilot, timeout: float = 30.0) -> None:
+    """Until the chat screen is up with the first pane's input focused."""
+    app = pilot.app
+    await wait_until(pilot, lambda: app.chat is not None and app.panes
+                     and app.focused is app.panes[0].input, timeout, "the chat screen")
+
+
+async def type_and_send(pilot: Pilot, pane_index: int, text: str) -> None:
+    """Focus a pane's input, put `text` in it and press Enter."""
+    pane = pilot.app.panes[pane_index]
+    pane.input.focus()
+    await pilot.pause()
+    pane.input.text = text
+    await pilot.press("enter")
+
+
+async def wait_idle(pilot: Pilot, timeout: float = 30.0) -> None:
+    """Until no pane has a request in flight."""
+    await wait_until(pilot, lambda: not any(p.busy for p in pilot.app.panes), timeout,
+                     "every pane to finish")
