@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from minivllm.kernels.dispatch import (
     INDEX_DTYPES,
     check_kv_cache,
@@ -100,7 +99,7 @@ def _decode_split_kernel(
     ).to(k_cache_ptr.dtype.element_ty)  # [GROUP_PAD, HEAD_DIM]
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
+    l_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * bt_stride_s
     head_offset = kv_head * HEAD_DIM + dims[None, :]  # [1, HEAD_DIM]
@@ -117,13 +116,13 @@ def _decode_split_kernel(
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
     if NUM_SPLITS == 1:
-        out = acc / tl.where(l == 0.0, 1.0, l)[:, None]  # an empty context gives zeros
+        out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]  # an empty context gives zeros
         out_offsets = seq.to(tl.int64) * out_stride_s + heads[:, None] * out_stride_h
         tl.store(out_ptr + out_offsets + dims[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=row_mask[:, None])
@@ -132,7 +131,7 @@ def _decode_split_kernel(
         # writes (-inf, 0, 0), which the merge weighs to nothing.
         part = (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split
         tl.store(part_m_ptr + part, m, mask=row_mask)
-        tl.store(part_l_ptr + part, l, mask=row_mask)
+        tl.store(part_l_ptr + part, l_sum, mask=row_mask)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
                  mask=row_mask[:, None])
 
@@ -153,13 +152,13 @@ def _decode_merge_kernel(
     head = tl.program_id(1)
     part = (seq * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)  # [NUM_SPLITS]
     m = tl.load(part_m_ptr + part)
-    l = tl.load(part_l_ptr + part)
+    l_sum = tl.load(part_l_ptr + part)
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty
     w = tl.exp2(m - m_max)  # [NUM_SPLITS]
     dims = tl.arange(0, HEAD_DIM)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :])  # [NUM_SPLITS, D]
-    total = tl.sum(w * l, axis=0)
+    total = tl.sum(w * l_sum, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + seq * out_stride_s + head * out_stride_h + dims,
              out.to(out_ptr.dtype.element_ty))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from minivllm.kernels.dispatch import (
     INDEX_DTYPES,
     check_kv_cache,
@@ -77,7 +76,7 @@ def _find_seq(cu_seqlens_ptr, num_seqs, tile, BLOCK_M: tl.constexpr):
     # Sequence i owns the query tiles [cu[i] // BLOCK_M + i, cu[i + 1] // BLOCK_M + i + 1):
     # at least cdiv(q_len_i, BLOCK_M) of them, and num_tokens // BLOCK_M + num_seqs in all.
     # Find the last i whose first tile is <= tile.
-    lo = 0
+    lo: tl.int32 = 0
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
@@ -138,7 +137,7 @@ def _prefill_kernel(
     ).to(k_cache_ptr.dtype.element_ty)  # [BLOCK_M, HEAD_DIM]
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * bt_stride_s
     head_offset = kv_head * HEAD_DIM + dims[None, :]  # [1, HEAD_DIM]
@@ -159,12 +158,12 @@ def _prefill_kernel(
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
+        l_sum = l_sum * alpha + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_offsets, mask=n_valid[:, None], other=0.0)  # [BLOCK_N, D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
-    out = acc / l[:, None]
+    out = acc / l_sum[:, None]
     tl.store(out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from minivllm.kernels.dispatch import check_tensor, require_triton, tl, triton
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from minivllm.kernels.dispatch import check_tensor, require_triton, tl, triton
 
 

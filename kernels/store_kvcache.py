@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from minivllm.kernels.dispatch import (
     INDEX_DTYPES,
     check_kv_cache,

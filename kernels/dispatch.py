@@ -1,0 +1,131 @@
+"""Which kernels to run: Triton on CUDA, the pure-torch references elsewhere.
+
+Triton is optional. Kernel modules import `triton` and `tl` from here: without Triton
+they get a stand-in whose `jit` still decorates (so the modules import and their
+references stay usable) and whose kernels raise a clear error if launched.
+
+NOTE: Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when its module is
+first imported; set it before importing `minivllm.kernels.*` to run kernels on the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+    class _UnavailableKernel:
+        """A kernel defined without Triton: launching it says why it cannot run."""
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid: Any) -> _UnavailableKernel:
+            return self
+
+        def __call__(self, *args: Any, **kwargs: Any) -> None:
+            raise RuntimeError(f"Triton kernel {self.name} needs Triton: pip install triton")
+
+    class _NoTriton:
+        """Stands in for `triton` and `triton.language` when Triton is not installed."""
+
+        def jit(self, fn: Any = None, **kwargs: Any) -> Any:
+            if fn is None:
+                return self.jit
+            return _UnavailableKernel(fn.__name__)
+
+        def __getattr__(self, name: str) -> Any:
+            raise RuntimeError(f"triton.{name} needs Triton: pip install triton")
+
+    triton = tl = _NoTriton()  # type: ignore[assignment]
+
+__all__ = ["HAS_TRITON", "triton", "tl", "use_triton", "require_triton", "num_sms"]
+
+
+def use_triton(device: torch.device | str | torch.Tensor) -> bool:
+    """True when kernels on `device` should be the Triton ones: CUDA with Triton installed,
+    or the CPU under Triton's interpreter when asked for explicitly (TRITON_INTERPRET=1 and
+    MINIVLLM_TRITON=1; slow, for tests)."""
+    if isinstance(device, torch.Tensor):
+        device = device.device
+    device = torch.device(device)
+    if not HAS_TRITON:
+        return False
+    if device.type == "cuda":
+        return True
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cpu" and interpret and os.environ.get("MINIVLLM_TRITON") == "1"
+
+
+def require_triton() -> None:
+    if not HAS_TRITON:
+        raise RuntimeError("the Triton kernels need Triton (pip install triton); "
+                           "use the *_ref functions on machines without it")
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors on `device`; a small stand-in on the CPU interpreter."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_sm_count(index)
+
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_tensor(
+    name: str,
+    t: torch.Tensor,
+    ndim: int,
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+    device: torch.device | None = None,
+) -> None:
+    """Wrapper-side input check: rank, dtype, device, unit stride on the last dimension
+    (every kernel vectorises along it)."""
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {t.dtype}; expected one of {dtypes}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device}")
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, "
+                         f"got strides {t.stride()}")
+
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    """Checks a layer's paged cache pair; returns (block_size, num_kv_heads, head_dim)."""
+    check_tensor("k_cache", k_cache, 4)
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} must match "
+                         f"k_cache {tuple(k_cache.shape)} {k_cache.dtype}")
+    if v_cache.device != k_cache.device:
+        raise ValueError(f"v_cache is on {v_cache.device}, k_cache on {k_cache.device}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous "
+                         "[num_blocks, block_size, num_kv_heads, head_dim] tensors")
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if block_size not in (16, 32, 64, 128, 256):
+        raise ValueError(f"block_size must be a power of two from 16 to 256, got {block_size}")
+    if head_dim not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head_dim must be a power of two from 16 to 256, got {head_dim}")
+    return block_size, num_kv_heads, head_dim

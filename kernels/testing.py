@@ -1,0 +1,76 @@
+"""Random paged-cache inputs shared by the kernel tests and the kernel benchmark."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedKV:
+    """A layer's K/V pool holding `seq_lens` contexts in randomly placed blocks."""
+
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    seq_lens: torch.Tensor  # [num_seqs] int32
+
+
+def paged_kv(
+    seq_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    *,
+    spare_blocks: int = 3,
+    spare_columns: int = 2,
+) -> PagedKV:
+    """Blocks are shuffled (tables are not contiguous runs) and the pool has blocks no
+    sequence owns; `spare_columns` pads the block table past the longest context, as a
+    CUDA-graph bucket does."""
+    per_seq = [(n + block_size - 1) // block_size for n in seq_lens]
+    num_blocks = sum(per_seq) + spare_blocks
+    order = torch.randperm(num_blocks).int()
+    width = max(per_seq, default=0) + spare_columns
+    block_tables = torch.zeros((len(seq_lens), width), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(per_seq):
+        block_tables[i, :n] = order[used : used + n]
+        used += n
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return PagedKV(
+        k_cache=torch.randn(shape, device=device).to(dtype),
+        v_cache=torch.randn(shape, device=device).to(dtype),
+        block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+    )
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; inf when `out` has any non-finite element, so
+    unwritten (NaN-poisoned) outputs fail."""
+    if not torch.isfinite(out).all():
+        return float("inf")
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+@contextlib.contextmanager
+def poisoned_empty() -> Iterator[None]:
+    """Inside, torch.empty & co. return NaN-filled floats (and max-valued ints), so an
+    output element a kernel forgets to write fails the comparison."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill

@@ -1,0 +1,118 @@
+"""Micro-benchmark of the Triton attention kernels at Qwen3-0.6B's shapes (one layer).
+
+Decode is bound by the K/V bytes it reads, so it is reported as achieved GB/s against the
+H200's measured ~4.3 TB/s copy bandwidth; prefill as TFLOP/s. Times are do_bench medians
+(it flushes L2 between repeats, so the K/V really come from HBM).
+
+    python scripts/bench_kernels.py            # default tiles, then a small tile sweep
+    python scripts/bench_kernels.py --no-sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+import triton.testing
+from minivllm.kernels.decode_attention import _tile_config as decode_tiles
+from minivllm.kernels.decode_attention import choose_num_splits, decode_attention
+from minivllm.kernels.dispatch import num_sms
+from minivllm.kernels.prefill_attention import prefill_attention
+from minivllm.kernels.testing import paged_kv
+
+PEAK_BYTES_PER_S = 4.3e12
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
+DTYPE = torch.bfloat16
+
+
+def bench_ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def decode_case(batch: int, seq_lens: list[int], block_size: int, **kw) -> tuple[float, float]:
+    """Returns (ms, GB/s) for one decode-attention call."""
+    cache = paged_kv(seq_lens, NUM_KV_HEADS, HEAD_DIM, block_size, DTYPE, "cuda",
+                     spare_columns=0)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, device="cuda").to(DTYPE)
+    args = (q, cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables, 0.088)
+    ms = bench_ms(lambda: decode_attention(*args, **kw))
+    # K and V of every context position once, plus q and the output.
+    kv_bytes = sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize
+    total = kv_bytes + 2 * q.numel() * DTYPE.itemsize
+    return ms, total / (ms * 1e-3) / 1e9
+
+
+def prefill_case(seq_len: int, q_len: int, block_size: int) -> tuple[float, float]:
+    cache = paged_kv([seq_len], NUM_KV_HEADS, HEAD_DIM, block_size, DTYPE, "cuda")
+    q = torch.randn(q_len, NUM_HEADS, HEAD_DIM, device="cuda").to(DTYPE)
+    cu = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
+    args = (q, cache.k_cache, cache.v_cache, cu, cache.seq_lens, cache.block_tables, 0.088)
+    ms = bench_ms(lambda: prefill_attention(*args))
+    # Causal: each query sees (prefix + its own position) keys; QK^T and PV, 2 FLOP per MAC.
+    pairs = sum(seq_len - q_len + i + 1 for i in range(q_len))
+    return ms, 4 * pairs * NUM_HEADS * HEAD_DIM / (ms * 1e-3) / 1e12
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--no-sweep", action="store_true", help="default tiles only")
+    opts = parser.parse_args()
+    random.seed(0)
+    torch.manual_seed(0)
+    sms = num_sms(torch.device("cuda"))
+    print(f"{torch.cuda.get_device_name()} ({sms} SMs), torch {torch.__version__}, "
+          f"triton {triton.__version__}; Qwen3-0.6B attention, one layer, {DTYPE}")
+
+    throughput_lens = [random.randint(1024, 2048) for _ in range(256)]  # ~1.5k mean
+    cases = [
+        ("batch 256 x ~1.5k", 256, throughput_lens),
+        ("batch 64 x 4k", 64, [4096] * 64),
+        ("batch 16 x 1k", 16, [1024] * 16),
+        ("batch 1 x 8k", 1, [8192]),
+        ("batch 1 x 1k", 1, [1024]),
+    ]
+    rows = []
+    for block_size in (256, 16):
+        for name, batch, lens in cases:
+            splits = choose_num_splits(batch, NUM_KV_HEADS, max(lens), sms)
+            ms, gbs = decode_case(batch, lens, block_size)
+            rows.append((f"decode {name}", block_size, f"splits {splits}", ms, gbs))
+            print(rows[-1])
+
+    if not opts.no_sweep:
+        default = decode_tiles(DTYPE)
+        variants = [
+            dict(default, BLOCK_N=32),
+            dict(default, BLOCK_N=128),
+            dict(default, num_stages=1),
+            dict(default, num_stages=3),
+            dict(default, num_warps=8),
+            dict(default, BLOCK_N=128, num_warps=8, num_stages=3),
+        ]
+        for name, batch, lens in (cases[0], cases[3]):
+            for tiles in variants:
+                ms, gbs = decode_case(batch, lens, 256, tile_config=tiles)
+                desc = f"N{tiles['BLOCK_N']} w{tiles['num_warps']} s{tiles['num_stages']}"
+                rows.append((f"decode {name}", 256, desc, ms, gbs))
+                print(rows[-1])
+        for splits in (8, 16, 64):
+            ms, gbs = decode_case(1, [8192], 256, num_splits=splits)
+            rows.append(("decode batch 1 x 8k", 256, f"splits {splits}", ms, gbs))
+            print(rows[-1])
+
+    prefill_rows = []
+    for seq_len, q_len in ((1024, 1024), (4096, 4096), (8192, 512)):
+        ms, tflops = prefill_case(seq_len, q_len, 256)
+        prefill_rows.append((f"prefill ctx {seq_len} q {q_len}", ms, tflops))
+
+    print(f"\n{'case':32} {'block':>5} {'variant':>16} {'ms':>9} {'GB/s':>8} {'% 4.3TB/s':>9}")
+    for name, block_size, desc, ms, gbs in rows:
+        print(f"{name:32} {block_size:5d} {desc:>16} {ms:9.4f} {gbs:8.0f} "
+              f"{100 * gbs * 1e9 / PEAK_BYTES_PER_S:8.1f}%")
+    for name, ms, tflops in prefill_rows:
+        print(f"{name:32} {256:5d} {'':>16} {ms:9.4f} {tflops:7.1f} TFLOP/s")
+
+
+if __name__ == "__main__":
+    main()

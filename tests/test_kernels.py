@@ -1,0 +1,304 @@
+"""The Triton kernels on the CPU, under Triton's interpreter, against their references.
+
+Triton reads TRITON_INTERPRET when a kernel module is imported, so each kernel group runs
+in its own subprocess (this file run as a script: `python test_kernels.py GROUP`) with the
+variable set there; nothing leaks into the other tests of this pytest process. Shapes are
+small (the interpreter is slow); fp32 and fp16 only (bf16 `tl.dot` is wrong in the
+interpreter; bf16 is checked on the GPU in test_kernels_gpu.py). Wrapper-allocated outputs
+are NaN-poisoned (kernels.testing.poisoned_empty), so unwritten elements fail.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+DTYPES = (torch.float32, torch.float16)
+HEADS = ((4, 2), (6, 2), (2, 2))  # (num_heads, num_kv_heads): GQA groups of 2, 3 and 1
+HEAD_DIM = 64
+
+
+def _assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    from minivllm.kernels.testing import rel_err
+
+    err = rel_err(out, ref)
+    assert err < tol, f"{name}: relative error {err:.3g} >= {tol:g}"
+
+
+def _fused_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype):
+    """q, k, v as strided views of one fused projection output, as the engine has them."""
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * HEAD_DIM).to(dtype)
+    q, k, v = qkv.split([num_heads * HEAD_DIM, num_kv_heads * HEAD_DIM,
+                         num_kv_heads * HEAD_DIM], dim=-1)
+    return (qkv, q.view(num_tokens, num_heads, HEAD_DIM),
+            k.view(num_tokens, num_kv_heads, HEAD_DIM), v.view(num_tokens, num_kv_heads, HEAD_DIM))
+
+
+# ----------------------------------------------------------------------------------------
+# Checks, run inside the interpreter subprocess.
+
+
+def check_store_kvcache() -> None:
+    from minivllm.kernels.store_kvcache import store_kvcache, store_kvcache_ref
+    from minivllm.kernels.testing import paged_kv
+
+    for dtype, block_size, key_dtype in [
+        (torch.float32, 16, torch.float32),
+        (torch.float16, 32, torch.float16),
+        (torch.float16, 16, torch.float32),  # the cache's dtype wins
+    ]:
+        cache = paged_kv([40, 7], 2, HEAD_DIM, block_size, dtype, "cpu", spare_blocks=2)
+        num_slots = cache.k_cache.shape[0] * block_size
+        _, _, key, value = _fused_qkv(9, 4, 2, key_dtype)
+        slots = torch.randperm(num_slots)[:9]
+        slots[[2, 5]] = -1
+        k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
+        store_kvcache_ref(key, value, k_ref, v_ref, slots)
+        store_kvcache(key, value, cache.k_cache, cache.v_cache, slots.int())
+        # A copy: exact, and slots nobody writes (-1 included) keep their contents.
+        assert torch.equal(cache.k_cache, k_ref), f"k_cache {dtype} {block_size}"
+        assert torch.equal(cache.v_cache, v_ref), f"v_cache {dtype} {block_size}"
+
+
+def check_rms_norm() -> None:
+    from minivllm.kernels.rms_norm import rms_norm, rms_norm_ref
+
+    for dtype in DTYPES:
+        for weight_dtype in (dtype, torch.float32):
+            x = torch.randn(7, 300).to(dtype)
+            residual = torch.randn(7, 300).to(dtype)
+            weight = (1 + 0.1 * torch.randn(300)).to(weight_dtype)
+            out, new_res = rms_norm(x, weight, 1e-6, residual)
+            ref, ref_res = rms_norm_ref(x, weight, 1e-6, residual)
+            _assert_close(f"rms_norm+residual {dtype}", out, ref, TOL[dtype])
+            _assert_close(f"new residual {dtype}", new_res, ref_res, TOL[dtype])
+            out, none = rms_norm(x, weight, 1e-6)
+            assert none is None
+            _assert_close(f"rms_norm {dtype}", out, rms_norm_ref(x, weight, 1e-6)[0], TOL[dtype])
+        # Per-head q-norm (Qwen3) on a strided view of a fused QKV output.
+        _, q, _, _ = _fused_qkv(5, 4, 2, dtype)
+        weight = (1 + 0.1 * torch.randn(HEAD_DIM)).to(dtype)
+        out, _ = rms_norm(q, weight, 1e-6)
+        _assert_close(f"rms_norm per head {dtype}", out, rms_norm_ref(q, weight, 1e-6)[0],
+                      TOL[dtype])
+
+
+def _cos_sin_cache(max_position: int, head_dim: int, theta: float = 1e6) -> torch.Tensor:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    freqs = torch.arange(max_position).float()[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_position, head_dim]
+
+
+def check_rotary() -> None:
+    from minivllm.kernels.rotary import rotary, rotary_ref
+
+    cache = _cos_sin_cache(4096, HEAD_DIM)
+    for dtype in DTYPES:
+        for num_heads, num_kv_heads in HEADS:
+            qkv, q, k, v = _fused_qkv(11, num_heads, num_kv_heads, dtype)
+            positions = torch.randint(1, 4096, (11,))
+            q_ref, k_ref = rotary_ref(positions, q, k, cache)
+            v_before = v.clone()
+            q_out, k_out = rotary(positions, q, k, cache)
+            assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()
+            _assert_close(f"rotary q {dtype}", q_out, q_ref, TOL[dtype])
+            _assert_close(f"rotary k {dtype}", k_out, k_ref, TOL[dtype])
+            assert torch.equal(v, v_before), "rotary wrote outside q and k"
+
+
+def check_silu_and_mul() -> None:
+    from minivllm.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+
+    for dtype in DTYPES:
+        for inter in (300, 1100):  # masked tail; several column blocks
+            x = torch.randn(9, 2 * inter).to(dtype)
+            ref = silu_and_mul_ref(x.float())
+            _assert_close(f"silu_and_mul {dtype} {inter}", silu_and_mul(x), ref, TOL[dtype])
+
+
+# Each dtype meets each block size and each GQA group (the interpreter is too slow for the
+# full product).
+ATTENTION_CASES = [
+    (torch.float32, 16, (4, 2)),
+    (torch.float32, 32, (6, 2)),
+    (torch.float32, 16, (2, 2)),
+    (torch.float16, 32, (4, 2)),
+    (torch.float16, 16, (6, 2)),
+    (torch.float16, 32, (2, 2)),
+]
+
+# (seq_len, q_len): a one-token sequence, full prompts, queries after a cached prefix
+# (prefix hit / later chunk), one decode-like query, a sequence with no queries this step.
+PREFILL_SEQS = [(1, 1), (37, 37), (100, 30), (64, 1), (50, 0), (70, 70)]
+
+
+def check_prefill_attention() -> None:
+    from minivllm.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+    from minivllm.kernels.testing import paged_kv
+
+    seq_lens = [s for s, _ in PREFILL_SEQS]
+    cu = torch.tensor([0, *itertools.accumulate(q for _, q in PREFILL_SEQS)], dtype=torch.int32)
+    small_tiles = dict(BLOCK_M=16, BLOCK_N=16, DOT_PRECISION="ieee", num_warps=4, num_stages=1)
+    for dtype, block_size, (num_heads, num_kv_heads) in ATTENTION_CASES:
+        cache = paged_kv(seq_lens, num_kv_heads, HEAD_DIM, block_size, dtype, "cpu")
+        args = (cache.k_cache, cache.v_cache, cu, cache.seq_lens, cache.block_tables)
+        _, q, _, _ = _fused_qkv(int(cu[-1]), num_heads, num_kv_heads, dtype)
+        scale = HEAD_DIM**-0.5
+        ref = prefill_attention_ref(q.double(), *(a.double() for a in args[:2]), *args[2:],
+                                    scale)
+        name = f"prefill {dtype} block {block_size} heads {num_heads}/{num_kv_heads}"
+        _assert_close(name, prefill_attention(q, *args, scale), ref, TOL[dtype])
+        if block_size == 16:  # several query tiles per sequence
+            out = prefill_attention(q, *args, scale, tile_config=small_tiles)
+            _assert_close(name + " 16x16 tiles", out, ref, TOL[dtype])
+
+
+DECODE_SEQ_LENS = [1, 37, 100, 64, 129, 17]
+
+
+def check_decode_attention() -> None:
+    from minivllm.kernels.decode_attention import decode_attention, decode_attention_ref
+    from minivllm.kernels.testing import paged_kv
+
+    for dtype, block_size, (num_heads, num_kv_heads) in ATTENTION_CASES:
+        cache = paged_kv(DECODE_SEQ_LENS, num_kv_heads, HEAD_DIM, block_size, dtype, "cpu")
+        args = (cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables)
+        # A strided q (a slice of a wider buffer), as the engine's QKV split gives it.
+        q = torch.randn(len(DECODE_SEQ_LENS), num_heads, 2 * HEAD_DIM).to(dtype)[..., :HEAD_DIM]
+        scale = 1 / math.sqrt(HEAD_DIM)
+        ref = decode_attention_ref(q.double(), *(a.double() for a in args[:2]), *args[2:],
+                                   scale)
+        for splits in (None, 1, 4):  # chosen, direct write, split + merge
+            out = decode_attention(q, *args, scale, num_splits=splits)
+            name = (f"decode {dtype} block {block_size} heads {num_heads}/{num_kv_heads} "
+                    f"splits {splits}")
+            _assert_close(name, out, ref, TOL[dtype])
+
+
+def check_wrapper_errors() -> None:
+    from minivllm.kernels.decode_attention import decode_attention
+    from minivllm.kernels.prefill_attention import prefill_attention
+    from minivllm.kernels.rms_norm import rms_norm
+    from minivllm.kernels.store_kvcache import store_kvcache
+    from minivllm.kernels.testing import paged_kv
+
+    cache = paged_kv([20], 2, HEAD_DIM, 16, torch.float32, "cpu")
+    kv = (cache.k_cache, cache.v_cache)
+    q = torch.randn(1, 4, HEAD_DIM)
+    cases = [
+        (lambda: decode_attention(q[..., :32], *kv, cache.seq_lens, cache.block_tables, 1.0),
+         "head_dim"),
+        (lambda: decode_attention(torch.randn(1, 3, HEAD_DIM), *kv, cache.seq_lens,
+                                  cache.block_tables, 1.0), "multiple of num_kv_heads"),
+        (lambda: decode_attention(q, *kv, cache.seq_lens.float(), cache.block_tables, 1.0),
+         "seq_lens has dtype"),
+        (lambda: decode_attention(q, *kv, cache.seq_lens, cache.block_tables, 1.0,
+                                  num_splits=3), "power of two"),
+        (lambda: decode_attention(q, cache.k_cache, cache.v_cache[:, :, :1], cache.seq_lens,
+                                  cache.block_tables, 1.0), "must match"),
+        (lambda: decode_attention(q.transpose(1, 2), *kv, cache.seq_lens, cache.block_tables,
+                                  1.0), "contiguous in its last dimension"),
+        (lambda: prefill_attention(q[0], *kv, torch.tensor([0, 1]), cache.seq_lens,
+                                   cache.block_tables, 1.0), "dimensions"),
+        (lambda: prefill_attention(q, *kv, torch.tensor([0]), cache.seq_lens,
+                                   cache.block_tables, 1.0), "num_seqs + 1"),
+        (lambda: store_kvcache(q, q, *kv, torch.tensor([0])), "to match the cache"),
+        (lambda: rms_norm(torch.randn(3, 8), torch.ones(9), 1e-6), "weight has 9"),
+    ]
+    small = paged_kv([5], 1, HEAD_DIM, 8, torch.float32, "cpu")  # block size 8: unsupported
+    cases.append((lambda: decode_attention(q[:, :1], small.k_cache, small.v_cache,
+                                           small.seq_lens, small.block_tables, 1.0),
+                  "block_size must be"))
+    for fn, message in cases:
+        try:
+            fn()
+        except ValueError as e:
+            assert message in str(e), f"expected {message!r} in {e!r}"
+        else:
+            raise AssertionError(f"no ValueError mentioning {message!r}")
+
+
+# Subprocess groups: each start costs seconds (torch + triton imports), so the cheap
+# kernels share one.
+CHECKS = {
+    "elementwise": [check_store_kvcache, check_rms_norm, check_rotary, check_silu_and_mul,
+                    check_wrapper_errors],
+    "prefill_attention": [check_prefill_attention],
+    "decode_attention": [check_decode_attention],
+}
+
+
+# ----------------------------------------------------------------------------------------
+# The tests pytest collects.
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("group", list(CHECKS))
+def test_triton_kernel_interpreted(group: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, __file__, group], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"{group} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+
+
+def test_use_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    from minivllm.kernels import dispatch
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv("MINIVLLM_TRITON", raising=False)
+    assert not dispatch.use_triton("cpu")
+    assert not dispatch.use_triton(torch.zeros(1))
+    assert dispatch.use_triton(torch.device("cuda", 0)) == dispatch.HAS_TRITON
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not dispatch.use_triton("cpu"), "the interpreter alone must not switch kernels"
+    monkeypatch.setenv("MINIVLLM_TRITON", "1")
+    assert dispatch.use_triton("cpu") == dispatch.HAS_TRITON
+    monkeypatch.setattr(dispatch, "HAS_TRITON", False)
+    assert not dispatch.use_triton("cuda")
+
+
+def test_kernel_modules_import_without_triton() -> None:
+    # sys.modules[name] = None makes `import name` raise ImportError: Triton "uninstalled".
+    code = """
+import sys
+sys.modules["triton"] = None
+sys.modules["triton.language"] = None
+import torch
+from minivllm.kernels import dispatch
+from minivllm.kernels.decode_attention import decode_attention, decode_attention_ref
+from minivllm.kernels import prefill_attention, rms_norm, rotary, silu_and_mul, store_kvcache
+from minivllm.kernels.testing import paged_kv
+assert not dispatch.HAS_TRITON and not dispatch.use_triton("cuda")
+c = paged_kv([5, 9], 1, 64, 16, torch.float32, "cpu")
+q = torch.randn(2, 2, 64)
+args = (q, c.k_cache, c.v_cache, c.seq_lens, c.block_tables, 0.1)
+assert decode_attention_ref(*args).isfinite().all()
+try:
+    decode_attention(*args)
+except RuntimeError as e:
+    assert "Triton" in str(e), e
+else:
+    raise AssertionError("the Triton wrapper ran without Triton")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+if __name__ == "__main__":
+    from minivllm.kernels.testing import poisoned_empty
+
+    torch.manual_seed(0)
+    with poisoned_empty():
+        for check in CHECKS[sys.argv[1]]:
+            check()
+            print(f"{check.__name__}: ok")

@@ -1,0 +1,193 @@
+"""The Triton kernels on a CUDA GPU at realistic shapes, against their references.
+
+References run in float64 on the upcast inputs (attention) or in the kernel's dtype with
+the reference's own rounding steps (elementwise kernels). Wrapper-allocated outputs are
+NaN-poisoned, so unwritten elements fail. Skipped without a GPU (conftest.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+# (num_heads, num_kv_heads, head_dim): Qwen3-0.6B, the same at head_dim 64, SmolLM2-135M.
+HEADS = [(16, 8, 128), (16, 8, 64), (9, 3, 64)]
+DEVICE = "cuda"
+ATTENTION_CASES = [
+    pytest.param(dtype, block_size, heads,
+                 id=f"{str(dtype)[6:]}-block{block_size}-{heads[0]}q{heads[1]}kv{heads[2]}d")
+    for dtype, block_size, heads in itertools.product(
+        [torch.bfloat16, torch.float32], [16, 256], HEADS
+    )
+]
+
+
+@pytest.fixture(autouse=True)
+def _poison_and_seed():
+    from minivllm.kernels.testing import poisoned_empty
+
+    torch.manual_seed(0)
+    with poisoned_empty():
+        yield
+
+
+def _assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
+    from minivllm.kernels.testing import rel_err
+
+    err = rel_err(out, ref)
+    print(f"{name}: rel err {err:.2e}")
+    assert err < tol, f"{name}: relative error {err:.3g} >= {tol:g}"
+
+
+# Ragged contexts from 1 to 8k, around block boundaries (16 and 256).
+DECODE_SEQ_LENS = [1, 2, 15, 16, 17, 255, 256, 257, 1000, 1537, 4095, 8192]
+
+
+@pytest.mark.parametrize("dtype,block_size,heads", ATTENTION_CASES)
+def test_decode_attention(dtype: torch.dtype, block_size: int, heads: tuple) -> None:
+    from minivllm.kernels.decode_attention import decode_attention, decode_attention_ref
+    from minivllm.kernels.testing import paged_kv
+
+    num_heads, num_kv_heads, head_dim = heads
+    cache = paged_kv(DECODE_SEQ_LENS, num_kv_heads, head_dim, block_size, dtype, DEVICE)
+    args = (cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables)
+    q = torch.randn(len(DECODE_SEQ_LENS), num_heads, head_dim, device=DEVICE).to(dtype)
+    scale = head_dim**-0.5
+    ref = decode_attention_ref(q.double(), *(a.double() for a in args[:2]), *args[2:], scale)
+    splits = [None, 1, 16] if dtype == torch.bfloat16 else [None]
+    for num_splits in splits:
+        out = decode_attention(q, *args, scale, num_splits=num_splits)
+        name = f"decode {dtype} block {block_size} heads {heads} splits {num_splits}"
+        _assert_close(name, out, ref, TOL[dtype])
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_decode_attention_batch1_long(block_size: int) -> None:
+    """Batch 1 at 8k: the case flash-decoding's splits exist for."""
+    from minivllm.kernels.decode_attention import decode_attention, decode_attention_ref
+    from minivllm.kernels.testing import paged_kv
+
+    cache = paged_kv([8000], 8, 128, block_size, torch.bfloat16, DEVICE)
+    args = (cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables)
+    q = torch.randn(1, 16, 128, device=DEVICE).to(torch.bfloat16)
+    ref = decode_attention_ref(q.double(), *(a.double() for a in args[:2]), *args[2:], 0.088)
+    _assert_close(f"decode batch 1 8k block {block_size}", decode_attention(q, *args, 0.088),
+                  ref, TOL[torch.bfloat16])
+
+
+def test_decode_attention_cuda_graph() -> None:
+    """Captured once for a padded block table, replayed with other lengths: the launch
+    must not depend on seq_lens' values (no host sync, splits fixed by shapes)."""
+    from minivllm.kernels.decode_attention import decode_attention, decode_attention_ref
+    from minivllm.kernels.testing import paged_kv
+
+    torch.use_deterministic_algorithms(False)  # no NaN-fill kernels inside the capture
+    cache = paged_kv([4096] * 4, 8, 128, 16, torch.bfloat16, DEVICE, spare_columns=0)
+    q = torch.randn(4, 16, 128, device=DEVICE).to(torch.bfloat16)
+    seq_lens = cache.seq_lens.clone()
+    args = (cache.k_cache, cache.v_cache, seq_lens, cache.block_tables)
+    decode_attention(q, *args, 0.088)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, *args, 0.088)
+    for lens in ([1, 4096, 77, 2049], [300, 20, 4000, 1]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        q.normal_()
+        graph.replay()
+        ref = decode_attention_ref(q.double(), *(a.double() for a in args[:2]), *args[2:],
+                                   0.088)
+        _assert_close(f"decode graph replay {lens}", out, ref, TOL[torch.bfloat16])
+
+
+# (seq_len, q_len): single tokens, whole prompts, queries after a cached prefix (prefix hit
+# or a later chunk of chunked prefill), a chunk at the end of an 8k context.
+PREFILL_SEQS = [(1, 1), (17, 17), (300, 300), (1024, 1024), (2048, 1000), (8192, 512),
+                (4097, 1), (3000, 0), (4096, 4096)]
+
+
+@pytest.mark.parametrize("dtype,block_size,heads", ATTENTION_CASES)
+def test_prefill_attention(dtype: torch.dtype, block_size: int, heads: tuple) -> None:
+    from minivllm.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+    from minivllm.kernels.testing import paged_kv
+
+    num_heads, num_kv_heads, head_dim = heads
+    seq_lens = [s for s, _ in PREFILL_SEQS]
+    cu = torch.tensor([0, *itertools.accumulate(q for _, q in PREFILL_SEQS)],
+                      dtype=torch.int32, device=DEVICE)
+    cache = paged_kv(seq_lens, num_kv_heads, head_dim, block_size, dtype, DEVICE)
+    args = (cache.k_cache, cache.v_cache, cu, cache.seq_lens, cache.block_tables)
+    q = torch.randn(int(cu[-1]), num_heads, head_dim, device=DEVICE).to(dtype)
+    scale = head_dim**-0.5
+    ref = prefill_attention_ref(q.double(), *(a.double() for a in args[:2]), *args[2:], scale)
+    _assert_close(f"prefill {dtype} block {block_size} heads {heads}",
+                  prefill_attention(q, *args, scale), ref, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_store_kvcache(dtype: torch.dtype) -> None:
+    from minivllm.kernels.store_kvcache import store_kvcache, store_kvcache_ref
+    from minivllm.kernels.testing import paged_kv
+
+    cache = paged_kv([4096], 8, 128, 256, dtype, DEVICE, spare_blocks=8)
+    num_slots = cache.k_cache.shape[0] * 256
+    qkv = torch.randn(3000, (16 + 16) * 128, device=DEVICE).to(dtype)
+    key = qkv[:, 16 * 128 : 24 * 128].view(3000, 8, 128)  # strided views, as from QKV
+    value = qkv[:, 24 * 128 :].view(3000, 8, 128)
+    slots = torch.randperm(num_slots, device=DEVICE)[:3000]
+    slots[::7] = -1
+    k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
+    store_kvcache_ref(key, value, k_ref, v_ref, slots)
+    store_kvcache(key, value, cache.k_cache, cache.v_cache, slots)
+    assert torch.equal(cache.k_cache, k_ref) and torch.equal(cache.v_cache, v_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm(dtype: torch.dtype) -> None:
+    from minivllm.kernels.rms_norm import rms_norm, rms_norm_ref
+
+    x = torch.randn(4096, 1024, device=DEVICE).to(dtype)
+    residual = torch.randn(4096, 1024, device=DEVICE).to(dtype)
+    weight = (1 + 0.1 * torch.randn(1024, device=DEVICE)).to(dtype)
+    out, new_res = rms_norm(x, weight, 1e-6, residual)
+    ref, ref_res = rms_norm_ref(x, weight, 1e-6, residual)
+    _assert_close(f"rms_norm+residual {dtype}", out, ref, TOL[dtype])
+    _assert_close(f"rms_norm new residual {dtype}", new_res, ref_res, TOL[dtype])
+    # Qwen3's per-head q norm on a strided view of the QKV output.
+    qkv = torch.randn(4096, 32 * 128, device=DEVICE).to(dtype)
+    q = qkv[:, : 16 * 128].view(4096, 16, 128)
+    head_weight = (1 + 0.1 * torch.randn(128, device=DEVICE)).to(dtype)
+    _assert_close(f"rms_norm per head {dtype}", rms_norm(q, head_weight, 1e-6)[0],
+                  rms_norm_ref(q, head_weight, 1e-6)[0], TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads", HEADS)
+def test_rotary(dtype: torch.dtype, heads: tuple) -> None:
+    from minivllm.kernels.rotary import rotary, rotary_ref
+
+    num_heads, num_kv_heads, head_dim = heads
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim)
+    freqs = torch.arange(40960, device=DEVICE).float()[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_position, head_dim]
+    qkv = torch.randn(2048, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE).to(dtype)
+    q = qkv[:, : num_heads * head_dim].view(2048, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
+    k = k.view(2048, num_kv_heads, head_dim)
+    positions = torch.randint(0, 40960, (2048,), device=DEVICE)
+    q_ref, k_ref = rotary_ref(positions, q, k, cos_sin)
+    q_out, k_out = rotary(positions, q, k, cos_sin)
+    _assert_close(f"rotary q {dtype} {heads}", q_out, q_ref, TOL[dtype])
+    _assert_close(f"rotary k {dtype} {heads}", k_out, k_ref, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    from minivllm.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
+
+    x = torch.randn(4096, 2 * 3072, device=DEVICE).to(dtype)
+    _assert_close(f"silu_and_mul {dtype}", silu_and_mul(x), silu_and_mul_ref(x), TOL[dtype])
