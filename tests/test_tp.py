@@ -24,7 +24,7 @@ from conftest import SMOLLM2, tiny_engine
 
 from minivllm import EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from minivllm.engine.llm_engine import EngineDeadError
-from minivllm.engine.worker import tp_device
+from minivllm.engine.worker import WorkerError, tp_device
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 WORKER_MARK = "minivllm.engine.worker import worker_main"
@@ -87,8 +87,10 @@ def workers_of(rank0_pid: int) -> list[int]:
                 argv = f.read().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if any(WORKER_MARK in a for a in argv) and str(rank0_pid) in argv and is_running(
-            int(entry)
+        if (
+            any(WORKER_MARK in a for a in argv)
+            and str(rank0_pid) in argv
+            and is_running(int(entry))
         ):
             pids.append(int(entry))
     return pids
@@ -206,6 +208,16 @@ def test_two_tp_engines_in_one_process(tp2_qwen3, tp2_llama, tiny_qwen3, tiny_ll
         assert_same_greedy(path, prompts, got, tp1_generate(path, prompts))
 
 
+def test_worker_error_is_reported_with_its_traceback(tp2_llama, tiny_llama):
+    """A command that fails on a worker raises with the worker's traceback; every reply
+    was still read, so the group stays in step."""
+    with pytest.raises(WorkerError, match=r"(?s)worker rank 1 failed:.*not a worker command"):
+        tp2_llama.workers.run(object(), lambda: None)
+    prompts = prompts_of((11,), seed=3)
+    got = tp2_llama.generate(prompts, GREEDY)["token_ids"]
+    assert_same_greedy(tiny_llama, prompts, got, tp1_generate(tiny_llama, prompts))
+
+
 # -- (2) prefix caching, chunked prefill, preemption under TP=2 -------------------------
 
 
@@ -217,7 +229,10 @@ def test_tp2_prefix_cache_chunked_prefill_and_preemption(tiny_qwen3):
     # 9 blocks of 16 tokens for six ~70-token sequences: preemption is certain; a
     # 32-token budget chunks every prompt; the shared 40-token prefix is cached.
     llm = tiny_engine(
-        tiny_qwen3, world_size=2, max_cached_blocks=9, max_num_batched_tokens=32,
+        tiny_qwen3,
+        world_size=2,
+        max_cached_blocks=9,
+        max_num_batched_tokens=32,
         max_model_length=128,
     )
     try:
@@ -242,8 +257,13 @@ def test_smollm2_heads_not_divisible_by_two(smollm2_path):
 @pytest.mark.slow
 def test_smollm2_tp3_matches_tp1(smollm2_path):
     """9 heads, 3 KV heads, intermediate 1536 and vocab 49152 all split three ways."""
-    config = {"model_name_or_path": SMOLLM2, "device": "cpu", "max_model_length": 512,
-              "block_size": 16, "max_cached_blocks": 64}
+    config = {
+        "model_name_or_path": SMOLLM2,
+        "device": "cpu",
+        "max_model_length": 512,
+        "block_size": 16,
+        "max_cached_blocks": 64,
+    }
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     tp3 = LLMEngine({**config, "world_size": 3})
     try:
@@ -279,8 +299,9 @@ def test_smollm2_tp3_matches_tp1(smollm2_path):
     ],
 )
 def test_not_divisible_by_world_size_names_the_field(arch, field):
-    model = ModelConfig(**{"num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128,
-                           "vocab_size": 512, **arch})
+    model = ModelConfig(
+        **{"num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128, "vocab_size": 512, **arch}
+    )
     with pytest.raises(ValueError, match=rf"{field} is not divisible by world_size=2"):
         EngineConfig(model_name_or_path="x", model=model, world_size=2, device="cpu")
 
@@ -384,9 +405,11 @@ def test_rank0_killed_workers_exit(tiny_llama):
         proc.wait()
         took = wait_until(lambda: not any(is_running(p) for p in pids), timeout=10)
         assert took < 10
+        # The workers shared rank 0's stderr: leaving quietly, they printed nothing.
+        _, err = proc.communicate(timeout=10)
+        assert "Traceback" not in err, err
     finally:
         proc.kill()
-        proc.communicate()
 
 
 @pytest.mark.parametrize("when", ["load", "decode"])
@@ -403,6 +426,8 @@ def test_ctrl_c_leaves_nothing_behind(tiny_llama, when):
     finally:
         proc.kill()
     assert "interrupted" in out
+    if when == "load":
+        assert "workers:" not in out  # the interrupt did land during the load
     assert proc.returncode == 0
     assert "Traceback" not in err, err  # neither rank 0 nor a worker printed one
     assert workers_of(proc.pid) == []
