@@ -74,3 +74,39 @@ def poisoned_empty() -> Iterator[None]:
     finally:
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
         torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+def decode_tile_variants(dtype: torch.dtype) -> list[dict]:
+    """Decode tile configurations the benchmark sweeps and the GPU tests check, so a
+    default can move to any of them with its correctness already shown."""
+    from minivllm.kernels.decode_attention import _tile_config
+
+    default = _tile_config(dtype)
+    return [
+        dict(default, BLOCK_N=32),
+        dict(default, BLOCK_N=128),
+        dict(default, num_stages=1),
+        dict(default, num_stages=3),
+        dict(default, num_warps=8),
+        dict(default, BLOCK_N=128, num_warps=8, num_stages=3),
+    ]
+
+
+def prefill_tile_variants(dtype: torch.dtype, head_dim: int) -> list[dict]:
+    """Prefill tile configurations the benchmark sweeps and the GPU tests check."""
+    from minivllm.kernels.prefill_attention import _tile_config
+
+    default = _tile_config(dtype, head_dim)
+    return [
+        dict(default, num_stages=3),
+        dict(default, BLOCK_M=128, num_warps=8),
+        dict(default, BLOCK_M=128, num_warps=8, num_stages=3),
+        dict(default, BLOCK_N=32),
+    ]
+
+
+def describe_tiles(tiles: dict) -> str:
+    """'M64 N64 w4 s2': query and key tile sizes, warps, pipeline stages."""
+    parts = [f"M{tiles['BLOCK_M']}"] if "BLOCK_M" in tiles else []
+    parts += [f"N{tiles['BLOCK_N']}", f"w{tiles['num_warps']}", f"s{tiles['num_stages']}"]
+    return " ".join(parts)

@@ -18,8 +18,14 @@ import triton.testing
 from minivllm.kernels.decode_attention import _tile_config as decode_tiles
 from minivllm.kernels.decode_attention import choose_num_splits, decode_attention
 from minivllm.kernels.dispatch import num_sms
+from minivllm.kernels.prefill_attention import _tile_config as prefill_tiles
 from minivllm.kernels.prefill_attention import prefill_attention
-from minivllm.kernels.testing import paged_kv
+from minivllm.kernels.testing import (
+    decode_tile_variants,
+    describe_tiles,
+    paged_kv,
+    prefill_tile_variants,
+)
 
 PEAK_BYTES_PER_S = 4.3e12
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B
@@ -27,7 +33,7 @@ DTYPE = torch.bfloat16
 
 
 def bench_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def decode_case(batch: int, seq_lens: list[int], block_size: int, **kw) -> tuple[float, float]:
@@ -43,12 +49,12 @@ def decode_case(batch: int, seq_lens: list[int], block_size: int, **kw) -> tuple
     return ms, total / (ms * 1e-3) / 1e9
 
 
-def prefill_case(seq_len: int, q_len: int, block_size: int) -> tuple[float, float]:
+def prefill_case(seq_len: int, q_len: int, block_size: int, **kw) -> tuple[float, float]:
     cache = paged_kv([seq_len], NUM_KV_HEADS, HEAD_DIM, block_size, DTYPE, "cuda")
     q = torch.randn(q_len, NUM_HEADS, HEAD_DIM, device="cuda").to(DTYPE)
     cu = torch.tensor([0, q_len], dtype=torch.int32, device="cuda")
     args = (q, cache.k_cache, cache.v_cache, cu, cache.seq_lens, cache.block_tables, 0.088)
-    ms = bench_ms(lambda: prefill_attention(*args))
+    ms = bench_ms(lambda: prefill_attention(*args, **kw))
     # Causal: each query sees (prefix + its own position) keys; QK^T and PV, 2 FLOP per MAC.
     pairs = sum(seq_len - q_len + i + 1 for i in range(q_len))
     return ms, 4 * pairs * NUM_HEADS * HEAD_DIM / (ms * 1e-3) / 1e12
@@ -81,20 +87,10 @@ def main() -> None:
             print(rows[-1])
 
     if not opts.no_sweep:
-        default = decode_tiles(DTYPE)
-        variants = [
-            dict(default, BLOCK_N=32),
-            dict(default, BLOCK_N=128),
-            dict(default, num_stages=1),
-            dict(default, num_stages=3),
-            dict(default, num_warps=8),
-            dict(default, BLOCK_N=128, num_warps=8, num_stages=3),
-        ]
         for name, batch, lens in (cases[0], cases[3]):
-            for tiles in variants:
+            for tiles in [decode_tiles(DTYPE), *decode_tile_variants(DTYPE)]:
                 ms, gbs = decode_case(batch, lens, 256, tile_config=tiles)
-                desc = f"N{tiles['BLOCK_N']} w{tiles['num_warps']} s{tiles['num_stages']}"
-                rows.append((f"decode {name}", 256, desc, ms, gbs))
+                rows.append((f"decode {name}", 256, describe_tiles(tiles), ms, gbs))
                 print(rows[-1])
         for splits in (8, 16, 64):
             ms, gbs = decode_case(1, [8192], 256, num_splits=splits)
@@ -104,14 +100,19 @@ def main() -> None:
     prefill_rows = []
     for seq_len, q_len in ((1024, 1024), (4096, 4096), (8192, 512)):
         ms, tflops = prefill_case(seq_len, q_len, 256)
-        prefill_rows.append((f"prefill ctx {seq_len} q {q_len}", ms, tflops))
+        desc = describe_tiles(prefill_tiles(DTYPE, HEAD_DIM))
+        prefill_rows.append((f"prefill ctx {seq_len} q {q_len}", desc, ms, tflops))
+    if not opts.no_sweep:
+        for tiles in prefill_tile_variants(DTYPE, HEAD_DIM):
+            ms, tflops = prefill_case(4096, 4096, 256, tile_config=tiles)
+            prefill_rows.append(("prefill ctx 4096 q 4096", describe_tiles(tiles), ms, tflops))
 
     print(f"\n{'case':32} {'block':>5} {'variant':>16} {'ms':>9} {'GB/s':>8} {'% 4.3TB/s':>9}")
     for name, block_size, desc, ms, gbs in rows:
         print(f"{name:32} {block_size:5d} {desc:>16} {ms:9.4f} {gbs:8.0f} "
               f"{100 * gbs * 1e9 / PEAK_BYTES_PER_S:8.1f}%")
-    for name, ms, tflops in prefill_rows:
-        print(f"{name:32} {256:5d} {'':>16} {ms:9.4f} {tflops:7.1f} TFLOP/s")
+    for name, desc, ms, tflops in prefill_rows:
+        print(f"{name:32} {256:5d} {desc:>16} {ms:9.4f} {tflops:7.1f} TFLOP/s")
 
 
 if __name__ == "__main__":

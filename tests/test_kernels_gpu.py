@@ -80,6 +80,22 @@ def test_decode_attention_batch1_long(block_size: int) -> None:
                   ref, TOL[torch.bfloat16])
 
 
+def test_decode_attention_tile_variants() -> None:
+    """Every tile configuration the benchmark sweeps is right, so defaults can move."""
+    from minivllm.kernels.decode_attention import decode_attention, decode_attention_ref
+    from minivllm.kernels.testing import decode_tile_variants, describe_tiles, paged_kv
+
+    cache = paged_kv(DECODE_SEQ_LENS, 8, 128, 256, torch.bfloat16, DEVICE)
+    args = (cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables)
+    q = torch.randn(len(DECODE_SEQ_LENS), 16, 128, device=DEVICE).to(torch.bfloat16)
+    ref = decode_attention_ref(q.double(), *(a.double() for a in args[:2]), *args[2:], 0.088)
+    for tiles in decode_tile_variants(torch.bfloat16):
+        for num_splits in (1, 8):
+            out = decode_attention(q, *args, 0.088, num_splits=num_splits, tile_config=tiles)
+            _assert_close(f"decode tiles {describe_tiles(tiles)} splits {num_splits}", out, ref,
+                          TOL[torch.bfloat16])
+
+
 def test_decode_attention_cuda_graph() -> None:
     """Captured once for a padded block table, replayed with other lengths: the launch
     must not depend on seq_lens' values (no host sync, splits fixed by shapes)."""
@@ -126,6 +142,22 @@ def test_prefill_attention(dtype: torch.dtype, block_size: int, heads: tuple) ->
     ref = prefill_attention_ref(q.double(), *(a.double() for a in args[:2]), *args[2:], scale)
     _assert_close(f"prefill {dtype} block {block_size} heads {heads}",
                   prefill_attention(q, *args, scale), ref, TOL[dtype])
+
+
+def test_prefill_attention_tile_variants() -> None:
+    from minivllm.kernels.prefill_attention import prefill_attention, prefill_attention_ref
+    from minivllm.kernels.testing import describe_tiles, paged_kv, prefill_tile_variants
+
+    seqs = PREFILL_SEQS[:-1]  # the 4k prompt's float64 reference is the slow part
+    cu = torch.tensor([0, *itertools.accumulate(q for _, q in seqs)], dtype=torch.int32,
+                      device=DEVICE)
+    cache = paged_kv([s for s, _ in seqs], 8, 128, 256, torch.bfloat16, DEVICE)
+    args = (cache.k_cache, cache.v_cache, cu, cache.seq_lens, cache.block_tables)
+    q = torch.randn(int(cu[-1]), 16, 128, device=DEVICE).to(torch.bfloat16)
+    ref = prefill_attention_ref(q.double(), *(a.double() for a in args[:2]), *args[2:], 0.088)
+    for tiles in prefill_tile_variants(torch.bfloat16, 128):
+        out = prefill_attention(q, *args, 0.088, tile_config=tiles)
+        _assert_close(f"prefill tiles {describe_tiles(tiles)}", out, ref, TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
