@@ -429,3 +429,18 @@ def test_check_invariants_detects_duplicate_in_table():
     bm.check_invariants()
     with pytest.raises(AssertionError):
         bm.check_invariants(live=[a])
+
+
+def test_forced_collision_on_a_repeated_block_does_not_hit(monkeypatch):
+    """Same tokens at another position (after another prefix) must not be shared."""
+    bm = BlockManager(8, 4)
+    monkeypatch.setattr(bm, "hash_block", lambda parent, token_ids: b"\x00" * 16)
+    a = Sequence(0, [7] * 9, SamplingParams(), max_len=100)
+    assert bm.allocate(a, 9)
+    a.num_computed_tokens = 9
+    bm.cache_full_blocks(a)
+    assert a.block_table == [0, 1, 2] and bm.hash_to_block == {b"\x00" * 16: 0}
+    b = Sequence(1, [7] * 9, SamplingParams(), max_len=100)
+    assert bm.find_cached_prefix(b) == [0]
+    assert bm.allocate(b, 5, [0])
+    bm.check_invariants(live=[a, b])

@@ -15,13 +15,15 @@ from .sequence import Sequence
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "parent", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.hash: bytes | None = None  # set once the block is full and registered
-        self.token_ids: tuple[int, ...] | None = None  # what the hash covers, compared on hit
+        # What the hash covers, compared on every hit so a collision never shares a block.
+        self.parent: bytes | None = None
+        self.token_ids: tuple[int, ...] | None = None
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_count}, hashed={self.hash is not None})"
@@ -104,12 +106,16 @@ class BlockManager:
                 tokens = seq.token_ids[i * bs : (i + 1) * bs]
                 h = self.hash_block(parent, tokens)
                 block_id = self.hash_to_block.get(h)
-                if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
+                if block_id is None or not self._holds(block_id, parent, tokens):
                     break
                 hits.append(block_id)
                 seq.block_hashes.append(h)
                 parent = h
         return hits
+
+    def _holds(self, block_id: int, parent: bytes | None, tokens: list[int]) -> bool:
+        block = self.blocks[block_id]
+        return block.parent == parent and block.token_ids == tuple(tokens)
 
     def record_lookup(self, num_tokens: int, num_hit_blocks: int) -> None:
         """Count an admitted sequence's prefix lookup in the hit-rate statistics."""
@@ -145,6 +151,7 @@ class BlockManager:
             if self.hash_to_block.get(block.hash) == block_id:
                 del self.hash_to_block[block.hash]
             block.hash = None
+            block.parent = None
             block.token_ids = None
         block.ref_count = 1
         return block_id
@@ -159,12 +166,14 @@ class BlockManager:
         hashes = seq.block_hashes
         for i in range(len(hashes), seq.num_computed_tokens // bs):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            h = self.hash_block(hashes[-1] if hashes else None, tokens)
+            parent = hashes[-1] if hashes else None
+            h = self.hash_block(parent, tokens)
             hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if h not in self.hash_to_block and block.hash is None:
                 self.hash_to_block[h] = block.block_id
                 block.hash = h
+                block.parent = parent
                 block.token_ids = tuple(tokens)
 
     def free(self, seq: Sequence) -> None:
