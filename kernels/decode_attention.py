@@ -11,7 +11,6 @@ The Triton version is bound by the bytes of K/V it reads, so:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from minivllm.kernels.dispatch import (
     INDEX_DTYPES,
     check_kv_cache,
@@ -36,15 +35,17 @@ def decode_attention_ref(
     group = num_heads // num_kv_heads
     max_blocks = (int(seq_lens.max()) + block_size - 1) // block_size
     blocks = block_tables[:, :max_blocks].long()
-    # [num_seqs, max_len, num_kv_heads, head_dim] -> [num_seqs, num_heads, max_len, head_dim]
-    k = k_cache[blocks].flatten(1, 2).transpose(1, 2).repeat_interleave(group, dim=1)
-    v = v_cache[blocks].flatten(1, 2).transpose(1, 2).repeat_interleave(group, dim=1)
-    positions = torch.arange(k.shape[2], device=q.device)
-    mask = (positions[None, :] < seq_lens[:, None].to(q.device))[:, None, None, :]
-    o = F.scaled_dot_product_attention(
-        q[:, :, None, :].to(k.dtype), k, v, attn_mask=mask, scale=scale
-    )  # [num_seqs, num_heads, 1, head_dim]
-    return o[:, :, 0].to(q.dtype)
+    k = k_cache[blocks].flatten(1, 2)  # [num_seqs, max_len, num_kv_heads, head_dim]
+    v = v_cache[blocks].flatten(1, 2)
+    # Query heads grouped under their KV head, so K/V need no copy per query head.
+    qg = q.view(num_seqs, num_kv_heads, group, head_dim).to(k.dtype)
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, k).float() * scale
+    positions = torch.arange(k.shape[1], device=q.device)
+    valid = positions[None, :] < seq_lens[:, None].to(q.device)  # [num_seqs, max_len]
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    o = torch.einsum("bkgl,blkd->bkgd", probs, v)  # [num_seqs, num_kv_heads, group, head_dim]
+    return o.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 LOG2E = 1.4426950408889634
@@ -182,7 +183,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: i
 def _tile_config(dtype: torch.dtype) -> dict:
     if dtype == torch.float32:  # exact fp32 dots; small tiles to keep registers in check
         return dict(BLOCK_N=32, DOT_PRECISION="ieee", num_warps=4, num_stages=1)
-    return dict(BLOCK_N=64, DOT_PRECISION="tf32", num_warps=4, num_stages=2)
+    # H200, batch 256 x ~1.5k, block 256: N128 4.10 TB/s, N64 4.02, N32 3.80 (w4 s2).
+    return dict(BLOCK_N=128, DOT_PRECISION="tf32", num_warps=4, num_stages=2)
 
 
 def decode_attention(

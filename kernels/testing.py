@@ -84,11 +84,11 @@ def decode_tile_variants(dtype: torch.dtype) -> list[dict]:
     default = _tile_config(dtype)
     return [
         dict(default, BLOCK_N=32),
-        dict(default, BLOCK_N=128),
+        dict(default, BLOCK_N=64),
         dict(default, num_stages=1),
         dict(default, num_stages=3),
         dict(default, num_warps=8),
-        dict(default, BLOCK_N=128, num_warps=8, num_stages=3),
+        dict(default, BLOCK_N=64, num_warps=8, num_stages=3),
     ]
 
 
