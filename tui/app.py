@@ -56,7 +56,7 @@ class ChatApp(App):
     BINDINGS = [
         Binding("ctrl+q", "quit", "Quit", id="app.quit", priority=True),
         Binding("ctrl+p", "command_palette", "Commands", id="app.command_palette",
-                priority=True),
+                priority=True, show=False),  # the footer shows it on its own
     ]
 
     def __init__(

@@ -30,12 +30,16 @@ async def wait_ready(pilot: Pilot, timeout: float = 30.0) -> None:
 
 
 async def type_and_send(pilot: Pilot, pane_index: int, text: str) -> None:
-    """Focus a pane's input, put `text` in it and press Enter."""
+    """Focus a pane's input, put `text` in it and send it (what Enter does).
+
+    NOTE: not `pilot.press("enter")`: that waits for every widget's queue to drain, which
+    while another pane streams can take until its reply ends.
+    """
     pane = pilot.app.panes[pane_index]
     pane.input.focus()
-    await pilot.pause()
     pane.input.text = text
-    await pilot.press("enter")
+    pane.input.action_send()
+    await pilot.pause()
 
 
 async def wait_idle(pilot: Pilot, timeout: float = 30.0) -> None:

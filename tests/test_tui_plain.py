@@ -1,0 +1,70 @@
+"""`minivllm-chat --plain` with stdin not a terminal: prompts line by line, replies
+printed, /stats, /system, /reset; also through a real pipe into the console script."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+
+from minivllm.tui.fake_engine import FakeEngine
+from minivllm.tui.plain import run_plain
+from minivllm.tui.store import latest_session, load_session
+
+
+def test_plain_mode_from_a_fake_stdin(tmp_path):
+    engine = FakeEngine(reply=["First reply.", "Second \x1b[31mreply\x1b[0m."], step_delay=0.001)
+    out, err = io.StringIO(), io.StringIO()
+    stdin = io.StringIO("hello\n/stats\n\n/system Be brief.\ntwo \\\nlines\n/reset\n/stats\n")
+    code = run_plain(engine=engine, stdin=stdin, stdout=out, stderr=err, interactive=False,
+                     data_root=tmp_path)
+    assert code == 0
+    text = out.getvalue()
+    assert text.startswith("First reply.\n\n")
+    assert "Second reply.\n\n" in text  # control sequences stripped
+    assert "KV cache [" in text and "Running 0 reqs  Waiting 0 reqs" in text
+    assert "Generation throughput" in text and "Prefix cache hit rate" in text
+    assert "(system prompt set)" in text and "(conversation reset)" in text
+    assert "minivllm · fake/scripted-model" in err.getvalue()
+    conv = load_session(latest_session(tmp_path)).conversations[0]
+    assert conv.messages == []  # /reset is recorded too
+    assert conv.settings.system_prompt == "Be brief."
+
+
+def test_plain_mode_through_a_pipe(tmp_path):
+    env = {**os.environ, "MINIVLLM_DATA_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "minivllm.tui.cli", "--fake", "--plain"],
+        input="what is up\n/stats\n", capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "You said: what is up" in proc.stdout
+    assert "KV cache [" in proc.stdout
+    assert "loading weights" in proc.stderr
+
+
+def test_plain_mode_ctrl_c_stops_the_reply_and_keeps_going(tmp_path):
+    import signal
+
+    env = {**os.environ, "MINIVLLM_DATA_DIR": str(tmp_path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "minivllm.tui.cli", "--fake", "--plain"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=env,
+    )
+    try:
+        proc.stdin.write("first\n")
+        proc.stdin.flush()
+        assert proc.stdout.read(7) == "<think>"  # streaming has begun
+        proc.send_signal(signal.SIGINT)
+        proc.stdin.write("second\n")
+        proc.stdin.close()
+        rest = proc.stdout.read()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    first, _, second = rest.partition("[stopped]")
+    assert "You said: second" in second
+    conv = load_session(latest_session(tmp_path)).conversations[0]
+    assert [m.status for m in conv.messages] == ["done", "stopped", "done", "done"]

@@ -1,0 +1,130 @@
+"""minivllm-chat on the real engine: SmolLM2-135M-Instruct on CPU (the embedded copy).
+
+Two panes stream at once and each reply equals `LLMEngine.generate` on the same templated
+prompt (greedy); a second turn raises the prefix cache hit rate; Esc frees the blocks;
+plain mode through a pipe. Slow on CPU, so marked `slow`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from minivllm.tui.app import create_app
+from minivllm.tui.conversation import Settings
+from minivllm.tui.engine_thread import render_prompt
+from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_until
+
+pytestmark = pytest.mark.slow
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SIZE = (160, 48)
+GREEDY = Settings(temperature=0.0, max_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    try:
+        from minivllm import LLMEngine
+
+        eng = LLMEngine({"model_name_or_path": MODEL, "device": "cpu", "block_size": 16,
+                         "max_model_length": 1024, "max_num_sequences": 8})
+    except Exception as exc:  # noqa: BLE001 - no weights here: nothing to test
+        pytest.skip(f"SmolLM2 engine unavailable: {exc}")
+    yield eng
+    eng.exit()
+
+
+def make_app(engine, tmp_path, **kw):
+    kw.setdefault("settings", GREEDY)
+    return create_app(engine, data_root=tmp_path / "data", owns_engine=False,
+                      stats_interval=0.1, **kw)
+
+
+def latest_stats(app):
+    return app.history.samples[-1][1]
+
+
+async def test_two_panes_stream_at_once_and_match_generate(engine, tmp_path):
+    from minivllm import SamplingParams
+
+    prompts = ["Write a short poem about the sea.", "Write a short poem about mountains."]
+    app = make_app(engine, tmp_path)
+    overlap = False
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await type_and_send(pilot, 0, prompts[0])
+        await type_and_send(pilot, 1, prompts[1])
+
+        def both_partial() -> bool:
+            nonlocal overlap
+            a, b = app.panes
+            if a.busy and b.busy and a.conversation.messages[-1].content \
+                    and b.conversation.messages[-1].content:
+                overlap = True
+            return overlap or not (a.busy or b.busy)
+
+        await wait_until(pilot, both_partial, 300, "both panes to show partial text")
+        await wait_idle(pilot, 300)
+        replies = [p.conversation.messages[-1] for p in app.panes]
+        histories = [p.conversation.template_messages()[:-1] for p in app.panes]
+        assert all("TTFT" in p.title_text for p in app.panes)
+    assert overlap, "the two replies did not stream at the same time"
+    assert all(r.status in ("done", "length") and r.content for r in replies)
+    texts = [render_prompt(engine.tokenizer, h, True) for h in histories]
+    out = engine.generate(texts, SamplingParams(temperature=0.0, top_p=0.95, max_tokens=24))
+    assert [r.content for r in replies] == out["text"]
+
+
+async def test_second_turn_raises_prefix_cache_hit_rate(engine, tmp_path):
+    app = make_app(engine, tmp_path, conversations=1)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await type_and_send(pilot, 0, "Tell me a fact about the moon, in one sentence please.")
+        await wait_idle(pilot, 300)
+        app.history.samples.clear()
+        await wait_until(pilot, lambda: app.history.samples, 10)
+        before = latest_stats(app).prefix_cache_hit_rate
+        await type_and_send(pilot, 0, "And one about the sun?")
+        await wait_idle(pilot, 300)
+        app.history.samples.clear()
+        await wait_until(pilot, lambda: app.history.samples, 10)
+        after = latest_stats(app).prefix_cache_hit_rate
+        assert after > before
+        assert "Prefix cache hit rate" in app.chat.stats_panel.lines[2]
+
+
+async def test_esc_frees_the_blocks(engine, tmp_path):
+    app = make_app(engine, tmp_path, conversations=1,
+                   settings=Settings(temperature=0.0, max_tokens=400))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        pane = app.panes[0]
+        await type_and_send(pilot, 0, "Write a long story about a dragon and a knight.")
+        await wait_until(pilot, lambda: pane.state == "streaming" and pane._tokens >= 3, 300)
+        await wait_until(pilot, lambda: latest_stats(app).num_running == 1
+                         and latest_stats(app).num_used_blocks > 0, 60)
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: pane.state == "stopped", 60)
+        assert pane.conversation.messages[-1].content
+        await wait_until(pilot, lambda: latest_stats(app).num_running == 0
+                         and latest_stats(app).num_used_blocks == 0, 30)
+        assert "0/" in app.chat.stats_panel.lines[0] and "Running 0 reqs" in \
+            app.chat.stats_panel.lines[0]
+
+
+def test_plain_mode_through_a_pipe_on_the_real_model(tmp_path, engine):
+    env = {**os.environ, "MINIVLLM_DATA_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "minivllm.tui.cli", "--plain", "--device", "cpu",
+         "--max-model-length", "512", "--temperature", "0", "--max-tokens", "16"],
+        input="What is the capital of France?\n/stats\n", capture_output=True, text=True,
+        env=env, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reply, _, stats = proc.stdout.partition("KV cache [")
+    assert "Paris" in reply
+    assert "Running 0 reqs" in stats and "Generation throughput" in stats
+    assert MODEL in proc.stderr
