@@ -52,8 +52,8 @@ def prefill_attention_ref(
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        k = gather_kv(k_cache, block_tables[i], seq_len).repeat_interleave(group, dim=1)
-        v = gather_kv(v_cache, block_tables[i], seq_len).repeat_interleave(group, dim=1)
+        k = gather_kv(k_cache, block_tables[i], seq_len)  # [seq_len, num_kv_heads, head_dim]
+        v = gather_kv(v_cache, block_tables[i], seq_len)
         # Query j sits at position seq_len - q_len + j and sees keys 0..that position.
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
@@ -63,6 +63,7 @@ def prefill_attention_ref(
             v.transpose(0, 1),
             attn_mask=mask,
             scale=scale,
+            enable_gqa=group > 1,
         )
         out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
     return out

@@ -129,9 +129,7 @@ KNOWN_CONFIGS: dict[str, dict[str, Any]] = {
 # -- resolving a name --------------------------------------------------------------------
 
 
-def resolve_model(
-    name_or_path: str, *, allow_download: bool = True, progress: bool = True
-) -> Path:
+def resolve_model(name_or_path: str, *, allow_download: bool = True, progress: bool = True) -> Path:
     """Return a local folder with config.json, *.safetensors and tokenizer files.
 
     Tries a local folder, a local .gguf file, the Hugging Face cache, the embedded
@@ -263,9 +261,7 @@ def _folder_problem(folder: Path) -> str | None:
             return f"shard(s) listed in {index} are missing: {', '.join(missing)}"
     elif not any(folder.glob("*.safetensors")):
         other = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
-        hint = (
-            f" (found {', '.join(other[:3])}: minivllm reads only safetensors)" if other else ""
-        )
+        hint = f" (found {', '.join(other[:3])}: minivllm reads only safetensors)" if other else ""
         return f"no weights (*.safetensors) in {folder}{hint}"
     has_tokenizer = (
         (folder / "tokenizer.json").is_file()

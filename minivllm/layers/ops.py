@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from minivllm.kernels.decode_attention import decode_attention_ref
@@ -13,11 +15,15 @@ from minivllm.kernels.store_kvcache import store_kvcache_ref
 
 
 def _triton(device: torch.device) -> bool:
-    try:
-        from minivllm.kernels.dispatch import use_triton
-    except ImportError:
-        return False
-    return use_triton(device)
+    return _triton_for(device.type)
+
+
+@functools.cache
+def _triton_for(device_type: str) -> bool:
+    # NOTE: decided once per device type: this sits on every layer's hot path.
+    from minivllm.kernels.dispatch import use_triton
+
+    return use_triton(torch.device(device_type))
 
 
 def rms_norm(x, weight, eps, residual=None):
