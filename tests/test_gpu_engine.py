@@ -1,0 +1,132 @@
+"""The engine on a CUDA GPU: parity with transformers, graph/cache/chunking equivalences,
+KV sizing. Random weights with Qwen3-0.6B's exact config. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm import LLMEngine, SamplingParams
+from minivllm.loader import KNOWN_CONFIGS
+
+pytestmark = pytest.mark.gpu
+
+NUM_TOKENS = 32
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def qwen3_06b(tmp_path_factory):
+    """Qwen3-0.6B's architecture with random weights, saved by transformers."""
+    import transformers
+
+    cfg = dict(KNOWN_CONFIGS["Qwen/Qwen3-0.6B"])
+    cfg["model_type"] = "qwen3"
+    config = transformers.AutoConfig.for_model(**cfg)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the init, so greedy text is not degenerate
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0, 0.05)
+    path = tmp_path_factory.mktemp("qwen3_06b")
+    model.save_pretrained(path)
+    return path, model
+
+
+def prompts(n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, 151936, (int(k),), generator=g).tolist()
+        for k in torch.randint(20, 700, (n,), generator=g)
+    ]
+
+
+def engine(path, **kw):
+    config = {
+        "model_name_or_path": str(path),
+        "gpu_memory_utilization": 0.3,
+        "max_model_length": 2048,
+        "max_num_sequences": 32,
+        **kw,
+    }
+    return LLMEngine(config)
+
+
+def run(path, ps, params=GREEDY, **kw):
+    llm = engine(path, **kw)
+    try:
+        return llm.generate(ps, params)["token_ids"], llm.stats()
+    finally:
+        llm.exit()
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids], device=model.device)).logits[0].float()
+
+
+def test_fp32_greedy_matches_transformers_exactly(qwen3_06b):
+    path, hf = qwen3_06b
+    ps = prompts()
+    ours, _ = run(path, ps, dtype="float32")
+    hf = hf.to("cuda")
+    for p, got in zip(ps, ours, strict=True):
+        out = hf.generate(
+            torch.tensor([p], device="cuda"),
+            max_new_tokens=NUM_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert got == out[0, len(p) :].tolist()
+    hf.to("cpu")
+
+
+def test_bf16_first_divergence_within_top5(qwen3_06b):
+    path, hf = qwen3_06b
+    ps = prompts(seed=1)
+    ours, _ = run(path, ps)
+    hf = hf.to("cuda", torch.bfloat16)
+    for p, got in zip(ps, ours, strict=True):
+        logits = hf_logits(hf, p + got)  # transformers' view of our whole sequence
+        predicted = logits[len(p) - 1 : -1].argmax(-1).tolist()
+        for i, (a, b) in enumerate(zip(got, predicted, strict=True)):
+            if a != b:  # first divergence: ours must be among transformers' top 5
+                assert a in logits[len(p) - 1 + i].topk(5).indices.tolist()
+                break
+    hf.to("cpu", torch.float32)
+
+
+def test_cuda_graph_equals_eager(qwen3_06b):
+    path, _ = qwen3_06b
+    ps = prompts(6, seed=2)
+    graphs, _ = run(path, ps)
+    eager, _ = run(path, ps, enforce_eager=True)
+    assert graphs == eager
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefix_cache_and_chunking_do_not_change_output(qwen3_06b, dtype):
+    path, _ = qwen3_06b
+    base = prompts(1, seed=3)[0]
+    ps = [base + p[:50] for p in prompts(4, seed=4)]
+    ref, _ = run(
+        path,
+        ps,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=4096,
+        block_size=16,
+        dtype=dtype,
+    )
+    cached, stats = run(path, ps, block_size=16, max_num_sequences=1, dtype=dtype)
+    assert stats.prefix_cache_hit_rate > 0.5
+    chunked, _ = run(path, ps, max_num_batched_tokens=128, block_size=16, dtype=dtype)
+    assert ref == cached == chunked
+
+
+def test_kv_pool_too_small_names_the_largest_length(qwen3_06b):
+    path, _ = qwen3_06b
+    with pytest.raises(ValueError, match="largest length that fits is"):
+        engine(path, max_model_length=40960, gpu_memory_utilization=0.001)
