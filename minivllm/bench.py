@@ -238,8 +238,9 @@ def hf_latency(args: argparse.Namespace, vocab: int) -> Row:
     return Row("transformers decode, batch 1", new / statistics.median(times), "tok/s", note)
 
 
-@torch.inference_mode()
 def hf_throughput(args, prompts, outs, vocab) -> Row:
+    # NOTE: not under inference_mode: transformers' continuous batching updates its
+    # static tensors in place from its own thread.
     from transformers import GenerationConfig
 
     device, dtype = _device_dtype(args)

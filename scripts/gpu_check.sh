@@ -18,6 +18,10 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 bench() { minivllm_bench "$@" 2>&1 | tee -a "$OUT/bench.log" | grep -v "it/s\]" | tail -8; }
 minivllm_bench() { $PY -m minivllm.cli bench "$@"; }
 
+if [ "${1:-}" = "profile" ]; then
+  $PY scripts/profile_steps.py 2>&1 | grep -v "it/s\]" | tee "$OUT/profile.log" | tail -120
+fi
+
 if [ "${1:-}" != "quick" ]; then
   bench throughput --compare hf --hf-num-seqs 16
   bench latency --compare hf --batch-sizes 1 --repeats 3

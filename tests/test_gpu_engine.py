@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm import LLMEngine, SamplingParams
+from minivllm import EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from minivllm.loader import KNOWN_CONFIGS
 
 pytestmark = pytest.mark.gpu
@@ -43,13 +43,20 @@ def prompts(n=4, seed=0):
 
 
 def engine(path, **kw):
-    config = {
-        "model_name_or_path": str(path),
+    """The checkpoint has no tokenizer (none can be fetched here): build the config
+    directly, as `EngineConfig.from_dict` would after resolving the folder."""
+    settings = {
         "gpu_memory_utilization": 0.3,
         "max_model_length": 2048,
         "max_num_sequences": 32,
         **kw,
     }
+    config = EngineConfig(
+        model_name_or_path=str(path),
+        model=ModelConfig.from_checkpoint(path),
+        model_path=str(path),
+        **settings,
+    )
     return LLMEngine(config)
 
 

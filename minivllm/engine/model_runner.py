@@ -150,35 +150,45 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------------
 
-    def _tensor(self, data, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype)
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype)
         if self.device.type == "cuda":
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
     def prepare(self, b: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's inputs on the device, in two host-to-device copies (one per dtype)."""
         width = max(len(t) for t in b.block_tables)
-        tables = [t + [0] * (width - len(t)) for t in b.block_tables]
+        tables = [x for t in b.block_tables for x in (t + [0] * (width - len(t)))]
+        n_tok, n_seq = b.num_tokens, b.num_seqs
+        longs = self._to_device(b.input_ids + b.positions + b.slot_mapping, torch.long)
+        ints = self._to_device(b.cu_seqlens_q + b.seq_lens + tables, torch.int32)
+        input_ids, positions, slot_mapping = longs.split([n_tok, n_tok, n_tok])
+        cu_seqlens_q, seq_lens, block_tables = ints.split([n_seq + 1, n_seq, n_seq * width])
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(b.slot_mapping, torch.long),
-            cu_seqlens_q=self._tensor(b.cu_seqlens_q, torch.int32),
-            seq_lens=self._tensor(b.seq_lens, torch.int32),
-            block_tables=self._tensor(tables, torch.int32),
+            slot_mapping=slot_mapping,
+            cu_seqlens_q=cu_seqlens_q,
+            seq_lens=seq_lens,
+            block_tables=block_tables.view(n_seq, width),
             is_decode=b.is_decode,
         )
-        return self._tensor(b.input_ids, torch.long), self._tensor(b.positions, torch.long), meta
+        return input_ids, positions, meta
 
     def sampling_tensors(self, b: ForwardBatch) -> SamplingTensors:
+        if all(t == 0 for t in b.temperatures):
+            return SamplingTensors.greedy()
+        floats = self._to_device(b.temperatures + b.top_ps + b.min_ps, torch.float32)
+        temperatures, top_ps, min_ps = floats.split(b.num_seqs)
         return SamplingTensors(
-            temperatures=self._tensor(b.temperatures, torch.float32),
-            top_ks=self._tensor(b.top_ks, torch.long),
-            top_ps=self._tensor(b.top_ps, torch.float32),
-            min_ps=self._tensor(b.min_ps, torch.float32),
+            temperatures=temperatures,
+            top_ks=self._to_device(b.top_ks, torch.long),
+            top_ps=top_ps,
+            min_ps=min_ps,
             seeds=b.seeds,
             needs_top_k=any(k > 0 for k in b.top_ks),
             needs_top_p=any(p < 1 for p in b.top_ps),
             needs_min_p=any(p > 0 for p in b.min_ps),
-            all_greedy=all(t == 0 for t in b.temperatures),
+            all_greedy=False,
         )
 
     @torch.inference_mode()

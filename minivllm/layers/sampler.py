@@ -11,15 +11,20 @@ import torch
 class SamplingTensors:
     """Per-row sampling settings, already on the logits' device."""
 
-    temperatures: torch.Tensor  # [num_seqs] float32; 0 = greedy
-    top_ks: torch.Tensor  # [num_seqs] int64; <= 0 = off
-    top_ps: torch.Tensor  # [num_seqs] float32; 1 = off
-    min_ps: torch.Tensor  # [num_seqs] float32; 0 = off
+    temperatures: torch.Tensor | None  # [num_seqs] float32; 0 = greedy
+    top_ks: torch.Tensor | None  # [num_seqs] int64; <= 0 = off
+    top_ps: torch.Tensor | None  # [num_seqs] float32; 1 = off
+    min_ps: torch.Tensor | None  # [num_seqs] float32; 0 = off
     seeds: list[int | None]  # per-row seed, combined with the row's step for reproducibility
     needs_top_k: bool
     needs_top_p: bool
     needs_min_p: bool
     all_greedy: bool
+
+    @classmethod
+    def greedy(cls) -> SamplingTensors:
+        """Every row greedy: nothing but an argmax is needed."""
+        return cls(None, None, None, None, [], False, False, False, True)
 
 
 def _exponential_noise(
