@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; a short table is printed last.
-# Usage on the GPU machine, from the repo root: bash scripts/gpu_check.sh [quick]
+# Usage on the GPU machine, from the repo root: bash scripts/gpu_check.sh [quick|profile]
+# (no argument: tests + benchmarks; quick: tests; profile: tests + step profile)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/gpu-check}
@@ -22,7 +23,7 @@ if [ "${1:-}" = "profile" ]; then
   $PY scripts/profile_steps.py 2>&1 | grep -v "it/s\]" | tee "$OUT/profile.log" | tail -120
 fi
 
-if [ "${1:-}" != "quick" ]; then
+if [ -z "${1:-}" ]; then
   bench throughput --compare hf --hf-num-seqs 16
   bench latency --compare hf --batch-sizes 1 --repeats 3
 fi

@@ -34,7 +34,14 @@ from .messages import (
     StatsSnapshot,
 )
 from .stats import StatsHistory
-from .store import SessionStore, data_dir, latest_session, load_session, new_session_path
+from .store import (
+    NullStore,
+    SessionStore,
+    data_dir,
+    latest_session,
+    load_session,
+    new_session_path,
+)
 from .widgets.chat_input import ChatInput
 from .widgets.chat_screen import ChatScreen
 from .widgets.loading import LoadingScreen
@@ -73,6 +80,7 @@ class ChatApp(App):
         export_dir: Path | None = None,
         owns_engine: bool | None = None,
         stats_interval: float = 0.25,
+        save_sessions: bool = True,
     ) -> None:
         super().__init__()
         enable_alt_digits()
@@ -95,6 +103,7 @@ class ChatApp(App):
         self._requests: dict[int, ConversationPane] = {}
         self._next_request = 1
         self._quitting = False
+        self.save_sessions = save_sessions
         self.store, conversations_ = self._open_session(resume, conversations)
         self._next_key = max((c.key for c in conversations_), default=0) + 1
         self._initial = conversations_
@@ -117,7 +126,8 @@ class ChatApp(App):
             if loaded.conversations:
                 return store, loaded.conversations
         else:
-            store = SessionStore(new_session_path(self.data_root))
+            store = (SessionStore(new_session_path(self.data_root)) if self.save_sessions
+                     else NullStore())
             if resume:
                 self.resume_note = "no earlier session to resume"
         store.session(self.model)

@@ -135,6 +135,27 @@ class SessionStore:
         self.append({"type": "close", "pane": key}, sync=True)
 
 
+class NullStore(SessionStore):
+    """Keeps nothing (benchmarks, throwaway runs)."""
+
+    def __init__(self) -> None:  # noqa: D107 - no file
+        self.path = Path("/dev/null")
+        self._partial = {}
+        self.closed = False
+
+    def append(self, record: dict[str, Any], sync: bool = False) -> None:
+        pass
+
+    def sync(self) -> None:
+        pass
+
+    def flush_partial(self) -> None:
+        self._partial.clear()
+
+    def close(self) -> None:
+        self.closed = True
+
+
 @dataclass
 class LoadedSession:
     path: Path

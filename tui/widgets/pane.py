@@ -74,6 +74,11 @@ class ConversationPane(Vertical):
         return self.state in BUSY_STATES
 
     @property
+    def tokens(self) -> int:
+        """Tokens of the current (or last) reply."""
+        return self._tokens
+
+    @property
     def ttft(self) -> float | None:
         return None if self._first_at is None else self._first_at - self._sent_at
 
