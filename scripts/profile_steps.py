@@ -85,6 +85,18 @@ def main() -> None:
     print(top_kernels(llm))
     for seq in list(llm.scheduler.running):
         llm.abort(seq.seq_id)
+    import cProfile
+    import pstats
+
+    llm.add_prompt([rng.randrange(150000) for _ in range(1024)], greedy)
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+    for seq in list(llm.scheduler.running):
+        llm.abort(seq.seq_id)
 
     print("== batch 256 decode, ~1000 context, temperature 0.6 ==")
     sampled = SamplingParams(temperature=0.6, max_tokens=4000, ignore_eos=True)

@@ -25,17 +25,19 @@ class CUDAGraphRunner:
     def __init__(
         self,
         model: nn.Module,
-        max_batch: int,
+        buckets: list[int],
         max_blocks_per_seq: int,
+        decode_splits: Callable[[int], int | None],
         hidden_size: int,
         device: torch.device,
         dtype: torch.dtype,
         on_progress: Callable[[str, float], None] | None = None,
     ) -> None:
         self.model = model
-        self.buckets = batch_buckets(max_batch)
+        self.buckets = buckets
         self.max_blocks_per_seq = max_blocks_per_seq
-        n = max_batch
+        self.decode_splits = decode_splits
+        n = buckets[-1]
         with torch.device(device):
             self.input_ids = torch.zeros(n, dtype=torch.long)
             self.positions = torch.zeros(n, dtype=torch.long)
@@ -69,6 +71,7 @@ class CUDAGraphRunner:
             seq_lens=self.seq_lens[:bs],
             block_tables=self.block_tables[:bs],
             is_decode=True,
+            decode_splits=self.decode_splits(bs),
         )
 
     def fits(self, num_seqs: int, width: int) -> bool:

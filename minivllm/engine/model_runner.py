@@ -12,7 +12,7 @@ from ..layers.sampler import Sampler, SamplingTensors
 from ..models import build_model
 from ..models.weights import init_dummy_weights, load_weights
 from .batch import ForwardBatch
-from .cuda_graph import CUDAGraphRunner
+from .cuda_graph import CUDAGraphRunner, batch_buckets
 
 CPU_KV_BUDGET_BYTES = 2 << 30  # the CPU pool's default size, when max_cached_blocks is unset
 
@@ -60,6 +60,8 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
         self.graphs: CUDAGraphRunner | None = None
+        self.buckets = batch_buckets(config.max_num_sequences)
+        self.max_blocks_per_seq = (config.max_len + self.block_size - 1) // self.block_size
 
     # -- KV pool -------------------------------------------------------------------------
 
@@ -137,16 +139,28 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> None:
-        max_blocks = (self.config.max_len + self.block_size - 1) // self.block_size
         self.graphs = CUDAGraphRunner(
             self.model,
-            self.config.max_num_sequences,
-            max_blocks,
+            self.buckets,
+            self.max_blocks_per_seq,
+            self.decode_splits,
             self.config.model.hidden_size,
             self.device,
             self.dtype,
             self.progress,
         )
+
+    def decode_splits(self, num_seqs: int) -> int | None:
+        """Decode attention's split count for a batch: a function of its bucket only."""
+        if self.device.type != "cuda":
+            return None
+        from minivllm.kernels.decode_attention import choose_num_splits
+        from minivllm.kernels.dispatch import num_sms
+
+        bucket = next((b for b in self.buckets if b >= num_seqs), num_seqs)
+        max_seq_len = self.max_blocks_per_seq * self.block_size
+        num_kv_heads = self.attention_layers[0].num_kv_heads
+        return choose_num_splits(bucket, num_kv_heads, max_seq_len, num_sms(self.device))
 
     # -- one step ------------------------------------------------------------------------
 
@@ -171,6 +185,7 @@ class ModelRunner:
             seq_lens=seq_lens,
             block_tables=block_tables.view(n_seq, width),
             is_decode=b.is_decode,
+            decode_splits=self.decode_splits(n_seq) if b.is_decode else None,
         )
         return input_ids, positions, meta
 

@@ -21,6 +21,10 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs]
     block_tables: torch.Tensor  # [num_seqs, max_blocks]
     is_decode: bool  # every sequence computes exactly one token
+    # Decode attention's split count, fixed per batch-size bucket so that a graph replay
+    # and an eager step reduce in the same order (identical greedy output). None: the
+    # kernel chooses.
+    decode_splits: int | None = None
 
 
 _metadata: AttentionMetadata | None = None
@@ -63,7 +67,13 @@ class Attention(nn.Module):
         ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.is_decode:
             return ops.decode_attention(
-                q, self.k_cache, self.v_cache, meta.seq_lens, meta.block_tables, self.scale
+                q,
+                self.k_cache,
+                self.v_cache,
+                meta.seq_lens,
+                meta.block_tables,
+                self.scale,
+                num_splits=meta.decode_splits,
             )
         return ops.prefill_attention(
             q,

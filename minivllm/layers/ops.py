@@ -66,9 +66,9 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
     return prefill_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
 
 
-def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale):
+def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits=None):
     if _triton(q.device):
         from minivllm.kernels.decode_attention import decode_attention as kernel
 
-        return kernel(q, k_cache, v_cache, seq_lens, block_tables, scale)
+        return kernel(q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits=num_splits)
     return decode_attention_ref(q, k_cache, v_cache, seq_lens, block_tables, scale)

@@ -58,6 +58,12 @@ class Sampler:
         logits = logits / temps[:, None]
         if t.needs_top_k or t.needs_top_p:
             logits = _top_k_top_p(logits, t.top_ks, t.top_ps, t.needs_top_k, t.needs_top_p)
+        if not t.needs_min_p:
+            # Gumbel-max in log space: argmax(logits / T - log q), q ~ Exp(1), samples
+            # from softmax(logits / T) without computing it.
+            q = _exponential_noise(logits.shape, t.seeds, logits.device, self.generator)
+            sampled = (logits - q.log_()).argmax(dim=-1)
+            return torch.where(t.temperatures > 0, sampled, greedy)
         probs = torch.softmax(logits, dim=-1)
         if t.needs_min_p:
             floor = t.min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
