@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; a short table is printed last.
 # Usage on the GPU machine, from the repo root: bash scripts/gpu_check.sh [quick|profile]
-# (no argument: tests + benchmarks; quick: tests; profile: tests + step profile)
+# (no argument: tests + benchmarks; quick: tests; profile: tests + step profile; all)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/gpu-check}
@@ -19,11 +19,11 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 bench() { minivllm_bench "$@" 2>&1 | tee -a "$OUT/bench.log" | grep -v "it/s\]" | tail -8; }
 minivllm_bench() { $PY -m minivllm.cli bench "$@"; }
 
-if [ "${1:-}" = "profile" ]; then
+if [ "${1:-}" = "profile" ] || [ "${1:-}" = "all" ]; then
   $PY scripts/profile_steps.py 2>&1 | grep -v "it/s\]" | tee "$OUT/profile.log" | tail -120
 fi
 
-if [ -z "${1:-}" ]; then
+if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
   bench throughput --compare hf --hf-num-seqs 16
   bench latency --compare hf --batch-sizes 1 --repeats 3
 fi

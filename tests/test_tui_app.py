@@ -113,25 +113,24 @@ async def test_think_and_no_think_switch_the_template_per_pane(tmp_path):
 
 async def test_alt_a_and_slash_all_send_to_every_pane_streaming_at_once(tmp_path):
     reply = LONG[:400]
-    app = make_app(tmp_path, FakeEngine(reply=reply, step_delay=0.002), conversations=3)
+    engine = FakeEngine(reply=reply, step_delay=0.002)
+    app = make_app(tmp_path, engine, conversations=3)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
         app.panes[0].input.text = "everyone"
-        await pilot.press("alt+a")
-        await wait_until(pilot, lambda: all(p.state == "streaming" for p in app.panes))
-        # All three stream at the same time: each has partial text before any finishes.
-        await wait_until(pilot, lambda: all(
-            replies(p) and replies(p)[0].answer_text for p in app.panes))
-        assert all(p.busy for p in app.panes)
+        await pilot.press("alt+a")  # (the pilot waits here until the UI is quiet)
         await wait_idle(pilot)
+        assert engine.peak_running == 3  # the three requests ran in the same steps
         for p in app.panes:
             assert [m.content for m in p.conversation.messages] == ["everyone", reply]
         assert app.panes[0].input.text == ""
         await type_and_send(pilot, 1, "/all again")
-        await wait_until(pilot, lambda: all(len(p.conversation.messages) == 4
-                                            for p in app.panes))
+        # All three stream at the same time: each has partial text before any finishes.
+        await wait_until(pilot, lambda: all(
+            p.busy and len(replies(p)) == 2 and replies(p)[1].answer_text for p in app.panes))
         await wait_idle(pilot)
         assert all(p.conversation.messages[2].content == "again" for p in app.panes)
+        assert all(p.conversation.messages[3].content == reply for p in app.panes)
 
 
 async def test_esc_stops_keeps_partial_reply_and_frees_blocks(tmp_path):

@@ -139,6 +139,7 @@ class FakeEngine:
         self.fail_steps = 0  # the next N calls to step() raise
         self.reject_prompts_containing: str | None = None
         self.exited = False
+        self.peak_running = 0  # most sequences in one step, for tests
         self.scheduler = SimpleNamespace(is_finished=lambda: not (self._running or self._waiting))
         self._next_id = 0
         self._replies_made = 0
@@ -224,6 +225,7 @@ class FakeEngine:
         while self._waiting and len(self._running) < self.config.max_num_sequences:
             seq = self._waiting.popleft()
             self._running.append(seq)
+        self.peak_running = max(self.peak_running, len(self._running))
         outputs: list[tuple[int, list[int]]] = []
         for seq in list(self._running):
             if not seq.prefilled:

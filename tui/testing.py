@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,14 +13,18 @@ from textual.pilot import Pilot
 async def wait_until(
     pilot: Pilot, condition: Callable[[], Any], timeout: float = 10.0, what: str = ""
 ) -> None:
-    """Poll `condition` (letting the app run) until it is true; fail after `timeout` s."""
+    """Poll `condition` (letting the app run) until it is true; fail after `timeout` s.
+
+    NOTE: polls with `asyncio.sleep`, not `pilot.pause`, which also forces a full screen
+    refresh each time: polling with it renders at 100 Hz and skews any timing.
+    """
     deadline = time.monotonic() + timeout
     while True:
         if condition():
             return
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what or condition}")
-        await pilot.pause(0.01)
+        await asyncio.sleep(0.01)
 
 
 async def wait_ready(pilot: Pilot, timeout: float = 30.0) -> None:
