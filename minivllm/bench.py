@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
@@ -48,7 +49,9 @@ def build_engine(args: argparse.Namespace, **overrides) -> LLMEngine:
     if args.world_size > 1:
         config["world_size"] = args.world_size
     config.update(overrides)
-    return LLMEngine(config)
+    from .cli import print_progress
+
+    return LLMEngine(config, on_progress=print_progress if sys.stderr.isatty() else None)
 
 
 def sync(llm: LLMEngine) -> None:

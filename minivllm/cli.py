@@ -8,6 +8,12 @@ import sys
 DEFAULT_CHAT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
+def print_progress(stage: str, fraction: float) -> None:
+    """The engine's start-up stages (weights, KV sizing, CUDA graphs) on stderr."""
+    end = "\n" if fraction >= 1 else ""
+    print(f"\r\033[Kminivllm: {stage} [{fraction:4.0%}]", end=end, file=sys.stderr, flush=True)
+
+
 def generate(args: argparse.Namespace) -> None:
     from . import LLMEngine, SamplingParams
 
@@ -16,7 +22,8 @@ def generate(args: argparse.Namespace) -> None:
             "model_name_or_path": args.model,
             "device": args.device,
             "max_model_length": args.max_model_length,
-        }
+        },
+        on_progress=print_progress if sys.stderr.isatty() else None,
     )
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
