@@ -467,3 +467,17 @@ async def test_loading_screen_then_chat(tmp_path, stage):
                          and stage in str(app.loading.stage.render()))
         await wait_ready(pilot)
         assert app.info.model == "fake/scripted-model"
+
+
+async def test_load_failure_is_shown_and_the_app_stays_up(tmp_path):
+    def factory(on_progress):
+        on_progress("loading weights", 0.3)
+        raise FileNotFoundError("model_name_or_path='nope': no config.json in nope")
+
+    app = create_app(engine_factory=factory, model="nope", data_root=tmp_path / "d")
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: app.engine_dead is not None)
+        await wait_until(pilot, lambda: "no config.json" in str(app.loading.error.render()))
+        assert app.is_running
+        await pilot.press("ctrl+q")
+    assert not app.is_running
