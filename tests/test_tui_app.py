@@ -124,6 +124,7 @@ async def test_alt_a_and_slash_all_send_to_every_pane_streaming_at_once(tmp_path
         for p in app.panes:
             assert [m.content for m in p.conversation.messages] == ["everyone", reply]
         assert app.panes[0].input.text == ""
+        engine.step_delay = 0.01  # slow enough to watch all three mid-stream
         await type_and_send(pilot, 1, "/all again")
         # All three stream at the same time: each has partial text before any finishes.
         await wait_until(pilot, lambda: all(

@@ -1,16 +1,23 @@
 """minivllm-chat: several conversations side by side against one engine, with live stats.
 
 `create_app(engine=...)` builds the Textual app around an engine (real or fake);
-`minivllm.tui.cli:main` is the `minivllm-chat` console script.
+`minivllm.tui.cli:main` is the `minivllm-chat` console script; `--plain` runs
+`minivllm.tui.plain`. Module map: engine_thread (the only thread that touches the
+engine), messages (what it posts to the UI), conversation / store (data and the session
+file), thinking / sanitize / stats (pure helpers), widgets/ (one widget per module),
+app (wiring), fake_engine (a scripted engine for tests and demos).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["create_app"]
 
 
-def create_app(*args, **kwargs):  # noqa: ANN002, ANN003 - thin lazy re-export
-    """Build the chat app; see `minivllm.tui.app.create_app`."""
+def create_app(engine: Any = None, **options: Any) -> Any:
+    """Build the chat app; see `minivllm.tui.app.create_app` (imported lazily so the
+    plain REPL and the pure helpers do not load Textual's widgets)."""
     from .app import create_app as _create_app
 
-    return _create_app(*args, **kwargs)
+    return _create_app(engine, **options)
