@@ -18,8 +18,20 @@ def rotary_ref(
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     cos_sin_cache: torch.Tensor,  # [max_position, head_dim]: cos in the first half, sin after
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return apply_rotary_ref(q, k, *cos_sin_at(cos_sin_cache, positions))
+
+
+def cos_sin_at(
+    cos_sin_cache: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:  # each [num_tokens, 1, head_dim // 2]
     cos, sin = cos_sin_cache[positions.long()].float().chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [num_tokens, 1, head_dim // 2]
+    return cos[:, None, :], sin[:, None, :]
+
+
+def apply_rotary_ref(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary_ref` with the positions' cos/sin already looked up (shared by all layers)."""
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.float().chunk(2, dim=-1)
@@ -29,8 +41,17 @@ def rotary_ref(
 
 
 @triton.jit
-def _rotate_heads(x_ptr, token, stride_t, stride_h, cos, sin, num_heads,
-                  HEADS_PAD: tl.constexpr, HALF: tl.constexpr):
+def _rotate_heads(
+    x_ptr,
+    token,
+    stride_t,
+    stride_h,
+    cos,
+    sin,
+    num_heads,
+    HEADS_PAD: tl.constexpr,
+    HALF: tl.constexpr,
+):
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HALF)[None, :]
     mask = heads < num_heads
@@ -64,8 +85,7 @@ def _rotary_kernel(
     cos = tl.load(cos_sin_ptr + pos * (2 * HALF) + dims).to(tl.float32)  # [1, HALF]
     sin = tl.load(cos_sin_ptr + pos * (2 * HALF) + HALF + dims).to(tl.float32)
     _rotate_heads(q_ptr, token, q_stride_t, q_stride_h, cos, sin, num_heads, Q_HEADS_PAD, HALF)
-    _rotate_heads(k_ptr, token, k_stride_t, k_stride_h, cos, sin, num_kv_heads, K_HEADS_PAD,
-                  HALF)
+    _rotate_heads(k_ptr, token, k_stride_t, k_stride_h, cos, sin, num_kv_heads, K_HEADS_PAD, HALF)
 
 
 def rotary(
@@ -84,11 +104,15 @@ def rotary(
     check_tensor("cos_sin_cache", cos_sin_cache, 2, device=q.device)
     num_tokens, num_heads, head_dim = q.shape
     if k.shape[0] != num_tokens or k.shape[2] != head_dim or positions.shape[0] != num_tokens:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and positions "
-                         f"{tuple(positions.shape)} disagree on num_tokens or head_dim")
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)} and positions "
+            f"{tuple(positions.shape)} disagree on num_tokens or head_dim"
+        )
     if cos_sin_cache.shape[1] != head_dim or not cos_sin_cache.is_contiguous():
-        raise ValueError(f"cos_sin_cache must be a contiguous [max_position, {head_dim}] "
-                         f"tensor, got shape {tuple(cos_sin_cache.shape)}")
+        raise ValueError(
+            f"cos_sin_cache must be a contiguous [max_position, {head_dim}] "
+            f"tensor, got shape {tuple(cos_sin_cache.shape)}"
+        )
     if head_dim % 2 or triton.next_power_of_2(head_dim) != head_dim:
         raise ValueError(f"head_dim must be a power of two, got {head_dim}")
     if num_tokens == 0:

@@ -21,9 +21,11 @@ def store_kvcache_ref(
     slot_mapping: torch.Tensor,  # [num_tokens]
 ) -> None:
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+    if not bool(keep.all()):
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    slots = slot_mapping.long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
 
 
 @triton.jit
@@ -76,11 +78,14 @@ def store_kvcache(
     num_tokens = key.shape[0]
     expected = (num_tokens, num_kv_heads, head_dim)
     if tuple(key.shape) != expected or tuple(value.shape) != expected:
-        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must be "
-                         f"{expected} to match the cache")
+        raise ValueError(
+            f"key {tuple(key.shape)} and value {tuple(value.shape)} must be "
+            f"{expected} to match the cache"
+        )
     if slot_mapping.shape[0] != num_tokens:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for "
-                         f"{num_tokens} tokens")
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens"
+        )
     if num_tokens == 0:
         return
     _store_kvcache_kernel[(num_tokens,)](

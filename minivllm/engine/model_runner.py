@@ -176,7 +176,9 @@ class ModelRunner:
         tables = [x for t in b.block_tables for x in (t + [0] * (width - len(t)))]
         n_tok, n_seq = b.num_tokens, b.num_seqs
         longs = self._to_device(b.input_ids + b.positions + b.slot_mapping, torch.long)
-        ints = self._to_device(b.cu_seqlens_q + b.seq_lens + tables, torch.int32)
+        # int32 for the kernels; int64 on the CPU, where the references index with it.
+        index_dtype = torch.int32 if self.device.type == "cuda" else torch.long
+        ints = self._to_device(b.cu_seqlens_q + b.seq_lens + tables, index_dtype)
         input_ids, positions, slot_mapping = longs.split([n_tok, n_tok, n_tok])
         cu_seqlens_q, seq_lens, block_tables = ints.split([n_seq + 1, n_seq, n_seq * width])
         meta = AttentionMetadata(

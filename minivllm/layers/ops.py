@@ -14,8 +14,12 @@ from minivllm.kernels.silu_and_mul import silu_and_mul_ref
 from minivllm.kernels.store_kvcache import store_kvcache_ref
 
 
-def _triton(device: torch.device) -> bool:
+def uses_triton(device: torch.device) -> bool:
+    """Whether kernels on `device` are the Triton ones (else the torch references)."""
     return _triton_for(device.type)
+
+
+_triton = uses_triton
 
 
 @functools.cache

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from minivllm.kernels.rotary import apply_rotary_ref, cos_sin_at
+
 from . import ops
 
 
@@ -41,5 +43,15 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_position, head_dim]
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
+        self._positions: torch.Tensor | None = None  # the step whose cos/sin are memoised
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return ops.rotary(positions, q, k, self.cos_sin_cache)
+        if ops.uses_triton(q.device):
+            return ops.rotary(positions, q, k, self.cos_sin_cache)
+        # NOTE: one module serves every layer, and a step's layers share one positions
+        # tensor: look its cos/sin up once per step, not once per layer.
+        if positions is not self._positions:
+            self._positions = positions
+            self._cos_sin = cos_sin_at(self.cos_sin_cache, positions)
+        return apply_rotary_ref(q, k, *self._cos_sin)

@@ -19,7 +19,7 @@ from ..layers.rotary import RotaryEmbedding
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         tp = get_tp_size()
         self.head_dim = config.head_dim
@@ -37,9 +37,7 @@ class DecoderAttention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.max_position, config.rope_theta, config.rope_scaling
-        )
+        self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, config.attn_scale)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -72,10 +70,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = DecoderAttention(config)
+        self.self_attn = DecoderAttention(config, rotary_emb)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -94,7 +92,13 @@ class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        # One rotary table for every layer (they all rotate by the same positions).
+        rotary_emb = RotaryEmbedding(
+            config.head_dim, config.max_position, config.rope_theta, config.rope_scaling
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, rotary_emb) for _ in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
