@@ -30,13 +30,33 @@ def decode_attention_ref(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks]
     scale: float,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    slots = context_slots(seq_lens, block_tables, k_cache.shape[1])
+    return decode_attention_at_slots(q, k_cache, v_cache, slots, seq_lens, scale)
+
+
+def context_slots(
+    seq_lens: torch.Tensor,  # [num_seqs]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    block_size: int,
+) -> torch.Tensor:  # [num_seqs, max_len] int64: the cache slot of each context position
+    positions = torch.arange(int(seq_lens.max()), device=block_tables.device)
+    blocks = block_tables[:, positions // block_size].long()
+    return blocks * block_size + positions % block_size
+
+
+def decode_attention_at_slots(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,  # [num_seqs, max_len] from `context_slots` (once per step)
+    seq_lens: torch.Tensor,  # [num_seqs]
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    max_blocks = (int(seq_lens.max()) + block_size - 1) // block_size
-    blocks = block_tables[:, :max_blocks].long()
-    k = k_cache[blocks].flatten(1, 2)  # [num_seqs, max_len, num_kv_heads, head_dim]
-    v = v_cache[blocks].flatten(1, 2)
+    k = k_cache.flatten(0, 1)[slots]  # [num_seqs, max_len, num_kv_heads, head_dim]
+    v = v_cache.flatten(0, 1)[slots]
     # Query heads grouped under their KV head, so K/V need no copy per query head.
     qg = q.view(num_seqs, num_kv_heads, group, head_dim).to(k.dtype)
     scores = torch.einsum("bkgd,blkd->bkgl", qg, k).float() * scale
@@ -125,16 +145,20 @@ def _decode_split_kernel(
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]  # an empty context gives zeros
         out_offsets = seq.to(tl.int64) * out_stride_s + heads[:, None] * out_stride_h
-        tl.store(out_ptr + out_offsets + dims[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=row_mask[:, None])
+        tl.store(
+            out_ptr + out_offsets + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_mask[:, None],
+        )
     else:
         # Partials are [num_seqs, num_heads, NUM_SPLITS(, HEAD_DIM)], fp32; an empty split
         # writes (-inf, 0, 0), which the merge weighs to nothing.
         part = (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split
         tl.store(part_m_ptr + part, m, mask=row_mask)
         tl.store(part_l_ptr + part, l_sum, mask=row_mask)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
-                 mask=row_mask[:, None])
+        tl.store(
+            part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_mask[:, None]
+        )
 
 
 @triton.jit
@@ -161,8 +185,9 @@ def _decode_merge_kernel(
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :])  # [NUM_SPLITS, D]
     total = tl.sum(w * l_sum, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + seq * out_stride_s + head * out_stride_h + dims,
-             out.to(out_ptr.dtype.element_ty))
+    tl.store(
+        out_ptr + seq * out_stride_s + head * out_stride_h + dims, out.to(out_ptr.dtype.element_ty)
+    )
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
@@ -216,12 +241,13 @@ def decode_attention(
     if q.shape[2] != head_dim:
         raise ValueError(f"q has head_dim {q.shape[2]}, the cache {head_dim}")
     if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
-                         f"{num_kv_heads}")
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if seq_lens.shape[0] != num_seqs or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"seq_lens {tuple(seq_lens.shape)} and block_tables "
-                         f"{tuple(block_tables.shape)} must have one row per sequence "
-                         f"({num_seqs})")
+        raise ValueError(
+            f"seq_lens {tuple(seq_lens.shape)} and block_tables "
+            f"{tuple(block_tables.shape)} must have one row per sequence "
+            f"({num_seqs})"
+        )
     group = num_heads // num_kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
     if num_seqs == 0:
@@ -237,11 +263,11 @@ def decode_attention(
     if num_splits == 1:
         part_m = part_l = part_acc = out  # unused: the kernel writes `out` directly
     else:
-        part_m = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32,
-                             device=device)
+        part_m = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=device)
         part_l = torch.empty_like(part_m)
-        part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim),
-                               dtype=torch.float32, device=device)
+        part_acc = torch.empty(
+            (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=device
+        )
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,

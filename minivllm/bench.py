@@ -120,13 +120,11 @@ def bench_latency(args: argparse.Namespace) -> list[Row]:
         prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
         params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-        times = []
+        times, decode_times = [], []
         for _ in range(args.repeats):
-            sync(llm)
-            start = time.perf_counter()
-            llm.generate(prompts, params)
-            sync(llm)
-            times.append(time.perf_counter() - start)
+            total, after_first = timed_run(llm, prompts, params)
+            times.append(total)
+            decode_times.append(after_first)
         t = statistics.median(times)
         rows.append(
             Row(
@@ -134,7 +132,15 @@ def bench_latency(args: argparse.Namespace) -> list[Row]:
                 batch * args.new_tokens / t,
                 "tok/s",
                 f"{args.prompt_len}-token prompt, {args.new_tokens} greedy tokens, "
-                f"median of {args.repeats}",
+                f"prefill included, median of {args.repeats}",
+            )
+        )
+        rows.append(
+            Row(
+                f"decode only, batch {batch}",
+                batch * (args.new_tokens - 1) / statistics.median(decode_times),
+                "tok/s",
+                "tokens 2.. after the first, whose step holds the prefill",
             )
         )
     ttfts = []
@@ -158,13 +164,46 @@ def bench_latency(args: argparse.Namespace) -> list[Row]:
     )
     llm.exit()
     if args.compare == "hf":
-        hf = hf_latency(args, vocab)
-        rows.append(hf)
-        if hf.value > 0:
-            rows.append(
-                Row("ratio", rows[0].value / hf.value, "x", "minivllm / transformers, batch 1")
+        hf, hf_decode = hf_latency(args, vocab)
+        rows += [hf, hf_decode]
+        rows.append(
+            Row(
+                "ratio",
+                rows[0].value / hf.value,
+                "x",
+                "minivllm / transformers, batch 1, prefill included",
             )
+        )
+        rows.append(
+            Row(
+                "ratio, decode only",
+                rows[1].value / hf_decode.value,
+                "x",
+                "minivllm / transformers, batch 1",
+            )
+        )
     return rows
+
+
+def timed_run(llm: LLMEngine, prompts, params) -> tuple[float, float]:
+    """(seconds for the whole run, seconds after every prompt got its first token)."""
+    for prompt in prompts:
+        llm.add_prompt(prompt, params)
+    sync(llm)
+    start = time.perf_counter()
+    first = None
+    while not llm.scheduler.is_finished():
+        llm.step()
+        if (
+            first is None
+            and not llm.scheduler.waiting
+            and all(s.num_completion_tokens > 0 for s in llm.scheduler.running)
+        ):
+            sync(llm)
+            first = time.perf_counter()
+    sync(llm)
+    end = time.perf_counter()
+    return end - start, end - (first or start)
 
 
 # -- transformers on the same weights -----------------------------------------------------
@@ -214,7 +253,7 @@ def _device_dtype(args) -> tuple[torch.device, torch.dtype]:
 
 
 @torch.inference_mode()
-def hf_latency(args: argparse.Namespace, vocab: int) -> Row:
+def hf_latency(args: argparse.Namespace, vocab: int) -> list[Row]:
     device, dtype = _device_dtype(args)
     model, note = load_hf_model(args, device, dtype)
     prompt = torch.randint(0, vocab, (1, args.prompt_len), device=device)
@@ -228,17 +267,36 @@ def hf_latency(args: argparse.Namespace, vocab: int) -> Row:
         kwargs["cache_implementation"] = "static"
         note += ", static cache"
     model.generate(prompt, **{**kwargs, "max_new_tokens": 8, "min_new_tokens": 8})
-    times = []
-    for _ in range(args.repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = model.generate(prompt, **kwargs)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    new = out.shape[1] - args.prompt_len
-    return Row("transformers decode, batch 1", new / statistics.median(times), "tok/s", note)
+
+    def median_time(new_tokens: int) -> float:
+        times = []
+        for _ in range(args.repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            model.generate(
+                prompt, **{**kwargs, "max_new_tokens": new_tokens, "min_new_tokens": new_tokens}
+            )
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    total, first = median_time(args.new_tokens), median_time(1)
+    return [
+        Row(
+            "transformers decode, batch 1",
+            args.new_tokens / total,
+            "tok/s",
+            note + ", prefill included",
+        ),
+        Row(
+            "transformers decode only, batch 1",
+            (args.new_tokens - 1) / (total - first),
+            "tok/s",
+            "(time of N tokens - time of 1) / (N - 1)",
+        ),
+    ]
 
 
 def hf_throughput(args, prompts, outs, vocab) -> Row:

@@ -49,6 +49,11 @@ def generate(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "chat"]:  # the app's own benchmark, with its own options
+        from .tui.bench import main as bench_chat
+
+        sys.exit(bench_chat(argv[2:]))
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -6,8 +6,11 @@ from collections.abc import Callable
 
 import torch
 
+from minivllm.kernels.decode_attention import context_slots
+
 from ..config import EngineConfig
 from ..layers.attention import Attention, AttentionMetadata, attention_metadata
+from ..layers.ops import uses_triton
 from ..layers.sampler import Sampler, SamplingTensors
 from ..models import build_model
 from ..models.weights import init_dummy_weights, load_weights
@@ -189,6 +192,8 @@ class ModelRunner:
             is_decode=b.is_decode,
             decode_splits=self.decode_splits(n_seq) if b.is_decode else None,
         )
+        if b.is_decode and not uses_triton(self.device):
+            meta.context_slots = context_slots(meta.seq_lens, meta.block_tables, self.block_size)
         return input_ids, positions, meta
 
     def sampling_tensors(self, b: ForwardBatch) -> SamplingTensors:

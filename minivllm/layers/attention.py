@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from minivllm.kernels.decode_attention import decode_attention_at_slots
+
 from . import ops
 
 
@@ -25,6 +27,8 @@ class AttentionMetadata:
     # and an eager step reduce in the same order (identical greedy output). None: the
     # kernel chooses.
     decode_splits: int | None = None
+    # CPU decode: the cache slot of every context position, computed once a step.
+    context_slots: torch.Tensor | None = None  # [num_seqs, max_len]
 
 
 _metadata: AttentionMetadata | None = None
@@ -65,6 +69,10 @@ class Attention(nn.Module):
         if self.k_cache.numel() == 0:  # warm-up before the pool exists: plain causal attention
             return _no_cache_attention(q, k, v, meta, self.scale)
         ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.is_decode and meta.context_slots is not None:
+            return decode_attention_at_slots(
+                q, self.k_cache, self.v_cache, meta.context_slots, meta.seq_lens, self.scale
+            )
         if meta.is_decode:
             return ops.decode_attention(
                 q,
