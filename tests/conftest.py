@@ -36,6 +36,23 @@ def smollm2_path() -> Path:
     return resolve_model(SMOLLM2)
 
 
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path):
+    """One SmolLM2 engine shared by the test modules (each test leaves it idle)."""
+    from minivllm import LLMEngine
+
+    llm = LLMEngine(
+        {
+            "model_name_or_path": str(smollm2_path),
+            "device": "cpu",
+            "max_model_length": 2048,
+            "block_size": 16,
+        }
+    )
+    yield llm
+    llm.exit()
+
+
 def write_tiny_checkpoint(path: Path, arch: str, std: float = 0.15, **overrides) -> Path:
     """A small random model saved by transformers, with weights large enough that greedy
     decoding does not collapse into one repeated token."""

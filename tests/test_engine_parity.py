@@ -7,7 +7,7 @@ import torch
 import transformers
 from conftest import hf_greedy, tiny_engine
 
-from minivllm import LLMEngine, SamplingParams
+from minivllm import SamplingParams
 
 CHAT_PROMPTS = [
     "What is the capital of France?",
@@ -15,20 +15,6 @@ CHAT_PROMPTS = [
     "Explain in two sentences why the sky is blue, and mention Rayleigh scattering.",
     "List three prime numbers greater than ten and say which is the largest of them all.",
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_path):
-    llm = LLMEngine(
-        {
-            "model_name_or_path": str(smollm2_path),
-            "device": "cpu",
-            "max_model_length": 2048,
-            "block_size": 16,
-        }
-    )
-    yield llm
-    llm.exit()
 
 
 @pytest.fixture(scope="module")

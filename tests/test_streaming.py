@@ -15,20 +15,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def smollm2(smollm2_path):
-    llm = LLMEngine(
-        {
-            "model_name_or_path": str(smollm2_path),
-            "device": "cpu",
-            "max_model_length": 1024,
-            "block_size": 16,
-        }
-    )
-    yield llm
-    llm.exit()
-
-
 @pytest.mark.parametrize("text", TEXTS)
 def test_detokenizer_token_by_token(smollm2, text):
     tok = smollm2.tokenizer

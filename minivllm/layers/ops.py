@@ -19,8 +19,6 @@ def uses_triton(device: torch.device) -> bool:
     return _triton_for(device.type)
 
 
-_triton = uses_triton
-
 
 @functools.cache
 def _triton_for(device_type: str) -> bool:
@@ -31,7 +29,7 @@ def _triton_for(device_type: str) -> bool:
 
 
 def rms_norm(x, weight, eps, residual=None):
-    if _triton(x.device):
+    if uses_triton(x.device):
         from minivllm.kernels.rms_norm import rms_norm as kernel
 
         return kernel(x, weight, eps, residual)
@@ -39,7 +37,7 @@ def rms_norm(x, weight, eps, residual=None):
 
 
 def rotary(positions, q, k, cos_sin_cache):
-    if _triton(q.device):
+    if uses_triton(q.device):
         from minivllm.kernels.rotary import rotary as kernel
 
         return kernel(positions, q, k, cos_sin_cache)
@@ -47,7 +45,7 @@ def rotary(positions, q, k, cos_sin_cache):
 
 
 def silu_and_mul(x):
-    if _triton(x.device):
+    if uses_triton(x.device):
         from minivllm.kernels.silu_and_mul import silu_and_mul as kernel
 
         return kernel(x)
@@ -55,7 +53,7 @@ def silu_and_mul(x):
 
 
 def store_kvcache(key, value, k_cache, v_cache, slot_mapping):
-    if _triton(key.device):
+    if uses_triton(key.device):
         from minivllm.kernels.store_kvcache import store_kvcache as kernel
 
         return kernel(key, value, k_cache, v_cache, slot_mapping)
@@ -63,7 +61,7 @@ def store_kvcache(key, value, k_cache, v_cache, slot_mapping):
 
 
 def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
-    if _triton(q.device):
+    if uses_triton(q.device):
         from minivllm.kernels.prefill_attention import prefill_attention as kernel
 
         return kernel(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
@@ -71,7 +69,7 @@ def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
 
 
 def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits=None):
-    if _triton(q.device):
+    if uses_triton(q.device):
         from minivllm.kernels.decode_attention import decode_attention as kernel
 
         return kernel(q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits=num_splits)
