@@ -123,6 +123,18 @@ def tiny_engine(path: Path, **kw):
     return LLMEngine(config)
 
 
+def step_loop(llm, prompts, params) -> list[list[int]]:
+    """Run prompts through the seed's add_prompt / step loop (checking the token budget
+    every step); the completions in prompt order."""
+    ids = [llm.add_prompt(p, params) for p in prompts]
+    results = {}
+    while not llm.scheduler.is_finished():
+        finished, num_tokens, _ = llm.step()
+        assert num_tokens <= llm.config.max_num_batched_tokens
+        results.update(dict(finished))
+    return [results[i] for i in ids]
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     import torch
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import hf_greedy, tiny_engine
+from conftest import hf_greedy, step_loop, tiny_engine
 
 from minivllm import SamplingParams
 
@@ -50,15 +50,9 @@ def test_smollm2_step_loop_matches_generate(smollm2, smollm2_hf):
         )
         for p in CHAT_PROMPTS
     ]
-    ids = [smollm2.add_prompt(t, params) for t in texts]
-    results = {}
-    while not smollm2.scheduler.is_finished():
-        finished, num_tokens, _ = smollm2.step()
-        assert num_tokens <= smollm2.config.max_num_batched_tokens
-        results.update(dict(finished))
-    for seq_id, prompt in zip(ids, CHAT_PROMPTS, strict=True):
-        expected = hf_greedy(smollm2_hf, chat_ids(smollm2.tokenizer, prompt), 32)
-        assert results[seq_id] == expected
+    got = step_loop(smollm2, texts, params)
+    for completion, prompt in zip(got, CHAT_PROMPTS, strict=True):
+        assert completion == hf_greedy(smollm2_hf, chat_ids(smollm2.tokenizer, prompt), 32)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

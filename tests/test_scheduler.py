@@ -23,6 +23,25 @@ from minivllm.sampling_params import SamplingParams
 BS = 4
 
 
+def advance(
+    sched: Scheduler,
+    out: SchedulerOutput,
+    sampled: list[int],
+    expected: dict[int, list[int]],
+    targets: dict[int, int],
+) -> list[Sequence]:
+    """Play the engine's part after a forward pass: feed the sampled tokens back, note
+    the ones each sequence must keep, and finish sequences that reached their target."""
+    for item, token in zip(out.scheduled, sampled, strict=True):
+        if item.samples and not item.seq.is_finished:
+            expected[item.seq.seq_id].append(token)
+    grown = sched.update_from_output(out, sampled)
+    for seq in grown:
+        if seq.num_completion_tokens >= targets[seq.seq_id]:
+            sched.finish(seq, "length")
+    return grown
+
+
 class Sim:
     """A scheduler, its block manager and a fake model that samples 1000, 1001, ..."""
 
@@ -64,13 +83,7 @@ class Sim:
 
     def update(self, out: SchedulerOutput) -> list[Sequence]:
         sampled = [next(self.tokens) for _ in out.scheduled]
-        for item, token in zip(out.scheduled, sampled, strict=True):
-            if item.samples and not item.seq.is_finished:
-                self.expected[item.seq.seq_id].append(token)
-        grown = self.sched.update_from_output(out, sampled)
-        for seq in grown:
-            if seq.num_completion_tokens >= self.targets[seq.seq_id]:
-                self.sched.finish(seq, "length")
+        grown = advance(self.sched, out, sampled, self.expected, self.targets)
         self.bm.check_invariants(live=self.sched.running)
         return grown
 
@@ -460,13 +473,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.bm.check_invariants(live=self.sched.running)
 
         sampled = [rng.randrange(VOCAB) if rng else 0 for _ in out.scheduled]
-        for item, token in zip(out.scheduled, sampled, strict=True):
-            if item.samples and not item.seq.is_finished:
-                self.expected[item.seq.seq_id].append(token)
-        grown = self.sched.update_from_output(out, sampled)
-        for seq in grown:
-            if seq.num_completion_tokens >= self.targets[seq.seq_id]:
-                self.sched.finish(seq, "length")
+        advance(self.sched, out, sampled, self.expected, self.targets)
         if currently_in_test_context():  # hypothesis statistics: what the runs covered
             if out.preempted:
                 event("preempted")

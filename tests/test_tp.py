@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMOLLM2, tiny_engine
+from conftest import SMOLLM2, step_loop, tiny_engine
 
 from minivllm import EngineConfig, LLMEngine, ModelConfig, SamplingParams
 from minivllm.engine.llm_engine import EngineDeadError
@@ -137,22 +137,22 @@ def assert_gone(pids: list[int]) -> None:
 # -- engines shared by the equality tests (also: two TP engines in one process) ---------
 
 
-@pytest.fixture(scope="module")
-def tp2_qwen3(tiny_qwen3):
-    llm = tiny_engine(tiny_qwen3, world_size=2)
+def _tp2_engine(path):
+    llm = tiny_engine(path, world_size=2)
     _LIVE_ENGINES.append(llm)
     yield llm
     _LIVE_ENGINES.remove(llm)
     llm.exit()
+
+
+@pytest.fixture(scope="module")
+def tp2_qwen3(tiny_qwen3):
+    yield from _tp2_engine(tiny_qwen3)
 
 
 @pytest.fixture(scope="module")
 def tp2_llama(tiny_llama):
-    llm = tiny_engine(tiny_llama, world_size=2)
-    _LIVE_ENGINES.append(llm)
-    yield llm
-    _LIVE_ENGINES.remove(llm)
-    llm.exit()
+    yield from _tp2_engine(tiny_llama)
 
 
 def tp1_generate(path, prompts, params=GREEDY, **kw) -> list[list[int]]:
@@ -182,13 +182,7 @@ def test_tp2_step_loop_matches_tp1(arch, request):
     path = request.getfixturevalue(f"tiny_{arch}")
     llm = request.getfixturevalue(f"tp2_{arch}")
     prompts = prompts_of((5, 21, 48), seed=1)
-    ids = [llm.add_prompt(p, GREEDY) for p in prompts]
-    results = {}
-    while not llm.scheduler.is_finished():
-        finished, num_tokens, _ = llm.step()
-        assert num_tokens <= llm.config.max_num_batched_tokens
-        results.update(dict(finished))
-    got = [results[i] for i in ids]
+    got = step_loop(llm, prompts, GREEDY)
     assert_same_greedy(path, prompts, got, tp1_generate(path, prompts))
 
 
