@@ -13,6 +13,7 @@ import torch
 
 from . import LLMEngine, SamplingParams
 from .loader import KNOWN_CONFIGS
+from .models.registry import ARCHITECTURES
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 
@@ -236,9 +237,7 @@ def _hf_config_dict(known: dict | None) -> dict:
     if known is None:
         raise ValueError("--compare hf with random weights needs a known model config")
     d = dict(known)
-    d["model_type"] = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}[
-        d["architectures"][0]
-    ]
+    d["model_type"] = ARCHITECTURES[d["architectures"][0]].model_type
     return d
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM", "LlamaForCausalLM")
+from .models.registry import ARCHITECTURES, supported
 
 # The seed's architecture keys -> ModelConfig field names.
 ARCH_KEYS = {
@@ -53,7 +53,7 @@ ENGINE_KEYS = {
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of a decoder-only model (Qwen3 or Llama family)."""
+    """The architecture of a decoder-only model (a family in models/registry.py)."""
 
     architecture: str = "Qwen3ForCausalLM"
     vocab_size: int = 151936
@@ -75,10 +75,9 @@ class ModelConfig:
     bos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if self.architecture not in ARCHITECTURES:
             raise ValueError(
-                f"architecture={self.architecture!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"architecture={self.architecture!r} is not supported; supported: {supported()}"
             )
         for name in (
             "vocab_size",
@@ -101,7 +100,7 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         """Qwen3 normalises each head of q and k before rotary."""
-        return self.architecture == "Qwen3ForCausalLM"
+        return ARCHITECTURES[self.architecture].qk_norm
 
     @property
     def attn_scale(self) -> float:
@@ -109,9 +108,24 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Read a Hugging Face config.json dict (transformers 4.x or 5.x layout)."""
+        """Read a Hugging Face config.json dict (transformers 4.x or 5.x layout).
+
+        A sliding window (Mistral v0.1, Qwen2 with use_sliding_window) is not
+        implemented: the length is capped at the window, where full attention is exact.
+        """
+        if not isinstance(hf, dict):
+            raise ValueError(f"config.json: expected a JSON object, got {type(hf).__name__}")
         archs = hf.get("architectures") or [hf.get("model_type", "?")]
-        arch = archs[0]
+        arch = archs[0] if isinstance(archs, list) and archs else archs
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"architecture={arch!r} is not supported; supported: {supported()}")
+        family = ARCHITECTURES[arch]
+
+        def need(key: str) -> Any:
+            if key not in hf:
+                raise ValueError(f"config.json lacks {key!r}, which {arch} needs")
+            return hf[key]
+
         rope = dict(hf.get("rope_parameters") or {})
         scaling = hf.get("rope_scaling") or None
         if scaling is None and rope.get("rope_type", "default") != "default":
@@ -122,28 +136,40 @@ class ModelConfig:
         ):
             scaling = None
         theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-        heads = hf["num_attention_heads"]
+        heads = need("num_attention_heads")
+        hidden = need("hidden_size")
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
-            architecture=arch,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_heads=heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            num_kv_heads=hf.get("num_key_value_heads") or heads,
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            rope_theta=float(theta),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            qkv_bias=bool(hf.get("attention_bias", False)),
-            max_position=hf.get("max_position_embeddings", 2048),
-            ffn_bias=bool(hf.get("mlp_bias", False)),
-            rope_scaling=dict(scaling) if scaling else None,
-            eos_token_ids=eos_ids,
-            bos_token_id=hf.get("bos_token_id"),
-        )
+        max_position = hf.get("max_position_embeddings", 2048)
+        window = hf.get("sliding_window")
+        if window and hf.get("use_sliding_window", arch == "MistralForCausalLM"):
+            max_position = min(max_position, window)
+        qkv_bias = family.qkv_bias
+        if qkv_bias is None:
+            qkv_bias = bool(hf.get("attention_bias", False))
+        try:
+            return cls(
+                architecture=arch,
+                vocab_size=need("vocab_size"),
+                hidden_size=hidden,
+                num_heads=heads,
+                head_dim=hf.get("head_dim") or hidden // heads,
+                num_kv_heads=hf.get("num_key_value_heads") or heads,
+                intermediate_size=need("intermediate_size"),
+                num_layers=need("num_hidden_layers"),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                rope_theta=float(theta),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                qkv_bias=qkv_bias,
+                max_position=max_position,
+                ffn_bias=bool(hf.get("mlp_bias", False)),
+                rope_scaling=dict(scaling) if scaling else None,
+                eos_token_ids=eos_ids,
+                bos_token_id=hf.get("bos_token_id"),
+            )
+        except (TypeError, ZeroDivisionError) as e:  # a value of the wrong type
+            why = f"{type(e).__name__}: {e}"
+            raise ValueError(f"config.json has a malformed value ({why})") from None
 
     @classmethod
     def from_checkpoint(cls, path: str | Path) -> ModelConfig:
@@ -151,18 +177,30 @@ class ModelConfig:
         config_file = path / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"model_name_or_path={str(path)!r}: no config.json in {path}")
-        with open(config_file) as f:
-            model = cls.from_hf_config(json.load(f))
+        try:
+            model = cls.from_hf_config(_read_json(config_file))
+        except ValueError as e:
+            message = str(e).removeprefix("config.json: ")
+            raise ValueError(f"{config_file}: {message}") from None
         gen_file = path / "generation_config.json"
         if gen_file.is_file():
-            with open(gen_file) as f:
-                eos = json.load(f).get("eos_token_id")
+            gen = _read_json(gen_file)
+            eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
             if eos is not None:
                 ids = tuple(eos) if isinstance(eos, list) else (eos,)
                 model = dataclasses.replace(
                     model, eos_token_ids=tuple(dict.fromkeys(ids + model.eos_token_ids))
                 )
         return model
+
+
+def _read_json(path: Path) -> Any:
+    """A JSON file's content; a broken file is a ValueError naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); the checkpoint is broken") from None
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

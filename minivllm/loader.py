@@ -475,10 +475,21 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
     except ImportError:  # transformers 4 always dequantizes
         pass
 
+    with open(gguf, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{gguf} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its warnings would tear the status line
     try:
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **kwargs)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **kwargs)
+        except Exception as e:  # transformers' GGUF reader fails in many ways on bad files
+            raise ValueError(
+                f"{gguf} cannot be read as a GGUF checkpoint ({gguf.stat().st_size} bytes; "
+                f"{type(e).__name__}: {_first_line(e)}); a truncated or corrupt file, or an "
+                f"architecture transformers cannot convert"
+            ) from None
         if getattr(model, "hf_quantizer", None) is not None or getattr(
             model.config, "quantization_config", None
         ):
@@ -556,7 +567,12 @@ def safetensors_files(path: str | os.PathLike[str]) -> list[Path]:
     index = path / _INDEX_FILE
     if index.is_file():
         # The index is authoritative: a folder may also hold stale files from an older save.
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(
+                f"{index} is not a valid safetensors index ({type(e).__name__}: {e})"
+            ) from None
         files = [path / n for n in names]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -570,12 +586,21 @@ def safetensors_files(path: str | os.PathLike[str]) -> list[Path]:
 
 def iter_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of a checkpoint folder (sharded or not), one at a time, on the CPU."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    tensor = f.get_tensor(name)
+                    yield name, tensor
+        except (SafetensorError, OSError, RuntimeError) as e:
+            size = file.stat().st_size if file.is_file() else 0
+            raise ValueError(
+                f"{file} is not a readable safetensors file ({size} bytes; "
+                f"{type(e).__name__}: {_first_line(e)}); the checkpoint is truncated or "
+                f"corrupt: download or save it again"
+            ) from None
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:

@@ -6,6 +6,18 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probabilities: the token there (sampled, or the prompt's) and
+    the `top` most likely tokens, most likely first (`top` may include `token_id`).
+    `rank` is 1 for the most likely token."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: dict[int, float]
+
+
+@dataclass(frozen=True)
 class Delta:
     """What one sequence gained since the previous `LLMEngine.pop_deltas()` call.
 
@@ -13,6 +25,9 @@ class Delta:
     tokens are held back until the character is complete. `finish_reason` is one of
     "stop" (eos, stop id or stop string), "length" (max_tokens or max_model_length),
     "abort" or "error"; `error` holds the message when it is "error".
+    `logprobs` has one entry per new token when the request asked for logprobs;
+    `prompt_logprobs` comes once, with the sequence's first delta (None for the first
+    prompt token, which nothing predicts).
     """
 
     seq_id: int
@@ -21,6 +36,8 @@ class Delta:
     finished: bool
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)

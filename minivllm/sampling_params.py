@@ -3,11 +3,35 @@
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def _fail(name: str, value: object, why: str) -> None:
     raise ValueError(f"SamplingParams.{name}={value!r}: {why}")
+
+
+def as_token_id(value: Any, what: str) -> int:
+    """`value` as a Python int: ints and integral numpy/torch scalars pass, bools and
+    floats do not (a float token id is a bug upstream, not something to round)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        raise ValueError(f"{what}: token id {value!r} is a bool, not an int")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(
+            f"{what}: token id {value!r} ({type(value).__name__}) is not an int"
+        ) from None
+
+
+def _is_number(x: Any) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _is_int(x: Any) -> bool:
+    return not isinstance(x, bool) and isinstance(x, int)
 
 
 @dataclass
@@ -18,6 +42,18 @@ class SamplingParams:
     `stop` strings are matched on the decoded text, across token boundaries; the text
     returned ends before the stop string. `max_model_length` caps prompt + completion
     for this request (the engine's own limit applies too).
+
+    Penalties change the logits before temperature: `repetition_penalty` as in
+    transformers (every token already in the prompt or the completion: a positive
+    logit is divided by it, a negative one multiplied), `presence_penalty` and
+    `frequency_penalty` as in OpenAI's API (subtracted once per distinct completion
+    token, and once per occurrence). `min_tokens` masks the eos and stop ids (and
+    ignores stop strings) until that many tokens were generated.
+
+    `logprobs=N` returns, for each generated token, its log-probability and the N most
+    likely tokens' (from the distribution after penalties and temperature, before
+    top-k/top-p/min-p; greedy reads temperature 1). `prompt_logprobs=N` does the same
+    for each prompt token after the first, from the model's own distribution.
     """
 
     temperature: float = 1.0
@@ -25,47 +61,100 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     max_tokens: int = 64
+    min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     max_model_length: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        # The constructor reads None as "none"; after construction None is an error.
+        if self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
         self.validate()
 
     def validate(self) -> None:
+        """Check every field (also after fields were changed) and normalise `stop` and
+        `stop_token_ids` to lists, as the constructor does."""
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+        if not _is_number(t) or t < 0:
             _fail("temperature", t, "must be a finite number >= 0 (0 means greedy)")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             _fail("top_k", self.top_k, "must be an int >= 1, or -1/0 to disable")
-        p = self.top_p
-        if not isinstance(p, (int, float)) or not math.isfinite(p) or not 0 < p <= 1:
-            _fail("top_p", p, "must be in (0, 1]")
-        m = self.min_p
-        if not isinstance(m, (int, float)) or not math.isfinite(m) or not 0 <= m <= 1:
-            _fail("min_p", m, "must be in [0, 1]")
-        mt = self.max_tokens
-        if isinstance(mt, bool) or not isinstance(mt, int) or mt < 1:
-            _fail("max_tokens", mt, "must be an int >= 1")
-        for s in self.stop:
-            if not isinstance(s, str) or s == "":
-                _fail("stop", self.stop, "stop strings must be non-empty strings")
-        for tid in self.stop_token_ids:
-            if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0:
-                _fail("stop_token_ids", self.stop_token_ids, "must be non-negative ints")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            _fail("top_p", self.top_p, "must be a number in (0, 1]")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            _fail("min_p", self.min_p, "must be a number in [0, 1]")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            _fail("max_tokens", self.max_tokens, "must be an int >= 1")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            why = f"must be an int in [0, max_tokens={self.max_tokens}]"
+            _fail("min_tokens", self.min_tokens, why)
+        if not isinstance(self.ignore_eos, bool):
+            _fail("ignore_eos", self.ignore_eos, "must be True or False")
+        self.stop = self._stop_strings(self.stop)
+        self.stop_token_ids = self._stop_ids(self.stop_token_ids)
         seed = self.seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            _fail("seed", self.seed, "must be an int or None")
+        if seed is not None and (not _is_int(seed) or seed < 0):
+            _fail("seed", seed, "must be an int >= 0 or None")
         ml = self.max_model_length
-        if ml is not None and (isinstance(ml, bool) or not isinstance(ml, int) or ml < 1):
+        if ml is not None and (not _is_int(ml) or ml < 1):
             _fail("max_model_length", ml, "must be an int >= 1 or None")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or rp <= 0:
+            _fail("repetition_penalty", rp, "must be a finite number > 0 (1 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                _fail(name, value, "must be a number in [-2, 2] (0 disables it)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                _fail(name, value, "must be an int >= 0 (how many top tokens) or None")
+
+    @staticmethod
+    def _stop_strings(stop: Any) -> list[str]:
+        if isinstance(stop, str):
+            stop = [stop]
+        elif stop is None or not isinstance(stop, Iterable):
+            _fail("stop", stop, "must be a string or a list of strings")
+        stop = list(stop)
+        for s in stop:
+            if not isinstance(s, str) or s == "":
+                _fail("stop", stop, "stop strings must be non-empty strings")
+        return stop
+
+    @staticmethod
+    def _stop_ids(ids: Any) -> list[int]:
+        if ids is None or isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+            _fail("stop_token_ids", ids, "must be a list of token ids (ints)")
+        out = []
+        for tid in ids:
+            try:
+                value = as_token_id(tid, "SamplingParams.stop_token_ids")
+            except ValueError as e:
+                raise ValueError(f"{e} (stop_token_ids={ids!r})") from None
+            if value < 0:
+                _fail("stop_token_ids", ids, "token ids must be >= 0")
+            out.append(value)
+        return out
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1
+            or self.presence_penalty != 0
+            or self.frequency_penalty != 0
+        )

@@ -53,6 +53,16 @@ def smollm2(smollm2_path):
     llm.exit()
 
 
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    """transformers' SmolLM2 on the same weights, fp32: the reference."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
+    return model.eval()
+
+
 def write_tiny_checkpoint(path: Path, arch: str, std: float = 0.15, **overrides) -> Path:
     """A small random model saved by transformers, with weights large enough that greedy
     decoding does not collapse into one repeated token."""
@@ -84,6 +94,14 @@ def write_tiny_checkpoint(path: Path, arch: str, std: float = 0.15, **overrides)
         )
         config = transformers.LlamaConfig(tie_word_embeddings=True, **common)
         model_cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":  # q/k/v biases; tied embeddings as in Qwen2.5-0.5B
+        config = transformers.Qwen2Config(tie_word_embeddings=True, **common)
+        model_cls = transformers.Qwen2ForCausalLM
+    elif arch == "mistral":  # v0.3: no sliding window, rope theta 1e6
+        config = transformers.MistralConfig(
+            sliding_window=None, rope_theta=1e6, tie_word_embeddings=False, **common
+        )
+        model_cls = transformers.MistralForCausalLM
     else:
         config = transformers.Qwen3Config(head_dim=32, tie_word_embeddings=False, **common)
         model_cls = transformers.Qwen3ForCausalLM
@@ -105,6 +123,16 @@ def tiny_llama(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3(tmp_path_factory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tmp_path_factory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_mistral"), "mistral")
 
 
 def tiny_engine(path: Path, **kw):

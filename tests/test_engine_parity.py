@@ -17,12 +17,6 @@ CHAT_PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def smollm2_hf(smollm2_path):
-    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
-    return model.eval()
-
-
 def chat_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": text}],
@@ -55,9 +49,9 @@ def test_smollm2_step_loop_matches_generate(smollm2, smollm2_hf):
         assert completion == hf_greedy(smollm2_hf, chat_ids(smollm2.tokenizer, prompt), 32)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_tiny_random_models_match_transformers(arch, tiny_llama, tiny_qwen3):
-    path = tiny_llama if arch == "llama" else tiny_qwen3
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "mistral"])
+def test_tiny_random_models_match_transformers(arch, request):
+    path = request.getfixturevalue(f"tiny_{arch}")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
     # Lengths cross the 16-token blocks; the llama3 rope scaling bites past 64 positions.

@@ -90,19 +90,55 @@ def test_fp32_greedy_matches_transformers_exactly(qwen3_06b):
     hf.to("cpu")
 
 
-def test_bf16_first_divergence_within_top5(qwen3_06b):
+def test_bf16_first_divergence_within_top5_both_ways(qwen3_06b):
+    """At the first token where our bf16 greedy output and transformers' bf16 greedy
+    choice differ, each side's token is in the other's top-5 (ours: our logprobs)."""
     path, hf = qwen3_06b
     ps = prompts(seed=1)
-    ours, _ = run(path, ps)
+    llm = engine(path)
+    try:
+        out = llm.generate(ps, SamplingParams(**{**GREEDY.__dict__, "logprobs": 5}))
+    finally:
+        llm.exit()
     hf = hf.to("cuda", torch.bfloat16)
-    for p, got in zip(ps, ours, strict=True):
+    for p, got, logprobs in zip(ps, out["token_ids"], out["logprobs"], strict=True):
         logits = hf_logits(hf, p + got)  # transformers' view of our whole sequence
         predicted = logits[len(p) - 1 : -1].argmax(-1).tolist()
         for i, (a, b) in enumerate(zip(got, predicted, strict=True)):
-            if a != b:  # first divergence: ours must be among transformers' top 5
+            assert logprobs[i].token_id == a and logprobs[i].rank == 1
+            if a != b:  # first divergence
                 assert a in logits[len(p) - 1 + i].topk(5).indices.tolist()
+                assert b in logprobs[i].top
                 break
     hf.to("cpu", torch.float32)
+
+
+def test_fp32_logprobs_and_repetition_penalty_match_transformers(qwen3_06b):
+    """On CUDA (graphs on): the penalty and the logprobs, exact greedy in fp32."""
+    path, hf = qwen3_06b
+    ps = prompts(3, seed=5)
+    params = SamplingParams(
+        temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, repetition_penalty=1.3,
+        logprobs=5,
+    )
+    llm = engine(path, dtype="float32")
+    try:
+        out = llm.generate(ps, params)
+    finally:
+        llm.exit()
+    hf = hf.to("cuda")
+    for p, got, logprobs in zip(ps, out["token_ids"], out["logprobs"], strict=True):
+        ref = hf.generate(
+            torch.tensor([p], device="cuda"),
+            max_new_tokens=NUM_TOKENS,
+            do_sample=False,
+            repetition_penalty=1.3,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert got == ref[0, len(p) :].tolist()
+        assert len(logprobs) == NUM_TOKENS and all(e.rank == 1 for e in logprobs)
+    hf.to("cpu")
 
 
 def test_cuda_graph_equals_eager(qwen3_06b):

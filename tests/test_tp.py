@@ -186,6 +186,31 @@ def test_tp2_step_loop_matches_tp1(arch, request):
     assert_same_greedy(path, prompts, got, tp1_generate(path, prompts))
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_tp2_new_families_match_tp1(arch, request):
+    """Qwen2 (q/k/v biases split by head) and Mistral under TP=2; prompt logprobs need
+    extra logits rows, which every rank must compute alike."""
+    path = request.getfixturevalue(f"tiny_{arch}")
+    prompts = prompts_of((4, 33, 70), seed=9)
+    params = SamplingParams(**{**GREEDY.__dict__, "logprobs": 2, "prompt_logprobs": 2})
+    llm = tiny_engine(path, world_size=2)
+    try:
+        got = llm.generate(prompts, params)
+    finally:
+        llm.exit()
+    llm = tiny_engine(path)
+    try:
+        want = llm.generate(prompts, params)
+    finally:
+        llm.exit()
+    assert_same_greedy(path, prompts, got["token_ids"], want["token_ids"])
+    for ours, ref in zip(got["prompt_logprobs"], want["prompt_logprobs"], strict=True):
+        assert ours[0] is None and ref[0] is None
+        for a, b in zip(ours[1:], ref[1:], strict=True):
+            assert a.token_id == b.token_id
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+
+
 def test_two_tp_engines_in_one_process(tp2_qwen3, tp2_llama, tiny_qwen3, tiny_llama):
     """Each engine has its own process group, port and workers; steps interleave."""
     assert set(tp2_qwen3.workers.pids).isdisjoint(tp2_llama.workers.pids)

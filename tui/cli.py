@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=None,
                    help="sampling temperature (0 is greedy)")
     p.add_argument("--max-tokens", type=int, default=None, help="reply length cap")
+    p.add_argument("--repetition-penalty", type=float, default=None, metavar="X",
+                   help="above 1 discourages repeating tokens (try 1.1 with small models)")
     p.add_argument("--resume", action="store_true", help="restore the last session")
     p.add_argument("--plain", action="store_true",
                    help="line-oriented REPL instead of the full-screen app")
@@ -96,6 +98,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         s.temperature = args.temperature
     if args.max_tokens is not None:
         s.max_tokens = args.max_tokens
+    if args.repetition_penalty is not None:
+        s.repetition_penalty = args.repetition_penalty
     s.sampling_params()  # a bad value fails here, naming the field
     return s
 

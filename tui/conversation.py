@@ -33,6 +33,7 @@ class Settings:
     top_p: float = 0.95
     top_k: int = -1
     max_tokens: int = 1024
+    repetition_penalty: float = 1.0  # small models (SmolLM2) loop less with ~1.1
     thinking: bool = True  # passed to the chat template as `enable_thinking`
 
     def sampling_params(self) -> SamplingParams:
@@ -42,6 +43,7 @@ class Settings:
             top_p=self.top_p,
             top_k=self.top_k,
             max_tokens=self.max_tokens,
+            repetition_penalty=self.repetition_penalty,
         )
 
     def summary(self) -> str:
@@ -52,6 +54,8 @@ class Settings:
         if self.top_k not in (-1, 0):
             parts.append(f"top_k={self.top_k}")
         parts.append(f"max={self.max_tokens}")
+        if self.repetition_penalty != 1:
+            parts.append(f"rep={self.repetition_penalty:g}")
         if not self.thinking:
             parts.append("no_think")
         if self.system_prompt:

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any, TextIO
 
+from minivllm.sampling_params import SamplingParams
+
 from .conversation import FINISH_TO_STATUS, ChatMessage, Conversation, Settings
 from .engine_thread import EngineFactory, EngineWorker
 from .messages import (
@@ -37,7 +39,7 @@ from .widgets.header import header_text
 HELP = (
     "Enter sends; Esc Enter or ctrl+j: newline; Ctrl-C stops the reply; Ctrl-D exits.\n"
     "/stats  engine stats   /reset  forget the conversation   /system [TEXT]  system prompt\n"
-    "/think /no_think  thinking on/off (Qwen3)   /exit"
+    "/think /no_think  thinking on/off (Qwen3)   /rep [X]  repetition penalty (1 = off)   /exit"
 )
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
@@ -116,6 +118,8 @@ class PlainChat:
         elif word in ("/think", "/no_think"):
             self._set(thinking=word == "/think")
             self._say(f"(thinking {'on' if word == '/think' else 'off'})")
+        elif word == "/rep":
+            self._set_repetition_penalty(rest)
         elif word == "/help":
             self._say(HELP)
         else:
@@ -129,6 +133,19 @@ class PlainChat:
         self.conv.settings = new
         if self.store is not None:
             self.store.pane(1, new)
+
+    def _set_repetition_penalty(self, rest: str) -> None:
+        if not rest:
+            self._say(f"(repetition penalty: {self.conv.settings.repetition_penalty:g})")
+            return
+        try:
+            value = float(rest)
+            SamplingParams(repetition_penalty=value)  # the engine's own check
+        except ValueError as exc:
+            self._say(f"(not set: {exc})")
+            return
+        self._set(repetition_penalty=value)
+        self._say(f"(repetition penalty set to {value:g})")
 
     def _say(self, text: str) -> None:
         self.out.write(text + "\n")

@@ -5,7 +5,8 @@ Plain lists, so the same object can be sent to tensor-parallel workers as it is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 
 from .scheduler import SchedulerOutput
 
@@ -24,6 +25,19 @@ class ForwardBatch:
     top_ps: list[float]
     min_ps: list[float]
     seeds: list[int | None]
+    # Penalties, min_tokens and logprobs, one entry per sequence (token lists stay empty
+    # for the sequences that do not need them).
+    repetition_penalties: list[float] = field(default_factory=list)
+    presence_penalties: list[float] = field(default_factory=list)
+    frequency_penalties: list[float] = field(default_factory=list)
+    penalty_prompt_ids: list[list[int]] = field(default_factory=list)  # repetition only
+    penalty_output_ids: list[list[int]] = field(default_factory=list)
+    banned_token_ids: list[list[int]] = field(default_factory=list)  # before min_tokens
+    num_logprobs: list[int] = field(default_factory=list)  # -1 = none
+    num_prompt_logprobs: list[int] = field(default_factory=list)  # -1 = none
+    # The prompt tokens that this step's first positions of the sequence predict
+    # (all ranks read its lengths: the logits of those rows are computed everywhere).
+    prompt_logprob_targets: list[list[int]] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -38,7 +52,9 @@ class ForwardBatch:
         return self.num_tokens == self.num_seqs
 
 
-def build_forward_batch(out: SchedulerOutput, block_size: int) -> ForwardBatch:
+def build_forward_batch(
+    out: SchedulerOutput, block_size: int, eos_token_ids: Collection[int] = ()
+) -> ForwardBatch:
     b = ForwardBatch([], [], [], [0], [], [], [], [], [], [], [])
     for item in out.scheduled:
         seq = item.seq
@@ -60,4 +76,26 @@ def build_forward_batch(out: SchedulerOutput, block_size: int) -> ForwardBatch:
         b.min_ps.append(float(p.min_p))
         # A seeded request's noise depends on its seed and position only.
         b.seeds.append(None if p.seed is None else (p.seed * 1_000_003 + end) % (1 << 62))
+        _add_extras(b, seq, start, end, eos_token_ids)
     return b
+
+
+def _add_extras(b: ForwardBatch, seq, start: int, end: int, eos_token_ids) -> None:
+    p = seq.params
+    b.repetition_penalties.append(float(p.repetition_penalty))
+    b.presence_penalties.append(float(p.presence_penalty))
+    b.frequency_penalties.append(float(p.frequency_penalty))
+    n_prompt = seq.num_prompt_tokens
+    b.penalty_prompt_ids.append(seq.token_ids[:n_prompt] if p.repetition_penalty != 1 else [])
+    b.penalty_output_ids.append(seq.token_ids[n_prompt:] if p.has_penalties else [])
+    banned: list[int] = []
+    if seq.num_completion_tokens < p.min_tokens:
+        banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+    b.banned_token_ids.append(banned)
+    b.num_logprobs.append(-1 if p.logprobs is None else p.logprobs)
+    b.num_prompt_logprobs.append(-1 if p.prompt_logprobs is None else p.prompt_logprobs)
+    targets: list[int] = []
+    if p.prompt_logprobs is not None:
+        # Position q predicts token q + 1; the first prompt token has no prediction.
+        targets = seq.token_ids[start + 1 : max(start, min(end, n_prompt - 1)) + 1]
+    b.prompt_logprob_targets.append(targets)

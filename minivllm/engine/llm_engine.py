@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -15,12 +17,13 @@ import torch
 
 from ..config import EngineConfig
 from ..detokenizer import IncrementalDetokenizer
+from ..layers.sampler import StepSamples
 from ..outputs import Delta, EngineStats
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, as_token_id
 from .batch import ForwardBatch, build_forward_batch
 from .block_manager import BlockManager
 from .model_runner import ModelRunner
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
 from .worker import (
     AllocateKVCache,
@@ -35,6 +38,18 @@ from .worker import (
 STATS_WINDOW_S = 1.0
 
 T = TypeVar("T")
+
+
+def _locked(method: Callable[..., T]) -> Callable[..., T]:
+    """Run under the engine's lock: another thread may abort or add a request while
+    this one steps, and the scheduler's lists must not change under a step."""
+
+    @functools.wraps(method)
+    def wrapper(self: LLMEngine, *args: Any, **kwargs: Any) -> T:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 class EngineDeadError(RuntimeError):
@@ -57,6 +72,7 @@ class LLMEngine:
         on_progress: Callable[[str, float], None] | None = None,
     ) -> None:
         self._closed = True
+        self._lock = threading.RLock()
         progress = on_progress or (lambda stage, fraction: None)
         progress("reading the configuration", 0.0)
         if isinstance(config, dict):
@@ -123,6 +139,7 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------
 
+    @_locked
     def add_prompt(
         self,
         prompt: str | list[int],
@@ -181,11 +198,13 @@ class LLMEngine:
         if not prompt:
             raise ValueError("prompt: empty token list")
         vocab = self.config.model.vocab_size
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+        ids = [as_token_id(t, "prompt") for t in prompt]
+        for t in ids:
+            if not 0 <= t < vocab:
                 raise ValueError(f"prompt: token id {t!r} is outside the vocabulary [0, {vocab})")
-        return list(prompt)
+        return ids
 
+    @_locked
     def abort(self, seq_id: int) -> None:
         """Stop a request now; its blocks are freed at once. Unknown or ended ids are ignored."""
         seq = self._seqs.get(seq_id)
@@ -195,6 +214,7 @@ class LLMEngine:
 
     # -- stepping ------------------------------------------------------------------------
 
+    @_locked
     def step(self) -> tuple[list[tuple[int, list[int]]], int, bool]:
         """Run one scheduler step.
 
@@ -207,7 +227,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return [], 0, False
-        batch = build_forward_batch(out, self.config.block_size)
+        batch = build_forward_batch(out, self.config.block_size, self.eos_token_ids)
         try:
             sampled = self._run(batch)
         except Exception as e:
@@ -219,7 +239,8 @@ class LLMEngine:
                 f"{len(out.scheduled)} sequences in it were ended"
             ) from e
         prompt_tokens = sum(s.num_tokens for s in out.scheduled if s.is_prefill)
-        grown = self.scheduler.update_from_output(out, sampled)
+        _record_logprobs(out, sampled)
+        grown = self.scheduler.update_from_output(out, sampled.token_ids)
         now = time.perf_counter()
         finished = []
         for seq in grown:
@@ -241,7 +262,7 @@ class LLMEngine:
             return local(), []
         return self.workers.run(command, local)
 
-    def _run(self, batch: ForwardBatch) -> list[int]:
+    def _run(self, batch: ForwardBatch) -> StepSamples:
         if self.workers is None:
             return self.runner.run(batch)
         try:
@@ -256,6 +277,8 @@ class LLMEngine:
     def _finish_reason(self, seq: Sequence) -> str | None:
         token = seq.last_token
         params = seq.params
+        if seq.num_completion_tokens < params.min_tokens:  # eos and stop ids were masked
+            return "length" if seq.num_tokens >= seq.max_len else None
         if not params.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if token in params.stop_token_ids:
@@ -306,6 +329,7 @@ class LLMEngine:
 
     # -- streaming -----------------------------------------------------------------------
 
+    @_locked
     def pop_deltas(self) -> list[Delta]:
         """What each sequence gained since the last call; finished ones are then dropped."""
         self._streaming = True
@@ -315,9 +339,21 @@ class LLMEngine:
             text = self._new_text(seq)
             if not new_ids and not text and not seq.is_finished:
                 continue
+            start = seq.num_reported_tokens
             seq.num_reported_tokens += len(new_ids)
+            logprobs = None if seq.logprobs is None else seq.logprobs[start : start + len(new_ids)]
+            prompt_logprobs = seq.prompt_logprobs if start == 0 and new_ids else None
             deltas.append(
-                Delta(seq.seq_id, new_ids, text, seq.is_finished, seq.finish_reason, seq.error)
+                Delta(
+                    seq.seq_id,
+                    new_ids,
+                    text,
+                    seq.is_finished,
+                    seq.finish_reason,
+                    seq.error,
+                    logprobs,
+                    prompt_logprobs,
+                )
             )
             if seq.is_finished:
                 del self._seqs[seq.seq_id]
@@ -361,53 +397,103 @@ class LLMEngine:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         ids = []
-        try:
-            for prompt, p in zip(prompts, params, strict=False):
-                ids.append(self.add_prompt(prompt, p))
-        except Exception:
-            for seq_id in ids:
-                self.abort(seq_id)
-            raise
-        wanted = set(ids)
-        results: dict[int, list[int]] = {}
+        with self._lock:  # nobody aborts (and forgets) a sequence before we hold it
+            try:
+                for prompt, p in zip(prompts, params, strict=False):
+                    ids.append(self.add_prompt(prompt, p))
+            except Exception:
+                for seq_id in ids:
+                    self.abort(seq_id)
+                raise
+            # The Sequence objects themselves: a request aborted by another thread ends
+            # without ever being reported by step(), and must end this loop all the same.
+            seqs = [self._seqs[i] for i in ids]
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc="generating", unit="req")
         try:
-            while wanted - results.keys():
-                finished, _, _ = self.step()
-                for seq_id, token_ids in finished:
-                    if seq_id in wanted:
-                        results[seq_id] = token_ids
-                        if bar is not None:
-                            bar.update(1)
+            while not all(seq.is_finished for seq in seqs):
+                self.step()
+                if bar is not None:
+                    bar.update(sum(seq.is_finished for seq in seqs) - bar.n)
         except BaseException:
-            for seq_id in wanted - results.keys():
+            for seq_id in ids:
                 self.abort(seq_id)
             raise
         finally:
             if bar is not None:
                 bar.close()
-        token_lists = [results[i] for i in ids]
-        texts = [self._final_text(i, results[i]) for i in ids]
-        for seq_id in ids:
-            seq = self._seqs.pop(seq_id, None)
-            if seq is not None and seq.error:
-                raise RuntimeError(f"sequence {seq_id} failed: {seq.error}")
-        return {"text": texts, "token_ids": token_lists}
+        for seq in seqs:
+            self._seqs.pop(seq.seq_id, None)
+            if seq.error:
+                raise RuntimeError(f"sequence {seq.seq_id} failed: {seq.error}")
+        result: dict[str, list] = {
+            "text": [self._final_text(seq) for seq in seqs],
+            "token_ids": [seq.completion_token_ids for seq in seqs],
+            "finish_reason": [seq.finish_reason for seq in seqs],
+        }
+        if any(seq.logprobs is not None for seq in seqs):
+            result["logprobs"] = [seq.logprobs for seq in seqs]
+        if any(seq.prompt_logprobs is not None for seq in seqs):
+            result["prompt_logprobs"] = [seq.prompt_logprobs for seq in seqs]
+        return result
 
-    def _final_text(self, seq_id: int, token_ids: list[int]) -> str:
-        seq = self._seqs.get(seq_id)
-        if seq is not None and seq.detokenizer is not None:
+    def chat(
+        self,
+        messages: SeqLike[dict[str, Any]] | SeqLike[SeqLike[dict[str, Any]]],
+        sampling_params: SamplingParams | SeqLike[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        enable_thinking: bool | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> dict[str, list]:
+        """Generate replies to one conversation (a list of {"role", "content"} messages)
+        or to a list of them, through the tokenizer's chat template; returns what
+        `generate` returns. `enable_thinking` (Qwen3's templates) and
+        `chat_template_kwargs` are passed to the template."""
+        if self.tokenizer is None:
+            raise ValueError("chat(): this model has no tokenizer, so no chat template")
+        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
+            conversations = [messages]
+        elif isinstance(messages, (list, tuple)) and messages:
+            conversations = list(messages)
+        else:
+            raise TypeError(
+                "messages: expected a conversation (a non-empty list of {'role', 'content'} "
+                f"dicts) or a list of them, got {messages!r:.80}"
+            )
+        kwargs = dict(chat_template_kwargs or {})
+        if enable_thinking is not None:
+            kwargs["enable_thinking"] = enable_thinking
+        prompts = []
+        for n, conversation in enumerate(conversations):
+            _check_conversation(n, conversation)
+            prompts.append(
+                self.tokenizer.apply_chat_template(
+                    list(conversation),
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    chat_template=chat_template,
+                    **kwargs,
+                )
+            )
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _final_text(self, seq: Sequence) -> str:
+        if seq.detokenizer is not None:
             self._new_text(seq)  # brings detokenizer.text up to date, cut at a stop string
             end = seq.stop_text_len
             return seq.detokenizer.text if end is None else seq.detokenizer.text[:end]
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(
-            token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+            seq.completion_token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
         )
 
     # -- introspection -------------------------------------------------------------------
@@ -449,6 +535,33 @@ class LLMEngine:
         if self.device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
+
+
+def _record_logprobs(out: SchedulerOutput, sampled: StepSamples) -> None:
+    """Keep the logprobs of the tokens this step adds (called before the scheduler
+    appends them) and of the prompt positions it computed (by position: a preempted
+    sequence computes them again)."""
+    for i, item in enumerate(out.scheduled):
+        seq = item.seq
+        if seq.is_finished:  # aborted while its step ran
+            continue
+        if sampled.prompt_logprobs and sampled.prompt_logprobs[i]:
+            first = seq.num_computed_tokens + 1
+            chunk = sampled.prompt_logprobs[i]
+            seq.prompt_logprobs[first : first + len(chunk)] = chunk
+        if sampled.logprobs is not None and item.samples and seq.logprobs is not None:
+            seq.logprobs.append(sampled.logprobs[i])
+
+
+def _check_conversation(n: int, conversation: Any) -> None:
+    if not isinstance(conversation, (list, tuple)) or not conversation:
+        raise TypeError(f"messages[{n}]: expected a non-empty list of messages")
+    for k, m in enumerate(conversation):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise ValueError(
+                f"messages[{n}][{k}]={m!r:.80}: a message is a dict with a 'role' string "
+                "and a 'content'"
+            )
 
 
 def _has_tokenizer(path: str) -> bool:

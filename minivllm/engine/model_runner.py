@@ -11,7 +11,13 @@ from minivllm.kernels.decode_attention import context_slots
 from ..config import EngineConfig
 from ..layers.attention import Attention, AttentionMetadata, attention_metadata
 from ..layers.ops import uses_triton
-from ..layers.sampler import Sampler, SamplingTensors
+from ..layers.sampler import (
+    PenaltyTensors,
+    Sampler,
+    SamplingTensors,
+    StepSamples,
+    compute_logprobs,
+)
 from ..models import build_model
 from ..models.weights import init_dummy_weights, load_weights
 from .batch import ForwardBatch
@@ -198,24 +204,55 @@ class ModelRunner:
 
     def sampling_tensors(self, b: ForwardBatch) -> SamplingTensors:
         if all(t == 0 for t in b.temperatures):
-            return SamplingTensors.greedy()
-        floats = self._to_device(b.temperatures + b.top_ps + b.min_ps, torch.float32)
-        temperatures, top_ps, min_ps = floats.split(b.num_seqs)
-        return SamplingTensors(
-            temperatures=temperatures,
-            top_ks=self._to_device(b.top_ks, torch.long),
-            top_ps=top_ps,
-            min_ps=min_ps,
-            seeds=b.seeds,
-            needs_top_k=any(k > 0 for k in b.top_ks),
-            needs_top_p=any(p < 1 for p in b.top_ps),
-            needs_min_p=any(p > 0 for p in b.min_ps),
-            all_greedy=False,
+            t = SamplingTensors.greedy()
+        else:
+            floats = self._to_device(b.temperatures + b.top_ps + b.min_ps, torch.float32)
+            temperatures, top_ps, min_ps = floats.split(b.num_seqs)
+            t = SamplingTensors(
+                temperatures=temperatures,
+                top_ks=self._to_device(b.top_ks, torch.long),
+                top_ps=top_ps,
+                min_ps=min_ps,
+                seeds=b.seeds,
+                needs_top_k=any(k > 0 for k in b.top_ks),
+                needs_top_p=any(p < 1 for p in b.top_ps),
+                needs_min_p=any(p > 0 for p in b.min_ps),
+                all_greedy=False,
+            )
+        # Penalties act on tokens seen so far: with no token lists there is nothing to do.
+        if any(b.penalty_output_ids) or any(b.penalty_prompt_ids):
+            t.penalties = self._penalty_tensors(b)
+        if any(b.banned_token_ids):
+            rows = [i for i, ids in enumerate(b.banned_token_ids) for _ in ids]
+            ids = [x for ids in b.banned_token_ids for x in ids]
+            t.banned = tuple(self._to_device(rows + ids, torch.long).split(len(rows)))
+        t.num_logprobs = max(b.num_logprobs, default=-1)
+        return t
+
+    def _penalty_tensors(self, b: ForwardBatch) -> PenaltyTensors:
+        """Token statistics built on the device from this step's token lists (two
+        host-to-device copies, no sync)."""
+        n, vocab = b.num_seqs, self.config.model.vocab_size
+        rows_p = [i for i, ids in enumerate(b.penalty_prompt_ids) for _ in ids]
+        rows_o = [i for i, ids in enumerate(b.penalty_output_ids) for _ in ids]
+        ids_p = [x for ids in b.penalty_prompt_ids for x in ids]
+        ids_o = [x for ids in b.penalty_output_ids for x in ids]
+        longs = self._to_device(rows_p + ids_p + rows_o + ids_o, torch.long)
+        rows_p_t, ids_p_t, rows_o_t, ids_o_t = longs.split([len(rows_p)] * 2 + [len(rows_o)] * 2)
+        counts = torch.zeros(n, vocab, dtype=torch.float32, device=self.device)
+        counts.index_put_((rows_o_t, ids_o_t), torch.ones_like(ids_o_t, dtype=torch.float32), True)
+        seen = counts > 0
+        seen[rows_p_t, ids_p_t] = True
+        floats = self._to_device(
+            b.repetition_penalties + b.presence_penalties + b.frequency_penalties, torch.float32
         )
+        repetition, presence, frequency = floats.split(n)
+        return PenaltyTensors(repetition, presence, frequency, seen, counts)
 
     @torch.inference_mode()
-    def run(self, b: ForwardBatch) -> list[int] | None:
-        """Forward one step; on rank 0 return one sampled token per sequence."""
+    def run(self, b: ForwardBatch) -> StepSamples | None:
+        """Forward one step; on rank 0 return one sampled token per sequence (and the
+        logprobs the batch asked for)."""
         input_ids, positions, meta = self.prepare(b)
         width = meta.block_tables.shape[1]
         if b.is_decode and self.graphs is not None and self.graphs.fits(b.num_seqs, width):
@@ -224,7 +261,34 @@ class ModelRunner:
             with attention_metadata(meta):
                 hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
         last = hidden if b.is_decode else hidden[meta.cu_seqlens_q[1:].long() - 1]
+        prompt_rows = [
+            b.cu_seqlens_q[i] + j
+            for i, targets in enumerate(b.prompt_logprob_targets)
+            for j in range(len(targets))
+        ]
+        if prompt_rows:  # every rank computes these logits: the LM head gathers them
+            rows = self._to_device(prompt_rows, torch.long)
+            last = torch.cat([last, hidden[rows]])
         logits = self.model.compute_logits(last)
         if logits is None:  # not rank 0
             return None
-        return self.sampler(logits.float(), self.sampling_tensors(b)).tolist()
+        n = b.num_seqs
+        out = self.sampler(logits[:n].float(), self.sampling_tensors(b))
+        samples = StepSamples(out.token_ids.tolist())
+        if out.logprobs is not None:
+            per_row = out.logprobs.tolist([max(k, 0) for k in b.num_logprobs])
+            samples.logprobs = [
+                lp if k >= 0 else None for lp, k in zip(per_row, b.num_logprobs, strict=True)
+            ]
+        if prompt_rows:
+            targets = [x for t in b.prompt_logprob_targets for x in t]
+            pairs = zip(b.prompt_logprob_targets, b.num_prompt_logprobs, strict=True)
+            num_top = [k for t, k in pairs for _ in t]
+            prompt = compute_logprobs(
+                logits[n:].float(), self._to_device(targets, torch.long), max(num_top)
+            ).tolist(num_top)
+            samples.prompt_logprobs = []
+            for t in b.prompt_logprob_targets:
+                samples.prompt_logprobs.append(prompt[: len(t)])
+                prompt = prompt[len(t) :]
+        return samples

@@ -112,6 +112,8 @@ class Scheduler:
         ):
             seq = self.waiting[0]
             cached = bm.find_cached_prefix(seq)
+            if seq.params.prompt_logprobs is not None:  # needs every prompt position computed
+                cached, seq.block_hashes = [], []
             num_tokens = seq.num_tokens - len(cached) * bm.block_size
             if num_tokens > budget:
                 if not self.enable_chunked_prefill:

@@ -1,10 +1,30 @@
-"""Batched sampling on the logits' device: greedy, temperature, top-k, top-p, min-p."""
+"""Batched sampling on the logits' device: penalties, min_tokens masking, greedy,
+temperature, top-k, top-p, min-p, and the log-probabilities callers ask for.
+
+Order, per row: penalties and the min_tokens mask change the logits; logprobs are read
+from softmax(logits / T) (T=1 for greedy rows); then top-k/top-p/min-p cut and a token
+is drawn. Everything stays on the device: the only host sync is the caller's
+`.tolist()` of the result.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from ..outputs import TokenLogprob
+
+
+@dataclass
+class PenaltyTensors:
+    """Per-row penalties and the token statistics they read, on the logits' device."""
+
+    repetition: torch.Tensor  # [num_seqs] float32; 1 = off
+    presence: torch.Tensor  # [num_seqs] float32; 0 = off
+    frequency: torch.Tensor  # [num_seqs] float32; 0 = off
+    seen: torch.Tensor  # [num_seqs, vocab] bool: in the prompt or the completion
+    output_counts: torch.Tensor  # [num_seqs, vocab] float32: occurrences in the completion
 
 
 @dataclass
@@ -20,11 +40,79 @@ class SamplingTensors:
     needs_top_p: bool
     needs_min_p: bool
     all_greedy: bool
+    penalties: PenaltyTensors | None = None
+    # (rows, token ids) whose logits are set to -inf: eos and stop ids before min_tokens.
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    num_logprobs: int = -1  # the most top-N any row asks for; -1 = no row wants logprobs
 
     @classmethod
     def greedy(cls) -> SamplingTensors:
         """Every row greedy: nothing but an argmax is needed."""
         return cls(None, None, None, None, [], False, False, False, True)
+
+
+@dataclass
+class LogprobsTensors:
+    """Log-probabilities at some positions, on the device. Column 0 is the token at the
+    position (sampled, or the prompt's next token); columns 1.. are the top-k."""
+
+    token_ids: torch.Tensor  # [num_rows, 1 + k] int64
+    logprobs: torch.Tensor  # [num_rows, 1 + k] float32
+    ranks: torch.Tensor  # [num_rows] int64: rank of column 0's token, 1 = most likely
+
+    def tolist(self, num_top: list[int]) -> list[TokenLogprob]:
+        """Row i as a TokenLogprob with its own top-`num_top[i]` (one host sync)."""
+        ids = self.token_ids.tolist()
+        lps = self.logprobs.tolist()
+        ranks = self.ranks.tolist()
+        out = []
+        for i, n in enumerate(num_top):
+            top = dict(zip(ids[i][1 : 1 + n], lps[i][1 : 1 + n], strict=True))
+            out.append(TokenLogprob(ids[i][0], lps[i][0], ranks[i], top))
+        return out
+
+
+@dataclass
+class SamplerOutput:
+    """What the sampler produced for a step, still on the device."""
+
+    token_ids: torch.Tensor  # [num_seqs] int64
+    logprobs: LogprobsTensors | None = None  # every row, when some row asked for them
+
+
+@dataclass
+class StepSamples:
+    """A step's result on the host (rank 0): one token per sequence, and per sequence
+    the logprobs it asked for (None where it did not)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None] | None = None
+    # This step's prompt positions of each sequence (empty list where none).
+    prompt_logprobs: list[list[TokenLogprob]] | None = None
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
+    """log_softmax(logits) at `token_ids` ([num_rows]) plus the top-k of each row."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [num_rows, vocab]
+    chosen = lp.gather(-1, token_ids[:, None])  # [num_rows, 1]
+    ranks = (lp > chosen).sum(dim=-1) + 1
+    if k > 0:
+        top_lp, top_ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
+        ids = torch.cat([token_ids[:, None], top_ids], dim=-1)
+        lps = torch.cat([chosen, top_lp], dim=-1)
+    else:
+        ids, lps = token_ids[:, None], chosen
+    return LogprobsTensors(ids, lps, ranks)
+
+
+def apply_penalties(logits: torch.Tensor, p: PenaltyTensors) -> torch.Tensor:
+    """transformers' repetition penalty on every token seen so far, then OpenAI's
+    presence and frequency penalties on the completion's tokens."""
+    rep = p.repetition[:, None]
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(p.seen, penalized, logits)
+    counts = p.output_counts
+    return logits - p.frequency[:, None] * counts - p.presence[:, None] * (counts > 0)
 
 
 def _exponential_noise(
@@ -48,8 +136,22 @@ class Sampler:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-        """logits: [num_seqs, vocab] -> token ids [num_seqs] (int64, on device)."""
+    def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
+        """logits: [num_seqs, vocab] -> token ids [num_seqs] (int64, on device), plus
+        their logprobs when `t.num_logprobs >= 0`."""
+        if t.penalties is not None:
+            logits = apply_penalties(logits.float(), t.penalties)
+        if t.banned is not None:
+            logits = logits.index_put(t.banned, torch.tensor(float("-inf"), device=logits.device))
+        token_ids = self._sample(logits, t)
+        logprobs = None
+        if t.num_logprobs >= 0:
+            if not t.all_greedy:
+                logits = logits / torch.where(t.temperatures > 0, t.temperatures, 1.0)[:, None]
+            logprobs = compute_logprobs(logits, token_ids, t.num_logprobs)
+        return SamplerOutput(token_ids, logprobs)
+
+    def _sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         greedy = logits.argmax(dim=-1)
         if t.all_greedy:
             return greedy
@@ -65,9 +167,8 @@ class Sampler:
             sampled = (logits - q.log_()).argmax(dim=-1)
             return torch.where(t.temperatures > 0, sampled, greedy)
         probs = torch.softmax(logits, dim=-1)
-        if t.needs_min_p:
-            floor = t.min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = torch.where(probs < floor, 0.0, probs)
+        floor = t.min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
+        probs = torch.where(probs < floor, 0.0, probs)
         # Gumbel-max in its exponential form: argmax(p / q), q ~ Exp(1), samples from p.
         q = _exponential_noise(probs.shape, t.seeds, probs.device, self.generator)
         sampled = (probs / q).argmax(dim=-1)

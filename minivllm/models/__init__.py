@@ -1,19 +1,18 @@
-"""Model registry: Hugging Face architecture name -> our class."""
+"""Model classes, built through the registry (models/registry.py: the one list)."""
 
 from __future__ import annotations
 
-from torch import nn
+from typing import TYPE_CHECKING
 
-from ..config import SUPPORTED_ARCHITECTURES, ModelConfig
-from .llama import LlamaForCausalLM
-from .qwen3 import Qwen3ForCausalLM
+from .registry import ARCHITECTURES, model_class
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-}
-assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..config import ModelConfig
+
+__all__ = ["ARCHITECTURES", "build_model", "model_class"]
 
 
 def build_model(config: ModelConfig) -> nn.Module:
-    return MODEL_REGISTRY[config.architecture](config)
+    return model_class(config.architecture)(config)

@@ -1,4 +1,5 @@
-"""Qwen3: the Llama decoder with q/k RMSNorm per head (ModelConfig.qk_norm)."""
+"""Qwen3: the Llama decoder with q/k RMSNorm per head (the registry sets
+ModelConfig.qk_norm for this family)."""
 
 from __future__ import annotations
 

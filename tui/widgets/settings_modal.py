@@ -41,6 +41,8 @@ class SettingsModal(ModalScreen[Settings | None]):
                 yield Input(str(s.top_k), id="top_k", type="integer")
                 yield Label("max_tokens")
                 yield Input(str(s.max_tokens), id="max_tokens", type="integer")
+                yield Label("rep. penalty")
+                yield Input(str(s.repetition_penalty), id="repetition_penalty", type="number")
                 yield Label("thinking")
                 yield Switch(s.thinking, id="thinking")
             yield Static("", id="settings-error", markup=False)
@@ -67,6 +69,7 @@ class SettingsModal(ModalScreen[Settings | None]):
             top_p=number("top_p", float),
             top_k=number("top_k", int),
             max_tokens=number("max_tokens", int),
+            repetition_penalty=number("repetition_penalty", float),
             thinking=self.query_one("#thinking", Switch).value,
         )
         new.sampling_params()  # validate like the engine will
