@@ -5,13 +5,21 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .config import EngineConfig, ModelConfig
-from .outputs import Delta, EngineStats
+from .outputs import Delta, EngineStats, TokenLogprob
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from .engine.llm_engine import LLMEngine
 
-__all__ = ["LLMEngine", "SamplingParams", "EngineConfig", "ModelConfig", "Delta", "EngineStats"]
+__all__ = [
+    "LLMEngine",
+    "SamplingParams",
+    "EngineConfig",
+    "ModelConfig",
+    "Delta",
+    "EngineStats",
+    "TokenLogprob",
+]
 
 
 def __getattr__(name: str):

@@ -26,7 +26,11 @@ def generate(args: argparse.Namespace) -> None:
         on_progress=print_progress if sys.stderr.isatty() else None,
     )
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        repetition_penalty=args.repetition_penalty,
     )
     prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     for prompt in prompts:
@@ -65,6 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     g.add_argument("--max-model-length", type=int, default=4096)
 

@@ -118,7 +118,10 @@ def test_fp32_logprobs_and_repetition_penalty_match_transformers(qwen3_06b):
     path, hf = qwen3_06b
     ps = prompts(3, seed=5)
     params = SamplingParams(
-        temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True, repetition_penalty=1.3,
+        temperature=0,
+        max_tokens=NUM_TOKENS,
+        ignore_eos=True,
+        repetition_penalty=1.3,
         logprobs=5,
     )
     llm = engine(path, dtype="float32")
