@@ -152,6 +152,16 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def needs_extras(self) -> bool:
+        """Whether the sampler needs more than temperature and the top-k/p/min-p cuts."""
+        return (
+            self.has_penalties
+            or self.min_tokens > 0
+            or self.logprobs is not None
+            or self.prompt_logprobs is not None
+        )
+
+    @property
     def has_penalties(self) -> bool:
         return (
             self.repetition_penalty != 1

@@ -12,6 +12,23 @@ from .scheduler import SchedulerOutput
 
 
 @dataclass
+class RowExtras:
+    """One sequence's penalties, min_tokens mask and logprobs request for this step."""
+
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    prompt_ids: list[int] = field(default_factory=list)  # for the repetition penalty
+    output_ids: list[int] = field(default_factory=list)  # for any penalty
+    banned_ids: list[int] = field(default_factory=list)  # eos and stop ids before min_tokens
+    num_logprobs: int = -1  # -1 = none
+    num_prompt_logprobs: int = -1
+    # The prompt tokens that this step's first positions of the sequence predict. Every
+    # rank reads their number: the LM head computes those logits rows on all ranks.
+    prompt_targets: list[int] = field(default_factory=list)
+
+
+@dataclass
 class ForwardBatch:
     input_ids: list[int]  # this step's tokens, sequence after sequence
     positions: list[int]
@@ -25,19 +42,9 @@ class ForwardBatch:
     top_ps: list[float]
     min_ps: list[float]
     seeds: list[int | None]
-    # Penalties, min_tokens and logprobs, one entry per sequence (token lists stay empty
-    # for the sequences that do not need them).
-    repetition_penalties: list[float] = field(default_factory=list)
-    presence_penalties: list[float] = field(default_factory=list)
-    frequency_penalties: list[float] = field(default_factory=list)
-    penalty_prompt_ids: list[list[int]] = field(default_factory=list)  # repetition only
-    penalty_output_ids: list[list[int]] = field(default_factory=list)
-    banned_token_ids: list[list[int]] = field(default_factory=list)  # before min_tokens
-    num_logprobs: list[int] = field(default_factory=list)  # -1 = none
-    num_prompt_logprobs: list[int] = field(default_factory=list)  # -1 = none
-    # The prompt tokens that this step's first positions of the sequence predict
-    # (all ranks read its lengths: the logits of those rows are computed everywhere).
-    prompt_logprob_targets: list[list[int]] = field(default_factory=list)
+    # Penalties, min_tokens and logprobs: row -> what that sequence needs, only for the
+    # sequences that use them (a plain batch carries an empty dict).
+    extras: dict[int, RowExtras] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -76,26 +83,28 @@ def build_forward_batch(
         b.min_ps.append(float(p.min_p))
         # A seeded request's noise depends on its seed and position only.
         b.seeds.append(None if p.seed is None else (p.seed * 1_000_003 + end) % (1 << 62))
-        _add_extras(b, seq, start, end, eos_token_ids)
+        if p.needs_extras:
+            b.extras[len(b.seq_lens) - 1] = _extras(seq, start, end, eos_token_ids)
     return b
 
 
-def _add_extras(b: ForwardBatch, seq, start: int, end: int, eos_token_ids) -> None:
+def _extras(seq, start: int, end: int, eos_token_ids: Collection[int]) -> RowExtras:
     p = seq.params
-    b.repetition_penalties.append(float(p.repetition_penalty))
-    b.presence_penalties.append(float(p.presence_penalty))
-    b.frequency_penalties.append(float(p.frequency_penalty))
     n_prompt = seq.num_prompt_tokens
-    b.penalty_prompt_ids.append(seq.token_ids[:n_prompt] if p.repetition_penalty != 1 else [])
-    b.penalty_output_ids.append(seq.token_ids[n_prompt:] if p.has_penalties else [])
-    banned: list[int] = []
+    x = RowExtras(
+        repetition_penalty=float(p.repetition_penalty),
+        presence_penalty=float(p.presence_penalty),
+        frequency_penalty=float(p.frequency_penalty),
+        num_logprobs=-1 if p.logprobs is None else p.logprobs,
+        num_prompt_logprobs=-1 if p.prompt_logprobs is None else p.prompt_logprobs,
+    )
+    if p.repetition_penalty != 1:
+        x.prompt_ids = seq.token_ids[:n_prompt]
+    if p.has_penalties:
+        x.output_ids = seq.token_ids[n_prompt:]
     if seq.num_completion_tokens < p.min_tokens:
-        banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
-    b.banned_token_ids.append(banned)
-    b.num_logprobs.append(-1 if p.logprobs is None else p.logprobs)
-    b.num_prompt_logprobs.append(-1 if p.prompt_logprobs is None else p.prompt_logprobs)
-    targets: list[int] = []
+        x.banned_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
     if p.prompt_logprobs is not None:
         # Position q predicts token q + 1; the first prompt token has no prediction.
-        targets = seq.token_ids[start + 1 : max(start, min(end, n_prompt - 1)) + 1]
-    b.prompt_logprob_targets.append(targets)
+        x.prompt_targets = seq.token_ids[start + 1 : max(start, min(end, n_prompt - 1)) + 1]
+    return x

@@ -545,7 +545,7 @@ def _record_logprobs(out: SchedulerOutput, sampled: StepSamples) -> None:
         seq = item.seq
         if seq.is_finished:  # aborted while its step ran
             continue
-        if sampled.prompt_logprobs and sampled.prompt_logprobs[i]:
+        if sampled.prompt_logprobs and i in sampled.prompt_logprobs:
             first = seq.num_computed_tokens + 1
             chunk = sampled.prompt_logprobs[i]
             seq.prompt_logprobs[first : first + len(chunk)] = chunk

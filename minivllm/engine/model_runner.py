@@ -219,35 +219,41 @@ class ModelRunner:
                 needs_min_p=any(p > 0 for p in b.min_ps),
                 all_greedy=False,
             )
-        # Penalties act on tokens seen so far: with no token lists there is nothing to do.
-        if any(b.penalty_output_ids) or any(b.penalty_prompt_ids):
-            t.penalties = self._penalty_tensors(b)
-        if any(b.banned_token_ids):
-            rows = [i for i, ids in enumerate(b.banned_token_ids) for _ in ids]
-            ids = [x for ids in b.banned_token_ids for x in ids]
-            t.banned = tuple(self._to_device(rows + ids, torch.long).split(len(rows)))
-        t.num_logprobs = max(b.num_logprobs, default=-1)
+        if b.extras:
+            self._add_extras(t, b)
         return t
 
-    def _penalty_tensors(self, b: ForwardBatch) -> PenaltyTensors:
-        """Token statistics built on the device from this step's token lists (two
-        host-to-device copies, no sync)."""
+    def _add_extras(self, t: SamplingTensors, b: ForwardBatch) -> None:
+        """Penalty statistics and the min_tokens mask, built on the device from the
+        rows' token lists (host-to-device copies, no sync)."""
+        extras = b.extras
+        t.num_logprobs = max(x.num_logprobs for x in extras.values())
+        banned = [(row, tok) for row, x in extras.items() for tok in x.banned_ids]
+        if banned:
+            rows, ids = zip(*banned, strict=True)
+            t.banned = tuple(self._to_device([*rows, *ids], torch.long).split(len(rows)))
+        # Penalties act on the tokens seen so far: with none there is nothing to do.
+        if not any(x.prompt_ids or x.output_ids for x in extras.values()):
+            return
         n, vocab = b.num_seqs, self.config.model.vocab_size
-        rows_p = [i for i, ids in enumerate(b.penalty_prompt_ids) for _ in ids]
-        rows_o = [i for i, ids in enumerate(b.penalty_output_ids) for _ in ids]
-        ids_p = [x for ids in b.penalty_prompt_ids for x in ids]
-        ids_o = [x for ids in b.penalty_output_ids for x in ids]
+        rows_p = [row for row, x in extras.items() for _ in x.prompt_ids]
+        rows_o = [row for row, x in extras.items() for _ in x.output_ids]
+        ids_p = [tok for x in extras.values() for tok in x.prompt_ids]
+        ids_o = [tok for x in extras.values() for tok in x.output_ids]
         longs = self._to_device(rows_p + ids_p + rows_o + ids_o, torch.long)
         rows_p_t, ids_p_t, rows_o_t, ids_o_t = longs.split([len(rows_p)] * 2 + [len(rows_o)] * 2)
         counts = torch.zeros(n, vocab, dtype=torch.float32, device=self.device)
         counts.index_put_((rows_o_t, ids_o_t), torch.ones_like(ids_o_t, dtype=torch.float32), True)
         seen = counts > 0
         seen[rows_p_t, ids_p_t] = True
-        floats = self._to_device(
-            b.repetition_penalties + b.presence_penalties + b.frequency_penalties, torch.float32
-        )
+        factors = [[1.0] * n, [0.0] * n, [0.0] * n]  # repetition, presence, frequency
+        for row, x in extras.items():
+            factors[0][row] = x.repetition_penalty
+            factors[1][row] = x.presence_penalty
+            factors[2][row] = x.frequency_penalty
+        floats = self._to_device(factors[0] + factors[1] + factors[2], torch.float32)
         repetition, presence, frequency = floats.split(n)
-        return PenaltyTensors(repetition, presence, frequency, seen, counts)
+        t.penalties = PenaltyTensors(repetition, presence, frequency, seen, counts)
 
     @torch.inference_mode()
     def run(self, b: ForwardBatch) -> StepSamples | None:
@@ -261,10 +267,11 @@ class ModelRunner:
             with attention_metadata(meta):
                 hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
         last = hidden if b.is_decode else hidden[meta.cu_seqlens_q[1:].long() - 1]
+        prompt = {row: x for row, x in b.extras.items() if x.prompt_targets}
         prompt_rows = [
-            b.cu_seqlens_q[i] + j
-            for i, targets in enumerate(b.prompt_logprob_targets)
-            for j in range(len(targets))
+            b.cu_seqlens_q[row] + j
+            for row, x in prompt.items()
+            for j in range(len(x.prompt_targets))
         ]
         if prompt_rows:  # every rank computes these logits: the LM head gathers them
             rows = self._to_device(prompt_rows, torch.long)
@@ -276,19 +283,19 @@ class ModelRunner:
         out = self.sampler(logits[:n].float(), self.sampling_tensors(b))
         samples = StepSamples(out.token_ids.tolist())
         if out.logprobs is not None:
-            per_row = out.logprobs.tolist([max(k, 0) for k in b.num_logprobs])
+            wanted = [b.extras[i].num_logprobs if i in b.extras else -1 for i in range(n)]
+            per_row = out.logprobs.tolist([max(k, 0) for k in wanted])
             samples.logprobs = [
-                lp if k >= 0 else None for lp, k in zip(per_row, b.num_logprobs, strict=True)
+                lp if k >= 0 else None for lp, k in zip(per_row, wanted, strict=True)
             ]
         if prompt_rows:
-            targets = [x for t in b.prompt_logprob_targets for x in t]
-            pairs = zip(b.prompt_logprob_targets, b.num_prompt_logprobs, strict=True)
-            num_top = [k for t, k in pairs for _ in t]
-            prompt = compute_logprobs(
+            targets = [tok for x in prompt.values() for tok in x.prompt_targets]
+            num_top = [x.num_prompt_logprobs for x in prompt.values() for _ in x.prompt_targets]
+            lps = compute_logprobs(
                 logits[n:].float(), self._to_device(targets, torch.long), max(num_top)
             ).tolist(num_top)
-            samples.prompt_logprobs = []
-            for t in b.prompt_logprob_targets:
-                samples.prompt_logprobs.append(prompt[: len(t)])
-                prompt = prompt[len(t) :]
+            samples.prompt_logprobs = {}
+            for row, x in prompt.items():
+                samples.prompt_logprobs[row] = lps[: len(x.prompt_targets)]
+                lps = lps[len(x.prompt_targets) :]
         return samples

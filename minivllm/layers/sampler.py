@@ -87,8 +87,8 @@ class StepSamples:
 
     token_ids: list[int]
     logprobs: list[TokenLogprob | None] | None = None
-    # This step's prompt positions of each sequence (empty list where none).
-    prompt_logprobs: list[list[TokenLogprob]] | None = None
+    # Row -> this step's prompt positions' logprobs, for the rows that asked.
+    prompt_logprobs: dict[int, list[TokenLogprob]] | None = None
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
