@@ -377,6 +377,10 @@ def test_numpy_and_torch_token_ids_are_accepted(llama):
     assert llama.generate([np.array(prompt, dtype=np.int32).tolist()], params)["token_ids"] == want
     assert llama.generate([list(np.array(prompt))], params)["token_ids"] == want
     assert llama.generate([list(torch.tensor(prompt))], params)["token_ids"] == want
+    assert llama.generate([np.array(prompt)], params)["token_ids"] == want
+    assert llama.generate([torch.tensor(prompt)], params)["token_ids"] == want
+    with pytest.raises(TypeError, match="expected a list of prompts"):
+        llama.generate(list(np.array(prompt)), params)
     with pytest.raises(ValueError, match=r"prompt: token id 3.0 \(float\) is not an int"):
         llama.add_prompt([3.0, 4])
     with pytest.raises(ValueError, match=r"not an int"):

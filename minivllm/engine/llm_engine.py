@@ -191,6 +191,8 @@ class LLMEngine:
             if not ids:
                 raise ValueError(f"prompt: {prompt!r} tokenizes to nothing")
             return ids
+        if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):
+            prompt = prompt.tolist()  # a numpy array or a torch tensor of token ids
         if not isinstance(prompt, (list, tuple)):
             raise TypeError(
                 f"prompt: expected str or list of token ids, got {type(prompt).__name__}"
@@ -388,7 +390,7 @@ class LLMEngine:
         use_tqdm: bool = False,
     ) -> dict[str, list]:
         """Run prompts to completion; returns {"text": [...], "token_ids": [...]} in order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (len(prompts) and _is_index(prompts[0])):
             raise TypeError("prompts: expected a list of prompts (strings or token-id lists)")
         if isinstance(sampling_params, SamplingParams) or sampling_params is None:
             params = [sampling_params] * len(prompts)
@@ -551,6 +553,11 @@ def _record_logprobs(out: SchedulerOutput, sampled: StepSamples) -> None:
             seq.prompt_logprobs[first : first + len(chunk)] = chunk
         if sampled.logprobs is not None and item.samples and seq.logprobs is not None:
             seq.logprobs.append(sampled.logprobs[i])
+
+
+def _is_index(x: Any) -> bool:
+    """An int or an integral numpy/torch scalar (a token id, not a prompt)."""
+    return hasattr(x, "__index__") and getattr(x, "ndim", 0) == 0
 
 
 def _check_conversation(n: int, conversation: Any) -> None:
