@@ -1,0 +1,269 @@
+"""The OpenAI-compatible HTTP face of an `EngineClient` (FastAPI).
+
+Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions,
+POST /v1/chat/completions (non-streaming, or SSE chunks ending in `data: [DONE]`).
+Every error is OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}`
+with its HTTP status; a request that fails never stops the server.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..frontend import GenerateRequest, RequestOutput
+from .metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
+from .protocol import BadField, ChatCompletionRequest, CompletionRequest
+
+# The engine's reasons in OpenAI's vocabulary ("abort": the server stopped the request).
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type_, param, code)
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def build_app(client: Any, *, model_name: str, api_key: str | None = None,
+              max_model_len: int | None = None) -> FastAPI:
+    """The app around a started client (`EngineFrontend`); `model_name` is what
+    requests must name in `model` and what /v1/models lists."""
+    app = FastAPI(title="minivllm", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = ServerMetrics(client, model_name)
+    info = client.info
+    max_len = max_model_len or (info.max_len if info is not None else 4096)
+    created = int(time.time())
+    app.state.client = client
+    app.state.metrics = metrics
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next: Any) -> Response:
+        if api_key is not None and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error_response(401, "invalid or missing API key: send the header "
+                                      "'Authorization: Bearer KEY'", "authentication_error",
+                                      code="invalid_api_key")
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"malformed JSON body: {first.get('msg', '')}")
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        what = first.get("msg", "invalid value")
+        if first.get("type") == "missing":
+            message = f"{param}: field required"
+        else:
+            message = f"{param}: {what} (got {first.get('input')!r})"
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), type_)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if client.error is not None:
+            return error_response(503, f"the engine stopped: {client.error}", "server_error")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": model_name, "object": "model", "created": created,
+                "owned_by": "minivllm", "root": info.model if info else model_name,
+                "max_model_len": max_len}
+        return {"object": "list", "data": [card]}
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise ApiError(404, f"The model `{name}` does not exist (this server serves "
+                           f"`{model_name}`).", "not_found_error", "model", "model_not_found")
+
+    async def start(request: GenerateRequest, prompt_field: str
+                    ) -> tuple[AsyncIterator[RequestOutput], RequestOutput, RequestTimer]:
+        """Submit; wait until the engine accepted (or refused) the request."""
+        timer = metrics.request()
+        timer.begin(time.monotonic())
+        stream = client.generate(request)
+        first = await stream.__anext__()
+        if first.rejected:
+            await stream.aclose()
+            if client.error is not None:
+                raise ApiError(503, f"the engine stopped: {client.error}", "server_error")
+            message = first.error or "the request was refused"
+            param = prompt_field if message.startswith("prompt") else None
+            raise ApiError(400, message, param=param)
+        return stream, first, timer
+
+    def params_of(body: Any) -> Any:
+        try:
+            return body.sampling_params(max_len)
+        except BadField as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+
+    async def collect(stream: AsyncIterator[RequestOutput], first: RequestOutput,
+                      timer: RequestTimer) -> tuple[str, RequestOutput]:
+        texts = [first.text]
+        last = first
+        try:
+            async for out in stream:
+                timer.output(out.at, len(out.token_ids))
+                texts.append(out.text)
+                last = out
+        finally:
+            await stream.aclose()
+        timer.finish(time.monotonic(), last.num_prompt_tokens, last.finish_reason)
+        if last.finish_reason == "error":
+            raise ApiError(500, f"generation failed: {last.error}", "server_error")
+        return "".join(texts), last
+
+    def usage(out: RequestOutput) -> dict[str, int]:
+        return {"prompt_tokens": out.num_prompt_tokens,
+                "completion_tokens": out.num_generated_tokens,
+                "total_tokens": out.num_prompt_tokens + out.num_generated_tokens}
+
+    async def sse(stream: AsyncIterator[RequestOutput], first: RequestOutput,
+                  timer: RequestTimer, chunk: Any, include_usage: bool) -> AsyncIterator[str]:
+        """The SSE body. Cancelled when the client goes away: closing `stream` then aborts
+        the request in the engine (its blocks are freed on the next step)."""
+        last = first
+        try:
+            yield chunk(None, None, True)
+            async for out in stream:
+                last = out
+                timer.output(out.at, len(out.token_ids))
+                if out.finish_reason == "error":
+                    yield _sse({"error": {"message": f"generation failed: {out.error}",
+                                          "type": "server_error", "param": None,
+                                          "code": None}})
+                    break
+                if out.text:
+                    yield chunk(out.text, None, False)
+                if out.finished:
+                    yield chunk(None, FINISH_REASONS.get(out.finish_reason or "", "stop"),
+                                False)
+            if include_usage:
+                yield chunk(None, None, False, usage(last))
+            yield "data: [DONE]\n\n"
+        finally:
+            await stream.aclose()
+            timer.finish(time.monotonic(), last.num_prompt_tokens,
+                         last.finish_reason if last.finished else "abort")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest) -> Any:
+        check_model(body.model)
+        params = params_of(body)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request = GenerateRequest(request_id, params, messages=body.template_messages(),
+                                  chat_template_kwargs=dict(body.chat_template_kwargs or {}))
+        stream, first, timer = await start(request, "messages")
+        now = int(time.time())
+        if not body.stream:
+            text, last = await collect(stream, first, timer)
+            return {
+                "id": request_id, "object": "chat.completion", "created": now,
+                "model": model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": None,
+                             "finish_reason": FINISH_REASONS.get(last.finish_reason or "",
+                                                                 "stop")}],
+                "usage": usage(last),
+            }
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        head = {"id": request_id, "object": "chat.completion.chunk", "created": now,
+                "model": model_name}
+
+        def chunk(text: str | None, finish: str | None, opening: bool,
+                  usage_: dict[str, int] | None = None) -> str:
+            if usage_ is not None:
+                return _sse({**head, "choices": [], "usage": usage_})
+            delta: dict[str, Any] = {}
+            if opening:
+                delta = {"role": "assistant", "content": ""}
+            elif text is not None:
+                delta = {"content": text}
+            payload = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                            "finish_reason": finish}]}
+            if include_usage:
+                payload["usage"] = None
+            return _sse(payload)
+
+        return StreamingResponse(sse(stream, first, timer, chunk, include_usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Any:
+        check_model(body.model)
+        params = params_of(body)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request = GenerateRequest(request_id, params, prompt=body.prompt)
+        stream, first, timer = await start(request, "prompt")
+        now = int(time.time())
+        if not body.stream:
+            text, last = await collect(stream, first, timer)
+            return {
+                "id": request_id, "object": "text_completion", "created": now,
+                "model": model_name,
+                "choices": [{"index": 0, "text": text, "logprobs": None,
+                             "finish_reason": FINISH_REASONS.get(last.finish_reason or "",
+                                                                 "stop")}],
+                "usage": usage(last),
+            }
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        head = {"id": request_id, "object": "text_completion", "created": now,
+                "model": model_name}
+
+        def chunk(text: str | None, finish: str | None, opening: bool,
+                  usage_: dict[str, int] | None = None) -> str:
+            if usage_ is not None:
+                return _sse({**head, "choices": [], "usage": usage_})
+            if opening:
+                return ""
+            payload = {**head, "choices": [{"index": 0, "text": text or "", "logprobs": None,
+                                            "finish_reason": finish}]}
+            if include_usage:
+                payload["usage"] = None
+            return _sse(payload)
+
+        return StreamingResponse(sse(stream, first, timer, chunk, include_usage),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    return app
