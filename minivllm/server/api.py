@@ -158,7 +158,8 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                 "total_tokens": out.num_prompt_tokens + out.num_generated_tokens}
 
     async def sse(stream: AsyncIterator[RequestOutput], first: RequestOutput,
-                  timer: RequestTimer, chunk: Any, include_usage: bool) -> AsyncIterator[str]:
+                  timer: RequestTimer, chunk: Any, include_usage: bool, with_ids: bool
+                  ) -> AsyncIterator[str]:
         """The SSE body. Cancelled when the client goes away: closing `stream` then aborts
         the request in the engine (its blocks are freed on the next step)."""
         last = first
@@ -172,8 +173,8 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                                           "type": "server_error", "param": None,
                                           "code": None}})
                     break
-                if out.text:
-                    yield chunk(out.text, None, False)
+                if out.text or (with_ids and out.token_ids):
+                    yield chunk(out.text, None, False, token_ids=out.token_ids)
                 if out.finished:
                     yield chunk(None, FINISH_REASONS.get(out.finish_reason or "", "stop"),
                                 False)
@@ -210,7 +211,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                 "model": model_name}
 
         def chunk(text: str | None, finish: str | None, opening: bool,
-                  usage_: dict[str, int] | None = None) -> str:
+                  usage_: dict[str, int] | None = None, token_ids: list[int] = ()) -> str:
             if usage_ is not None:
                 return _sse({**head, "choices": [], "usage": usage_})
             delta: dict[str, Any] = {}
@@ -218,13 +219,16 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                 delta = {"role": "assistant", "content": ""}
             elif text is not None:
                 delta = {"content": text}
-            payload = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                            "finish_reason": finish}]}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if body.return_token_ids and not opening:
+                choice["token_ids"] = list(token_ids)
+            payload = {**head, "choices": [choice]}
             if include_usage:
                 payload["usage"] = None
             return _sse(payload)
 
-        return StreamingResponse(sse(stream, first, timer, chunk, include_usage),
+        return StreamingResponse(sse(stream, first, timer, chunk, include_usage,
+                                     body.return_token_ids),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
@@ -251,18 +255,21 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                 "model": model_name}
 
         def chunk(text: str | None, finish: str | None, opening: bool,
-                  usage_: dict[str, int] | None = None) -> str:
+                  usage_: dict[str, int] | None = None, token_ids: list[int] = ()) -> str:
             if usage_ is not None:
                 return _sse({**head, "choices": [], "usage": usage_})
             if opening:
                 return ""
-            payload = {**head, "choices": [{"index": 0, "text": text or "", "logprobs": None,
-                                            "finish_reason": finish}]}
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            if body.return_token_ids:
+                choice["token_ids"] = list(token_ids)
+            payload = {**head, "choices": [choice]}
             if include_usage:
                 payload["usage"] = None
             return _sse(payload)
 
-        return StreamingResponse(sse(stream, first, timer, chunk, include_usage),
+        return StreamingResponse(sse(stream, first, timer, chunk, include_usage,
+                                     body.return_token_ids),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 

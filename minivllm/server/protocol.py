@@ -67,6 +67,7 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float = 0.0
     logprobs: Any = None
     echo: bool = False
+    return_token_ids: bool = False  # vLLM's extension: each choice carries its token ids
 
     def _max_tokens(self, default: int) -> tuple[str, int]:
         if self.max_tokens is not None:
