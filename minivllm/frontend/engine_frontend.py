@@ -290,12 +290,15 @@ class EngineFrontend:
         try:
             self._serve()
         except BaseException as exc:  # noqa: BLE001 - every caller must hear about it
-            self._error = describe(exc)
-            self._fail(list(self._live.values()), f"the engine stopped: {self._error}")
+            error = describe(exc)
+            # The live requests hear first, then `error` is set: a client that sees it can
+            # rely on having every output of the requests that were live.
+            self._fail(list(self._live.values()), f"the engine stopped: {error}")
+            self._error = error
             # Requests queued after the failure are refused too.
             for cmd in self._drain(0.0):
                 if isinstance(cmd, _Add):
-                    cmd.on_output(self._refusal(cmd.request.request_id, self._error))
+                    cmd.on_output(self._refusal(cmd.request.request_id, error))
 
     def _serve(self) -> None:
         engine = self.engine
