@@ -42,8 +42,63 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
     return JSONResponse(body, status_code=status)
 
 
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
 def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_dumps(payload)}\n\n"
+
+
+class _Chunks:
+    """The SSE events of one streamed response, in OpenAI's chunk format.
+
+    NOTE: the per-token event is glued from preformatted halves around the new text: a
+    `json.dumps` of the nested chunk per token costs the event loop (and, through the
+    GIL, the engine thread) several times more.
+    """
+
+    def __init__(self, chat: bool, head: dict[str, Any], include_usage: bool,
+                 with_ids: bool) -> None:
+        self.chat, self.head = chat, head
+        self.include_usage, self.with_ids = include_usage, with_ids
+        open_ = _dumps(head)[:-1]  # '{"id":...,"model":"..."' without its closing brace
+        if chat:
+            self._pre = open_ + ',"choices":[{"index":0,"delta":{"content":'
+            self._mid = '},"logprobs":null,"finish_reason":null'
+        else:
+            self._pre = open_ + ',"choices":[{"index":0,"text":'
+            self._mid = ',"logprobs":null,"finish_reason":null'
+        self._post = "}]" + (',"usage":null' if include_usage else "") + "}\n\n"
+
+    def text(self, text: str, token_ids: list[int]) -> str:
+        ids = f',"token_ids":{_dumps(token_ids)}' if self.with_ids else ""
+        return "data: " + self._pre + _dumps(text) + self._mid + ids + self._post
+
+    def _event(self, choice: dict[str, Any]) -> str:
+        payload = {**self.head, "choices": [choice]}
+        if self.include_usage:
+            payload["usage"] = None
+        return _sse(payload)
+
+    def opening(self) -> str:
+        if not self.chat:
+            return ""
+        return self._event({"index": 0, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None})
+
+    def finish(self, reason: str) -> str:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
+        if self.chat:
+            choice["delta"] = {}
+        else:
+            choice["text"] = ""
+        if self.with_ids:
+            choice["token_ids"] = []
+        return self._event(choice)
+
+    def usage(self, usage: dict[str, int]) -> str:
+        return _sse({**self.head, "choices": [], "usage": usage})
 
 
 def build_app(client: Any, *, model_name: str, api_key: str | None = None,
@@ -158,13 +213,14 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                 "total_tokens": out.num_prompt_tokens + out.num_generated_tokens}
 
     async def sse(stream: AsyncIterator[RequestOutput], first: RequestOutput,
-                  timer: RequestTimer, chunk: Any, include_usage: bool, with_ids: bool
-                  ) -> AsyncIterator[str]:
+                  timer: RequestTimer, chunks: _Chunks) -> AsyncIterator[str]:
         """The SSE body. Cancelled when the client goes away: closing `stream` then aborts
         the request in the engine (its blocks are freed on the next step)."""
         last = first
         try:
-            yield chunk(None, None, True)
+            opening = chunks.opening()
+            if opening:
+                yield opening
             async for out in stream:
                 last = out
                 timer.output(out.at, len(out.token_ids))
@@ -173,18 +229,29 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                                           "type": "server_error", "param": None,
                                           "code": None}})
                     break
-                if out.text or (with_ids and out.token_ids):
-                    yield chunk(out.text, None, False, token_ids=out.token_ids)
+                if out.text or (chunks.with_ids and out.token_ids):
+                    yield chunks.text(out.text, out.token_ids)
                 if out.finished:
-                    yield chunk(None, FINISH_REASONS.get(out.finish_reason or "", "stop"),
-                                False)
-            if include_usage:
-                yield chunk(None, None, False, usage(last))
+                    yield chunks.finish(FINISH_REASONS.get(out.finish_reason or "", "stop"))
+            if chunks.include_usage:
+                yield chunks.usage(usage(last))
             yield "data: [DONE]\n\n"
         finally:
             await stream.aclose()
             timer.finish(time.monotonic(), last.num_prompt_tokens,
                          last.finish_reason if last.finished else "abort")
+
+    def streaming_response(body: Any, chat: bool, request_id: str, created: int,
+                           stream: AsyncIterator[RequestOutput], first: RequestOutput,
+                           timer: RequestTimer) -> StreamingResponse:
+        head = {"id": request_id,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created, "model": model_name}
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = _Chunks(chat, head, include_usage, body.return_token_ids)
+        return StreamingResponse(sse(stream, first, timer, chunks),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest) -> Any:
@@ -206,31 +273,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                                                                  "stop")}],
                 "usage": usage(last),
             }
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        head = {"id": request_id, "object": "chat.completion.chunk", "created": now,
-                "model": model_name}
-
-        def chunk(text: str | None, finish: str | None, opening: bool,
-                  usage_: dict[str, int] | None = None, token_ids: list[int] = ()) -> str:
-            if usage_ is not None:
-                return _sse({**head, "choices": [], "usage": usage_})
-            delta: dict[str, Any] = {}
-            if opening:
-                delta = {"role": "assistant", "content": ""}
-            elif text is not None:
-                delta = {"content": text}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            if body.return_token_ids and not opening:
-                choice["token_ids"] = list(token_ids)
-            payload = {**head, "choices": [choice]}
-            if include_usage:
-                payload["usage"] = None
-            return _sse(payload)
-
-        return StreamingResponse(sse(stream, first, timer, chunk, include_usage,
-                                     body.return_token_ids),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return streaming_response(body, True, request_id, now, stream, first, timer)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest) -> Any:
@@ -250,27 +293,6 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                                                                  "stop")}],
                 "usage": usage(last),
             }
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        head = {"id": request_id, "object": "text_completion", "created": now,
-                "model": model_name}
-
-        def chunk(text: str | None, finish: str | None, opening: bool,
-                  usage_: dict[str, int] | None = None, token_ids: list[int] = ()) -> str:
-            if usage_ is not None:
-                return _sse({**head, "choices": [], "usage": usage_})
-            if opening:
-                return ""
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            if body.return_token_ids:
-                choice["token_ids"] = list(token_ids)
-            payload = {**head, "choices": [choice]}
-            if include_usage:
-                payload["usage"] = None
-            return _sse(payload)
-
-        return StreamingResponse(sse(stream, first, timer, chunk, include_usage,
-                                     body.return_token_ids),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return streaming_response(body, False, request_id, now, stream, first, timer)
 
     return app
