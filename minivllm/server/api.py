@@ -8,6 +8,7 @@ with its HTTP status; a request that fails never stops the server.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -25,6 +26,7 @@ from .metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
 from .protocol import BadField, ChatCompletionRequest, CompletionRequest
 
 # The engine's reasons in OpenAI's vocabulary ("abort": the server stopped the request).
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
 
 
@@ -207,6 +209,17 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
             raise ApiError(500, f"generation failed: {last.error}", "server_error")
         return "".join(texts), last
 
+    async def until_disconnect(http: Request, work: Any) -> Any:
+        """Await `work`, cancelling it (which aborts its request) if the client leaves."""
+        task = asyncio.ensure_future(work)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await http.is_disconnected():
+                task.cancel()
+                raise ApiError(499, "the client closed the connection")
+
     def usage(out: RequestOutput) -> dict[str, int]:
         return {"prompt_tokens": out.num_prompt_tokens,
                 "completion_tokens": out.num_generated_tokens,
@@ -254,7 +267,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                                  headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
+    async def chat_completions(body: ChatCompletionRequest, http: Request) -> Any:
         check_model(body.model)
         params = params_of(body)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -263,7 +276,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         stream, first, timer = await start(request, "messages")
         now = int(time.time())
         if not body.stream:
-            text, last = await collect(stream, first, timer)
+            text, last = await until_disconnect(http, collect(stream, first, timer))
             return {
                 "id": request_id, "object": "chat.completion", "created": now,
                 "model": model_name,
@@ -276,7 +289,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         return streaming_response(body, True, request_id, now, stream, first, timer)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(body: CompletionRequest, http: Request) -> Any:
         check_model(body.model)
         params = params_of(body)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -284,7 +297,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         stream, first, timer = await start(request, "prompt")
         now = int(time.time())
         if not body.stream:
-            text, last = await collect(stream, first, timer)
+            text, last = await until_disconnect(http, collect(stream, first, timer))
             return {
                 "id": request_id, "object": "text_completion", "created": now,
                 "model": model_name,
