@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -159,7 +160,7 @@ def test_concurrent_streams_equal_solo_replies(server, smollm2):
     topics = ["cats", "the sea", "Paris", "rain", "chess", "bread", "the moon", "music",
               "trains", "winter", "bees", "coffee", "rivers", "clocks", "snow", "books"]
     questions = [f"Say one sentence about {t}." for t in topics]
-    n_tokens = 10
+    n_tokens = 6
     solo = [smollm2.generate([templated(smollm2, q)],
                              SamplingParams(temperature=0, max_tokens=n_tokens))["text"][0]
             for q in questions]
@@ -298,14 +299,19 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def test_sigterm_while_streaming_exits_cleanly(tmp_path, tiny_llama):
-    """Tensor-parallel (2 ranks on CPU) so there is a worker process to leave behind."""
-    proc, url = start_server(tmp_path, str(tiny_llama), "--device", "cpu",
+def test_sigterm_while_streaming_exits_cleanly(tmp_path, tiny_llama, smollm2_path):
+    """Tensor-parallel (2 ranks on CPU) so there is a worker process to leave behind; a
+    tiny random model (SmolLM2's heads do not split in two) with SmolLM2's tokenizer."""
+    model = tmp_path / "tiny"
+    shutil.copytree(tiny_llama, model)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(smollm2_path) / name, model / name)
+    proc, url = start_server(tmp_path, str(model), "--device", "cpu",
                              "--tensor-parallel-size", "2", "--block-size", "16",
                              "--num-gpu-blocks-override", "64", "--max-model-len", "512")
     workers = _children(proc.pid)
     assert workers, "the tensor-parallel worker is a child process"
-    body = {"model": str(tiny_llama), "prompt": [1, 2, 3, 4], "max_tokens": 400,
+    body = {"model": str(model), "prompt": [1, 2, 3, 4], "max_tokens": 400,
             "ignore_eos": True, "temperature": 0, "stream": True}
     lines = []
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
