@@ -43,18 +43,12 @@ class Sequence:
         self.error: str | None = None
         self.num_preemptions = 0
         self.first_token_time: float | None = None
-        self.stop_text_len: int | None = None  # where a stop string cut the text
         # Logprobs, when the request asks: one per completion token; one per prompt
         # position (None for the first, which nothing predicts), filled as prefill runs.
         self.logprobs: list | None = [] if params.logprobs is not None else None
         self.prompt_logprobs: list | None = None
         if params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * len(prompt_token_ids)
-        # Streaming bookkeeping (the engine's): the detokenizer and what was reported.
-        self.detokenizer = None
-        self.num_detokenized = 0  # completion tokens pushed into the detokenizer
-        self.num_reported_tokens = 0
-        self.num_reported_chars = 0
 
     def __repr__(self) -> str:
         return (
