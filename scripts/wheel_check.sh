@@ -7,9 +7,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${1:-.venv/bin/python}
 tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
+trap 'rm -rf "$tmp" build' EXIT
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false MINIVLLM_DATA_DIR="$tmp/data"
 
+rm -rf build  # setuptools' in-tree build folder: a stale copy could put deleted modules in the wheel
 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$tmp/dist" .
 "$PY" -m venv "$tmp/venv"
 # NOTE: the dependencies (torch alone is 750 MB) are borrowed read-only from the build
