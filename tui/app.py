@@ -652,7 +652,8 @@ class ChatApp(App):
     async def _flush_panes(self) -> None:
         progress = getattr(self.worker.engine, "prompt_progress", None)
         for pane in self.panes:
-            if progress is not None and pane.state == "prefill" and pane.seq_id is not None:
+            if progress is not None and pane.state in ("queued", "prefill") \
+                    and pane.seq_id is not None:
                 # Two ints read from the engine's sequence: safe from this thread.
                 pane.set_prefill_progress(progress(pane.seq_id))
             text = await pane.flush()

@@ -8,7 +8,8 @@ so a machine whose load drifts (a shared CI box) biases neither side. Headless l
 of the real app through Textual's headless driver at 160x48, rendering as it streams,
 with the engine on the app's engine thread. Same greedy requests (the panes' templated
 prompts) after an untimed warm-up of each. Prints generation tok/s of every round and
-app / headless (the app rounds' mean over the headless rounds' mean).
+app / headless (the app rounds' mean over the headless rounds' mean), and the UI
+thread's CPU time per generated token (steadier than tok/s on a shared machine).
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ def run_headless(engine: Any, texts: list[str], max_tokens: int) -> tuple[int, f
     return tokens, time.perf_counter() - start
 
 
-async def run_app(engine: Any, users: list[str], max_tokens: int) -> tuple[int, float]:
+async def run_app(engine: Any, users: list[str], max_tokens: int,
+                  ui_cpu: list[float] | None = None) -> tuple[int, float]:
+    """One round through the app; appends the UI thread's CPU seconds to `ui_cpu`."""
     from .app import create_app
     from .testing import wait_idle, wait_ready
 
@@ -64,11 +67,13 @@ async def run_app(engine: Any, users: list[str], max_tokens: int) -> tuple[int, 
                      settings=Settings(temperature=0.0, top_p=1.0, max_tokens=max_tokens))
     async with app.run_test(size=(160, 48)) as pilot:
         await wait_ready(pilot, 600)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         for pane, text in zip(app.panes, users, strict=True):
             await app.send(pane, text)
         await wait_idle(pilot, 3600)
         result = sum(p.tokens for p in app.panes), time.perf_counter() - start
+        if ui_cpu is not None:
+            ui_cpu.append(time.thread_time() - cpu)
         await pilot.press("ctrl+q")
     return result
 
@@ -83,7 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's; 1 is steadier on a shared machine)")
     args = p.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
 
     from minivllm import LLMEngine
 
@@ -95,12 +106,15 @@ def main(argv: list[str] | None = None) -> int:
         run_headless(engine, texts, WARMUP_TOKENS)
         asyncio.run(run_app(engine, users, WARMUP_TOKENS))
         rates: dict[str, list[float]] = {"headless": [], "app": []}
+        ui_cpu: list[float] = []
+        tokens_app = 0
         for r in range(2 * args.rounds + 1):
             name = "headless" if r % 2 == 0 else "app"
             if name == "headless":
                 tokens, seconds = run_headless(engine, texts, args.max_tokens)
             else:
-                tokens, seconds = asyncio.run(run_app(engine, users, args.max_tokens))
+                tokens, seconds = asyncio.run(run_app(engine, users, args.max_tokens, ui_cpu))
+                tokens_app += tokens
             rates[name].append(tokens / seconds)
             print(f"{name:>9}: {tokens:6d} tokens in {seconds:7.2f} s = "
                   f"{rates[name][-1]:8.1f} tok/s", flush=True)
@@ -111,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"app / headless: {app / base:.2f} ({args.panes} panes streaming, {args.max_tokens} "
           f"tokens each; mean of {len(rates['app'])} app rounds over "
           f"{len(rates['headless'])} interleaved headless rounds)")
+    # CPU time is steadier than tok/s on a shared machine: what the UI thread spent.
+    print(f"UI thread CPU: {1000 * sum(ui_cpu) / max(1, tokens_app):.2f} ms per generated token")
     return 0
 
 

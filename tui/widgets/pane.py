@@ -194,11 +194,14 @@ class ConversationPane(Vertical):
         if progress is not None and progress != self._prefill:
             self._prefill = progress
             self._title_dirty = True
+            if progress[0] > 0 and self.state == "queued":
+                self.set_state("prefill")  # a chunk is computed: no longer waiting
             self.refresh_title()
 
     def set_queued(self, queued: bool) -> None:
         """From the stats snapshot: is this request still in the engine's waiting queue?"""
-        if self.state in ("queued", "prefill") and self._first_at is None:
+        started = self._prefill is not None and self._prefill[0] > 0
+        if self.state in ("queued", "prefill") and self._first_at is None and not started:
             self.set_state("queued" if queued else "prefill")
 
     def feed(self, text: str, num_tokens: int, first_at: float, last_at: float) -> None:
