@@ -212,9 +212,10 @@ class ChatApp(App):
 
     def on_load_failed(self, msg: LoadFailed) -> None:
         self.engine_dead = msg.error
+        # The first line names the error; the traceback after it is for developers.
         self.load_error = msg.error.strip().splitlines()[0] if msg.error.strip() else "?"
         if self.loading is not None:
-            self.loading.failed(msg.error)
+            self.loading.failed(self.load_error)
 
     # -- panes -------------------------------------------------------------------------
 
