@@ -420,10 +420,18 @@ class ChatApp(App):
             self._set_thinking(pane, not pane.conversation.settings.thinking)
 
     @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer, or None (a remote engine). Only read from it."""
+        return (getattr(self.worker.client, "tokenizer", None)
+                or getattr(self.worker.engine, "tokenizer", None))
+
+    @property
     def supports_thinking(self) -> bool:
         """Whether the model's chat template has a thinking switch (Qwen3's
-        `enable_thinking`)."""
-        tokenizer = getattr(self.worker.engine, "tokenizer", None)
+        `enable_thinking`); True when it cannot be told (no tokenizer here)."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            return True
         return "enable_thinking" in str(getattr(tokenizer, "chat_template", "") or "")
 
     def _set_thinking(self, pane: ConversationPane, on: bool) -> None:
@@ -539,7 +547,7 @@ class ChatApp(App):
         """Tokens of the conversation's next prompt (chat template included), or None
         without a tokenizer. NOTE: runs on the UI thread while the engine thread may
         tokenize too; encoding with a fast tokenizer only reads it."""
-        tokenizer = getattr(self.worker.engine, "tokenizer", None)
+        tokenizer = self.tokenizer
         if tokenizer is None:
             return None
         try:
@@ -602,7 +610,6 @@ class ChatApp(App):
         pane = self._requests.get(msg.request_id)
         if pane is not None:
             pane.accepted(msg.opens_thinking)
-            pane.seq_id = msg.seq_id
 
     async def on_request_failed(self, msg: RequestFailed) -> None:
         pane = self._requests.get(msg.request_id)
@@ -651,12 +658,11 @@ class ChatApp(App):
                     timeout=30)
 
     async def _flush_panes(self) -> None:
-        progress = getattr(self.worker.engine, "prompt_progress", None)
+        progress = getattr(self.worker.client, "prompt_progress", None)  # a remote has none
         for pane in self.panes:
             if progress is not None and pane.state in ("queued", "prefill") \
-                    and pane.seq_id is not None:
-                # Two ints read from the engine's sequence: safe from this thread.
-                pane.set_prefill_progress(progress(pane.seq_id))
+                    and pane.request_id is not None:
+                pane.set_prefill_progress(progress(str(pane.request_id)))
             text = await pane.flush()
             if text:
                 self.store.chunk(pane.conversation.key, text)

@@ -135,7 +135,10 @@ class PlainChat:
 
     @property
     def supports_thinking(self) -> bool:
-        tokenizer = getattr(self.worker.engine, "tokenizer", None)
+        tokenizer = (getattr(self.worker.client, "tokenizer", None)
+                     or getattr(self.worker.engine, "tokenizer", None))
+        if tokenizer is None:  # a remote engine: cannot tell
+            return True
         return "enable_thinking" in str(getattr(tokenizer, "chat_template", "") or "")
 
     def _set(self, **changes: Any) -> None:

@@ -32,7 +32,6 @@ class ConversationPane(Vertical):
         self.state = "idle"
         self.state_detail = ""
         self.request_id: int | None = None
-        self.seq_id: int | None = None  # the engine's id for the request in flight
         self.regenerate_after_stop = False
         self.context_tokens = 0  # the last prompt's tokens (+ its reply's, once it ends)
         self.max_len = 0  # the engine's max_model_length, once known
@@ -173,7 +172,6 @@ class ConversationPane(Vertical):
         await self.transcript.mount(self._reply)
         self.transcript.anchor()
         self.request_id = request_id
-        self.seq_id = None
         self._prefill = None
         self._cleaner = StreamCleaner()
         self._pending.clear()
@@ -246,7 +244,6 @@ class ConversationPane(Vertical):
             await self._reply.finish(status, error)
         self._reply = None
         self.request_id = None
-        self.seq_id = None
         if self.context_tokens:
             self.context_tokens += self._tokens
         state = {"done": "idle", "length": "idle", "stopped": "stopped"}.get(status, "error")
