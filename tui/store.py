@@ -387,20 +387,30 @@ def list_sessions(root: Path | None = None) -> list[LoadedSession]:
             loaded = load_session(path)
         except OSError:
             continue
-        if loaded.num_messages:
+        if loaded.num_messages or _has_user_record(path):
             out.append(loaded)
     return out
 
 
+def _has_user_record(path: Path) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and rec.get("type") == "user":
+                    return True
+    except OSError:
+        pass
+    return False
+
+
 def latest_session(root: Path | None = None) -> Path | None:
-    """The newest session file that holds a message (empty ones are passed over)."""
-    for path in session_files(root):
-        try:
-            if load_session(path).num_messages:
-                return path
-        except OSError:
-            continue
-    return None
+    """The newest session file in which a message was sent (files from before sessions
+    were created at the first message may be empty: they are passed over)."""
+    return next((p for p in session_files(root) if _has_user_record(p)), None)
 
 
 def find_session(session_id: str, root: Path | None = None) -> Path:
