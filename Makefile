@@ -4,7 +4,7 @@ PY ?= python3
 VENV ?= .venv
 BIN = $(VENV)/bin
 
-.PHONY: install chat test lint gpu-check bench-cpu
+.PHONY: install chat test lint wheel-check gpu-check bench-cpu
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,11 @@ chat: install
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q
+	bash scripts/wheel_check.sh $(BIN)/python
+
+# The built wheel in a fresh virtualenv: imports, `minivllm-chat --help`, a piped --plain.
+wheel-check: install
+	bash scripts/wheel_check.sh $(BIN)/python
 
 lint:
 	$(BIN)/ruff check .

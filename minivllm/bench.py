@@ -50,7 +50,7 @@ def build_engine(args: argparse.Namespace, **overrides) -> LLMEngine:
     if args.world_size > 1:
         config["world_size"] = args.world_size
     config.update(overrides)
-    from .cli import print_progress
+    from .progress import print_progress
 
     return LLMEngine(config, on_progress=print_progress if sys.stderr.isatty() else None)
 

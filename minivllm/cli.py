@@ -1,30 +1,69 @@
-"""The `minivllm` command: `generate` and `bench`."""
+"""The `minivllm` command: `generate` and `bench`.
+
+User errors (a bad option value, a missing model, no GPU for `--device cuda`) end with
+one line naming the option and the value, and exit status 1; never a traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+from typing import Any
+
+from .progress import print_progress
 
 DEFAULT_CHAT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
+# Config key -> the command-line option that sets it, for error messages.
+OPTION_OF_KEY = {
+    "model_name_or_path": "--model",
+    "max_model_length": "--max-model-length",
+    "world_size": "--world-size",
+    "device": "--device",
+    "load_format": "--load-format",
+    "dtype": "--dtype",
+}
+# What loading can raise for a user's mistake (bad values, missing or broken files).
+USER_ERRORS = (ValueError, TypeError, OSError)
 
-def print_progress(stage: str, fraction: float) -> None:
-    """The engine's start-up stages (weights, KV sizing, CUDA graphs) on stderr."""
-    end = "\n" if fraction >= 1 else ""
-    print(f"\r\033[Kminivllm: {stage} [{fraction:4.0%}]", end=end, file=sys.stderr, flush=True)
+
+def check_engine_config(config: dict[str, Any]) -> Any:
+    """Validate what can be validated before the engine is built: the keys and values,
+    the model (found, with its config.json), the device and the GPU count. Returns the
+    `EngineConfig`; raises ValueError / TypeError / OSError naming the key and value."""
+    from .config import EngineConfig
+
+    checked = EngineConfig.from_dict(config)
+    if checked.device == "cuda" or checked.world_size > 1:
+        import torch
+
+        if checked.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda': no CUDA GPU is available here")
+        if torch.cuda.is_available() and checked.device != "cpu":
+            from .engine.worker import tp_device
+
+            tp_device(torch.device("cuda"), checked.world_size)
+    return checked
+
+
+def describe_error(exc: BaseException, options: dict[str, str] | None = None) -> str:
+    """One line for a user: config keys in the message become the options that set them
+    (`max_model_length=999999999 is ...` -> `--max-model-length=999999999 is ...`)."""
+    text = str(exc).strip() or type(exc).__name__
+    for key, option in (options or OPTION_OF_KEY).items():
+        text = re.sub(rf"(?<![\w.-])(?:[A-Za-z]\w*\.)?{key}=", f"{option}=", text)
+    return " ".join(text.split())  # one line
 
 
 def generate(args: argparse.Namespace) -> None:
     from . import LLMEngine, SamplingParams
 
-    llm = LLMEngine(
-        {
-            "model_name_or_path": args.model,
-            "device": args.device,
-            "max_model_length": args.max_model_length,
-        },
-        on_progress=print_progress if sys.stderr.isatty() else None,
-    )
+    config = {
+        "model_name_or_path": args.model,
+        "device": args.device,
+        "max_model_length": args.max_model_length,
+    }
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -32,32 +71,32 @@ def generate(args: argparse.Namespace) -> None:
         seed=args.seed,
         repetition_penalty=args.repetition_penalty,
     )
-    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    for prompt in prompts:
-        if args.chat:
-            prompt = llm.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}],
-                add_generation_prompt=True,
-                tokenize=False,
-            )
-        seq_id = llm.add_prompt(prompt, params)
-        done = False
-        while not done:
-            llm.step()
-            for d in llm.pop_deltas():
-                if d.seq_id == seq_id:
-                    print(d.text, end="", flush=True)
-                    done = d.finished
-        print()
-    llm.exit()
+    check_engine_config(config)
+    llm = LLMEngine(config, on_progress=print_progress if sys.stderr.isatty() else None)
+    try:
+        prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+        for prompt in prompts:
+            if args.chat:
+                prompt = llm.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}],
+                    add_generation_prompt=True,
+                    tokenize=False,
+                )
+            seq_id = llm.add_prompt(prompt, params)
+            done = False
+            while not done:
+                llm.step()
+                for d in llm.pop_deltas():
+                    if d.seq_id == seq_id:
+                        print(d.text, end="", flush=True)
+                        done = d.finished
+            print()
+    finally:
+        llm.exit()
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:2] == ["bench", "chat"]:  # the app's own benchmark, with its own options
-        from .tui.bench import main as bench_chat
-
-        sys.exit(bench_chat(argv[2:]))
     if argv[:1] == ["serve"]:  # the HTTP server, with vLLM's flag names
         from .server.cli import main as serve
 
@@ -66,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         from .server.bench import main as bench_serve
 
         sys.exit(bench_serve(argv[2:]))
-    parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
+    parser = argparse.ArgumentParser(prog="minivllm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="complete prompts (streamed to stdout)")
@@ -83,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from .bench import add_arguments
 
-    b = sub.add_parser("bench", help="PERF.md's throughput and latency workloads")
+    b = sub.add_parser("bench", help="PERF.md's workloads")
     add_arguments(b)
 
     args = parser.parse_args(argv)
@@ -94,8 +133,13 @@ def main(argv: list[str] | None = None) -> None:
             from .bench import main as bench_main
 
             bench_main(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        parser.exit(2, f"minivllm: error: {e}\n")
+    except USER_ERRORS as e:
+        options = {**OPTION_OF_KEY, "max_tokens": "--max-tokens", "temperature": "--temperature",
+                   "top_p": "--top-p", "seed": "--seed"}
+        print(f"minivllm: error: {describe_error(e, options)}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
 
 
 if __name__ == "__main__":

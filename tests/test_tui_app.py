@@ -194,12 +194,14 @@ async def test_ctrl_n_ctrl_w_alt_digits_and_ctrl_arrows(tmp_path):
         await type_and_send(pilot, 1, "in the middle pane")
         await wait_idle(pilot)
         app.panes[1].input.focus()
-        await pilot.press("ctrl+w")
+        await pilot.press("ctrl+w")  # it holds a conversation: asks first
+        await wait_until(pilot, lambda: app.screen.id == "confirm")
+        await pilot.press("y")
         await wait_until(pilot, lambda: len(app.panes) == 2)
         assert [p.number for p in app.panes] == [1, 2]
         assert [p.conversation.key for p in app.panes] == [1, 3]
         assert app.panes[1].title_text.startswith("#2 ")
-        await pilot.press("ctrl+w", "ctrl+w")  # the last pane stays
+        await pilot.press("ctrl+w", "ctrl+w")  # empty panes close at once; the last stays
         await wait_until(pilot, lambda: len(app.panes) == 1)
         await pilot.pause(0.05)
         assert len(app.panes) == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from minivllm.tui.conversation import ChatMessage, Conversation, Settings
@@ -17,7 +18,15 @@ from minivllm.tui.stats import (
     queue_line,
     throughput_line,
 )
-from minivllm.tui.store import SessionStore, latest_session, load_session, new_session_path
+from minivllm.tui.store import (
+    SessionStore,
+    describe_session,
+    find_session,
+    latest_session,
+    list_sessions,
+    load_session,
+    new_session_path,
+)
 from minivllm.tui.thinking import ThinkParser, split_thinking
 
 from minivllm.outputs import EngineStats
@@ -239,8 +248,133 @@ def test_torn_last_line_is_skipped_and_appending_starts_a_fresh_line(tmp_path):
 
 def test_session_files_are_private(tmp_path):
     path = new_session_path(tmp_path)
-    SessionStore(path).close()
+    store = SessionStore(path)
+    store.user(1, "hi")
+    store.close()
     assert path.stat().st_mode & 0o077 == 0
+    assert path.parent.stat().st_mode & 0o077 == 0
+
+
+def test_session_file_is_created_at_the_first_message(tmp_path):
+    """Issue 13 item 3: a start that never chats leaves no file; --resume then takes the
+    newest session with messages."""
+    older = SessionStore(new_session_path(tmp_path).with_name("20240101-000000-1.jsonl"))
+    older.session("m")
+    older.pane(1, Settings())
+    older.user(1, "the real conversation")
+    older.close()
+    empty = SessionStore(new_session_path(tmp_path))
+    empty.session("m")
+    empty.pane(1, Settings())
+    empty.close()
+    assert not empty.path.exists() and not empty.created
+    assert latest_session(tmp_path) == older.path
+    lines = [json.loads(x) for x in older.path.read_text().splitlines()]
+    assert [r["type"] for r in lines] == ["session", "pane", "user"]  # held, then written
+
+
+def test_sessions_listing_and_resume_by_id(tmp_path):
+    for i, first in enumerate(["  Hello   there,\nhow are you?", "second " * 30]):
+        store = SessionStore(tmp_path / "sessions" / f"2024010{i + 1}-000000-{i}.jsonl")
+        store.session("m")
+        for key in (1, 2):
+            store.pane(key, Settings())
+        store.user(1, first)
+        store.end(1, "done", "reply")
+        store.close()
+    sessions = list_sessions(tmp_path)
+    assert [s.id for s in sessions] == ["20240102-000000-1", "20240101-000000-0"]
+    line = describe_session(sessions[1])
+    assert line.startswith("20240101-000000-0  ")
+    assert "2 panes  2 msgs  Hello there, how are you?" in line
+    assert describe_session(sessions[0]).endswith("…")
+    assert find_session("20240101", tmp_path).stem == "20240101-000000-0"
+    with pytest.raises(ValueError, match="--resume 2024: matches 2 sessions"):
+        find_session("2024", tmp_path)
+    with pytest.raises(ValueError, match="--resume nope: no such session"):
+        find_session("nope", tmp_path)
+
+
+def test_records_with_bad_values_are_skipped_with_a_count(tmp_path):
+    """Issue 13 item 7: valid JSON, bad values: skipped, the rest loads."""
+    path = tmp_path / "s.jsonl"
+    recs = [
+        {"type": "pane", "pane": 1, "settings": Settings(temperature=0.0).to_dict()},
+        {"type": "pane", "pane": 1, "settings": None},
+        {"type": "pane", "pane": 1, "settings": {"temperature": "hot"}},
+        {"type": "pane", "pane": 1, "settings": {"top_p": 7}},
+        {"type": "user", "pane": 1, "text": "kept"},
+        {"type": "user", "pane": "one", "text": "bad pane"},
+        {"type": "user", "pane": 1, "text": ["not", "text"]},
+        {"type": "end", "pane": 1, "status": "exploded", "text": "x"},
+        {"type": "end", "pane": 1, "status": "done", "text": "answer"},
+        {"type": "mystery", "pane": 1},
+        ["not", "an", "object"],
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs) + "{torn")
+    loaded = load_session(path)
+    assert (loaded.skipped_lines, loaded.bad_records) == (1, 8)
+    conv = loaded.conversations[0]
+    assert conv.settings.temperature == 0.0
+    assert [(m.content, m.status) for m in conv.messages] == [("kept", "done"),
+                                                             ("answer", "done")]
+    assert loaded.notice() == ("s.jsonl: skipped 1 unreadable line(s) and 8 record(s) "
+                               "with bad values")
+
+
+def test_unwritable_data_dir_keeps_going_in_memory(tmp_path):
+    """Issue 13 item 6: the store never raises; it reports once and stops writing. (The
+    data dir is under a file: unwritable even for root, who ignores permissions.)"""
+    errors = []
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    store = SessionStore(new_session_path(blocker), on_error=errors.append)
+    store.pane(1, Settings())
+    store.user(1, "hi")  # the first message tries to create the file
+    store.chunk(1, "text")
+    store.flush_partial()
+    store.end(1, "done", "text")
+    store.close()
+    assert len(errors) == 1 and "Not a directory" in errors[0]
+    assert store.error == errors[0]
+
+
+def test_full_disk_mid_session_keeps_going(tmp_path):
+    errors = []
+    store = SessionStore(tmp_path / "s.jsonl", on_error=errors.append)
+    store.user(1, "hi")
+
+    class Full:
+        def write(self, _):
+            raise OSError(27, "File too large", str(store.path))
+
+        def flush(self):
+            raise OSError(27, "File too large", str(store.path))
+
+        def close(self):
+            pass
+
+    store._file = Full()
+    store.chunk(1, "streamed")
+    store.flush_partial()
+    store.end(1, "done", "streamed")
+    store.user(1, "again")
+    store.close()
+    assert errors == [f"File too large ({store.path})"]
+
+
+def test_context_cut_leaves_out_whole_turns_never_the_system_prompt():
+    conv = Conversation(1, Settings(system_prompt="sys"))
+    for i in range(3):
+        conv.messages += [ChatMessage("user", f"q{i}"), ChatMessage("assistant", f"a{i}")]
+    conv.messages.append(ChatMessage("user", "now"))
+    assert conv.next_turn_start() == 2
+    conv.dropped = conv.next_turn_start()
+    assert [m["content"] for m in conv.template_messages()] == ["sys", "q1", "a1", "q2", "a2",
+                                                               "now"]
+    conv.dropped = 6
+    assert conv.next_turn_start() is None  # the newest message is always sent
+    assert [m["content"] for m in conv.template_messages()] == ["sys", "now"]
 
 
 def test_export_markdown():

@@ -8,19 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import re
 import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from textual import work
 from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
 from .commands import chat_commands
 from .conversation import FINISH_TO_STATUS, Conversation, Settings, Status
-from .engine_thread import EngineFactory, EngineWorker, engine_info
+from .engine_thread import EngineFactory, EngineWorker, engine_info, render_prompt
 from .keys import enable_alt_digits
 from .messages import (
     DeltaBatch,
@@ -44,6 +46,7 @@ from .store import (
 )
 from .widgets.chat_input import ChatInput
 from .widgets.chat_screen import ChatScreen
+from .widgets.confirm import ConfirmModal
 from .widgets.loading import LoadingScreen
 from .widgets.pane import ConversationPane
 from .widgets.settings_modal import SettingsModal
@@ -51,10 +54,14 @@ from .widgets.settings_modal import SettingsModal
 MAX_PANES = 9
 FLUSH_HZ = 30
 HELP = (
-    "Enter sends · ctrl+j newline · Esc stops · alt+a or /all sends to every pane · "
-    "ctrl+r regenerates · ctrl+n/ctrl+w new/close · alt+1..9 focus · ctrl+p commands · "
-    "/think /no_think /system TEXT /clear"
+    "Enter sends · ctrl+j newline · Esc or ctrl+c stops · alt+a or /all sends to every pane · "
+    "ctrl+r regenerates · ctrl+n/ctrl+w new/close · ctrl+o reopens · alt+1..9 focus · "
+    "alt+c copies the reply · PgUp/PgDn scroll · ctrl+p commands · "
+    "/think /no_think /system TEXT /clear /help"
 )
+COMMANDS = ("/all", "/think", "/no_think", "/system", "/clear", "/help")
+# A first word like `/sytem` is a (mistyped) command; `/usr/bin/env ...` is text.
+COMMAND_WORD = re.compile(r"/[A-Za-z_]+")
 
 
 class ChatApp(App):
@@ -93,7 +100,14 @@ class ChatApp(App):
         self.model = model or (self.info.model if self.info else "?")
         self.default_settings = settings or Settings()
         self.data_root = data_root or data_dir()
-        self.export_dir = export_dir or Path.cwd()
+        self.export_dir = export_dir or self.data_root / "exports"
+        self.storage_error: str | None = None
+        self.load_error: str | None = None
+        self._notes: list[tuple[str, str]] = []  # (text, severity) to show once mounted
+        # Closed panes' conversations, newest last (ctrl+o reopens). NOTE: not `_closed`,
+        # which Textual's message pump uses for its own state.
+        self._closed_convs: list[Conversation] = []
+        self.resume_theme: str | None = None
         self._keymap = dict(keymap or {})
         self.history = StatsHistory()
         self.active_pane: ConversationPane | None = None
@@ -117,19 +131,20 @@ class ChatApp(App):
         )
         if path is not None:
             loaded = load_session(path)
-            store = SessionStore(path)
+            store = SessionStore(path, on_error=self._storage_failed)
             for key in loaded.interrupted:  # close the open replies in the file too
                 conv = next(c for c in loaded.conversations if c.key == key)
                 store.end(key, "interrupted", conv.messages[-1].content)
-            if loaded.skipped_lines:
-                self.resume_note = f"skipped {loaded.skipped_lines} unreadable line(s)"
+            self.resume_note = loaded.notice()
+            self.resume_theme = loaded.theme
+            self._closed_convs = list(loaded.closed.values())
             if loaded.conversations:
                 return store, loaded.conversations
         else:
-            store = (SessionStore(new_session_path(self.data_root)) if self.save_sessions
-                     else NullStore())
+            store = (SessionStore(new_session_path(self.data_root), on_error=self._storage_failed)
+                     if self.save_sessions else NullStore())
             if resume:
-                self.resume_note = "no earlier session to resume"
+                self.resume_note = "no earlier session with messages to resume"
         store.session(self.model)
         convs = [
             Conversation(k + 1, copy.deepcopy(self.default_settings)) for k in range(max(1, n))
@@ -137,6 +152,18 @@ class ChatApp(App):
         for c in convs:
             store.pane(c.key, c.settings)
         return store, convs
+
+    def _storage_failed(self, error: str) -> None:
+        """The session file cannot be written: keep going in memory and say so once."""
+        self.storage_error = error
+        self._note(f"conversations are not being saved: {error}. They stay on screen "
+                   "(export still works: ctrl+p, Export).", "warning")
+
+    def _note(self, text: str, severity: str = "information") -> None:
+        if self.is_running:
+            self.notify(text, severity=severity, markup=False, timeout=15)
+        else:
+            self._notes.append((text, severity))
 
     # -- start-up ----------------------------------------------------------------------
 
@@ -156,8 +183,14 @@ class ChatApp(App):
             self.push_screen(self.loading)
         self.set_interval(1 / FLUSH_HZ, self._flush_panes)
         self.set_interval(1.0, self.store.flush_partial)
+        if self.resume_theme and self.resume_theme in self.available_themes:
+            self.theme = self.resume_theme
+        self.theme_changed_signal.subscribe(self, lambda theme: self.store.theme(theme.name))
         if self.resume_note:
             self.notify(self.resume_note, markup=False)
+        for text, severity in self._notes:
+            self.notify(text, severity=severity, markup=False, timeout=15)
+        self._notes.clear()
 
     def _show_chat(self, info: EngineInfo) -> None:
         self.info = info
@@ -179,8 +212,10 @@ class ChatApp(App):
 
     def on_load_failed(self, msg: LoadFailed) -> None:
         self.engine_dead = msg.error
+        # The first line names the error; the traceback after it is for developers.
+        self.load_error = msg.error.strip().splitlines()[0] if msg.error.strip() else "?"
         if self.loading is not None:
-            self.loading.failed(msg.error)
+            self.loading.failed(self.load_error)
 
     # -- panes -------------------------------------------------------------------------
 
@@ -228,21 +263,68 @@ class ChatApp(App):
         self._focus(pane)
 
     async def action_close_pane(self) -> None:
+        """Close the focused pane; one holding messages or a draft asks first (ctrl+w is
+        also "delete a word" to shell users). ctrl+o reopens it."""
         pane = self.current_pane()
-        panes = self.panes
         if pane is None:
             return
-        if len(panes) == 1:
+        if len(self.panes) == 1:
             self.notify("this is the last pane (ctrl+q quits)", severity="warning")
             return
-        self._cancel_request(pane)
+        if not (pane.conversation.messages or pane.input.text.strip()):
+            await self._close(pane)
+            return
+        what = "its reply is streaming" if pane.busy else "it holds a conversation"
+        question = (f"Close pane #{pane.number}? {what[0].upper() + what[1:]}. "
+                    "ctrl+o (or Reopen in ctrl+p) brings it back.")
+
+        self._confirm_close(pane, question)
+
+    @work(exclusive=True, group="confirm-close")
+    async def _confirm_close(self, pane: ConversationPane, question: str) -> None:
+        # A worker waits for the answer, so the key's action returns at once.
+        yes = await self.push_screen_wait(ConfirmModal(question))
+        if pane not in self.panes:
+            return
+        if yes:
+            await self._close(pane)
+        else:
+            self._focus(pane)
+
+    async def _close(self, pane: ConversationPane) -> None:
+        panes = self.panes
+        if pane.busy and pane.request_id is not None:  # keep what streamed, as stopped
+            request_id = pane.request_id
+            self._cancel_request(pane)
+            await self._finish(pane, request_id, "stopped")
+        else:
+            self._cancel_request(pane)
+        pane.conversation.draft = pane.input.text
         self.store.close_pane(pane.conversation.key)
+        self._closed_convs.append(pane.conversation)
         index = panes.index(pane)
         await pane.remove()
         rest = self.panes
         for i, p in enumerate(rest):
             p.renumber(i + 1)
         self._focus(rest[min(index, len(rest) - 1)])
+
+    async def action_reopen_pane(self) -> None:
+        if self.chat is None:
+            return
+        if not self._closed_convs:
+            self.notify("no closed pane to reopen")
+            return
+        if len(self.panes) >= MAX_PANES:
+            self.notify(f"at most {MAX_PANES} panes", severity="warning")
+            return
+        conv = self._closed_convs.pop()
+        self.store.reopen_pane(conv.key)
+        pane = ConversationPane(conv, len(self.panes) + 1)
+        await self.chat.panes_box.mount(pane)
+        if getattr(conv, "draft", ""):
+            pane.input.text = conv.draft
+        self._focus(pane)
 
     def _cancel_request(self, pane: ConversationPane) -> None:
         """Drop a pane's live request (its reply is going away with the pane's text)."""
@@ -260,19 +342,61 @@ class ChatApp(App):
         await pane.clear()
 
     def action_export(self) -> None:
+        """Write the focused pane to Markdown in the data dir's exports/ (the current
+        directory if that cannot be written) and show the path."""
         pane = self.current_pane()
         if pane is None:
             return
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = self.export_dir / f"minivllm-chat-{stamp}-pane{pane.number}.md"
-        try:
-            path.write_text(pane.conversation.to_markdown(f"minivllm-chat · pane #{pane.number}"),
-                            encoding="utf-8")
-        except OSError as exc:
-            self.notify(f"export failed: {exc}", severity="error", markup=False)
+        name = f"minivllm-chat-{stamp}-pane{pane.number}.md"
+        text = pane.conversation.to_markdown(f"minivllm-chat · pane #{pane.number}")
+        errors = []
+        for folder in (self.export_dir, Path.cwd()):
+            path = folder / name
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                path.write_text(text, encoding="utf-8")
+            except OSError as exc:
+                errors.append(f"{folder}: {exc.strerror or exc}")
+                continue
+            self.last_export = path
+            self.notify(f"exported pane #{pane.number} to {path}", markup=False, timeout=10)
             return
-        self.last_export = path
-        self.notify(f"exported to {path}", markup=False)
+        self.notify("export failed: " + "; ".join(errors), severity="error", markup=False)
+
+    def action_copy_reply(self) -> None:
+        """Copy the focused pane's last reply (its answer, without thinking) to the
+        terminal's clipboard (OSC 52)."""
+        pane = self.current_pane()
+        if pane is None:
+            return
+        reply = next((m for m in reversed(pane.conversation.messages)
+                      if m.role == "assistant" and m.answer), None)
+        if reply is None:
+            self.notify(f"pane #{pane.number} has no reply to copy")
+            return
+        self.copy_to_clipboard(reply.answer)
+        self.notify(f"copied pane #{pane.number}'s last reply ({len(reply.answer):,} characters)")
+
+    def action_scroll_transcript(self, pages: int) -> None:
+        pane = self.current_pane()
+        if pane is not None:
+            if pages < 0:
+                pane.transcript.scroll_page_up(animate=False)
+            else:
+                pane.transcript.scroll_page_down(animate=False)
+
+    async def action_interrupt(self) -> None:
+        """ctrl+c: stop the focused reply; copy a selection in the input; else say how to
+        quit. It never quits and never loses text."""
+        pane = self.current_pane()
+        if pane is not None and pane.busy:
+            await self.action_stop()
+            return
+        if pane is not None and pane.input.selected_text:
+            self.copy_to_clipboard(pane.input.selected_text)
+            return
+        self.notify("nothing to stop (ctrl+q quits)")
 
     def action_settings(self, focus: str = "system") -> None:
         pane = self.current_pane()
@@ -295,7 +419,26 @@ class ChatApp(App):
         if pane is not None:
             self._set_thinking(pane, not pane.conversation.settings.thinking)
 
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer, or None (a remote engine). Only read from it."""
+        return (getattr(self.worker.client, "tokenizer", None)
+                or getattr(self.worker.engine, "tokenizer", None))
+
+    @property
+    def supports_thinking(self) -> bool:
+        """Whether the model's chat template has a thinking switch (Qwen3's
+        `enable_thinking`); True when it cannot be told (no tokenizer here)."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            return True
+        return "enable_thinking" in str(getattr(tokenizer, "chat_template", "") or "")
+
     def _set_thinking(self, pane: ConversationPane, on: bool) -> None:
+        if not self.supports_thinking:
+            self.notify(f"{self.model} has no thinking mode (its chat template has no "
+                        "enable_thinking switch)", severity="warning", markup=False)
+            return
         new = copy.deepcopy(pane.conversation.settings)
         new.thinking = on
         self._apply_settings(pane, new)
@@ -331,9 +474,12 @@ class ChatApp(App):
         if not text.strip():
             return False
         if allow_commands and text.startswith("/"):
-            handled, text = await self._slash_command(pane, text)
+            handled, rest = await self._slash_command(pane, text)
+            if rest is None:  # an unknown command: the input keeps it for fixing
+                return False
             if handled:
                 return True
+            text = rest
         if pane.busy:
             self.notify(f"pane #{pane.number} is still replying (Esc stops it)",
                         severity="warning")
@@ -347,9 +493,12 @@ class ChatApp(App):
         await self._submit(pane)
         return True
 
-    async def _slash_command(self, pane: ConversationPane, text: str) -> tuple[bool, str]:
-        """Returns (handled, text to send). `/all X`, `/think [X]`, `/no_think [X]`,
-        `/system [TEXT]`, `/clear`, `/help`; anything else is sent as typed."""
+    async def _slash_command(
+        self, pane: ConversationPane, text: str
+    ) -> tuple[bool, str | None]:
+        """Returns (handled, text to send; None for an unknown command). `/all X`,
+        `/think [X]`, `/no_think [X]`, `/system [TEXT]`, `/clear`, `/help`; a first word
+        that is not a command word (`/usr/bin ...`) is sent as typed."""
         word, _, rest = text.partition(" ")
         rest = rest.strip()
         if word == "/all" and rest:
@@ -374,6 +523,10 @@ class ChatApp(App):
         if word == "/help":
             self.notify(HELP, timeout=10)
             return True, ""
+        if COMMAND_WORD.fullmatch(word):
+            self.notify(f"unknown command {word} (commands: {' '.join(COMMANDS)}; "
+                        "/help explains)", severity="warning", markup=False)
+            return True, None
         return False, text
 
     async def _submit(self, pane: ConversationPane) -> None:
@@ -385,9 +538,42 @@ class ChatApp(App):
         except ValueError as exc:
             await self._finish(pane, request_id, "error", str(exc))
             return
+        await self._fit_context(pane)
         self._requests[request_id] = pane
         self.worker.submit(request_id, pane.conversation.template_messages(), params,
                            pane.conversation.settings.thinking)
+
+    def count_prompt_tokens(self, conv: Conversation) -> int | None:
+        """Tokens of the conversation's next prompt (chat template included), or None
+        without a tokenizer. NOTE: runs on the UI thread while the engine thread may
+        tokenize too; encoding with a fast tokenizer only reads it."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            return None
+        try:
+            text = render_prompt(tokenizer, conv.template_messages(), conv.settings.thinking)
+            return len(tokenizer.encode(text, add_special_tokens=False))
+        except Exception:  # noqa: BLE001 - then the engine's own check speaks
+            return None
+
+    async def _fit_context(self, pane: ConversationPane) -> None:
+        """Leave out the oldest turns (never the system prompt, never the new message)
+        until the prompt leaves room for a reply, and mark the cut in the transcript."""
+        conv = pane.conversation
+        max_len = self.info.max_len if self.info is not None else 0
+        tokens = self.count_prompt_tokens(conv)
+        if tokens is None or not max_len:
+            return
+        room = min(conv.settings.max_tokens, max(1, max_len // 4))
+        dropped = conv.dropped
+        while tokens + room > max_len and conv.next_turn_start() is not None:
+            conv.dropped = conv.next_turn_start()
+            tokens = self.count_prompt_tokens(conv) or 0
+        pane.context_tokens = tokens
+        pane.max_len = max_len
+        if conv.dropped != dropped:
+            await pane.show_context_cut(max_len)
+            self.store.context_cut(conv.key, conv.dropped)
 
     # -- stop / regenerate ----------------------------------------------------------------
 
@@ -472,7 +658,11 @@ class ChatApp(App):
                     timeout=30)
 
     async def _flush_panes(self) -> None:
+        progress = getattr(self.worker.client, "prompt_progress", None)  # a remote has none
         for pane in self.panes:
+            if progress is not None and pane.state in ("queued", "prefill") \
+                    and pane.request_id is not None:
+                pane.set_prefill_progress(progress(str(pane.request_id)))
             text = await pane.flush()
             if text:
                 self.store.chunk(pane.conversation.key, text)
@@ -488,7 +678,7 @@ class ChatApp(App):
                 await self._finish(pane, pane.request_id, "stopped")
         await asyncio.to_thread(self.worker.stop)
         self.store.close()
-        self.exit()
+        self.exit(return_code=1 if self.load_error else 0)
 
     def on_unmount(self) -> None:
         # Also reached when the app ends some other way; nothing here may lose text.
@@ -502,3 +692,14 @@ def create_app(engine: Any = None, **options: Any) -> ChatApp:
     """The app around a built engine (`engine=`) or one built behind a loading screen
     (`engine_factory=on_progress -> engine`). Options: see `ChatApp`."""
     return ChatApp(engine=engine, **options)
+
+
+def binding_ids() -> set[str]:
+    """Every binding id a keymap may move."""
+    from .widgets.loading import LoadingScreen
+    from .widgets.settings_modal import SettingsModal
+
+    ids = set()
+    for cls in (ChatApp, ChatScreen, ChatInput, SettingsModal, ConfirmModal, LoadingScreen):
+        ids.update(b.id for b in cls.BINDINGS if getattr(b, "id", None))
+    return ids

@@ -1,23 +1,22 @@
 """Does the chat app slow the engine down? N panes streaming vs the same load headless.
 
-    python -m minivllm.tui.bench [--model M] [--panes 4] [--max-tokens 128] [--device D]
+    minivllm-chat --bench [--model M] [--panes 4] [--max-tokens 128] [--rounds 2]
 
-Each run is its own process, set up the way a user would run it: headless builds the
-engine and loops `add_prompt` / `step` / `pop_deltas` on the main thread; the app run
-builds it on the app's engine thread (as `minivllm-chat` does) and drives every pane
-through Textual's headless driver at 160x48, rendering as it streams. Same greedy
-requests (the panes' templated prompts) after a short warm-up round in both. Prints
-generation tok/s for headless, app, headless again, and the app / headless ratio.
-`main(argv)` is what `minivllm bench chat` can call.
+One engine in one process; rounds alternate headless, app, headless, app, ..., headless,
+so a machine whose load drifts (a shared CI box) biases neither side. Headless loops
+`add_prompt` / `step` / `pop_deltas` on the main thread; an app round drives every pane
+of the real app through Textual's headless driver at 160x48, rendering as it streams,
+with the engine on the app's engine thread. Same greedy requests (the panes' templated
+prompts) after an untimed warm-up of each. Prints generation tok/s of every round and
+app / headless (the app rounds' mean over the headless rounds' mean), and the UI
+thread's CPU time per generated token (steadier than tok/s on a shared machine).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import subprocess
-import sys
+import statistics
 import time
 from typing import Any
 
@@ -37,8 +36,11 @@ def prompts(n: int) -> list[str]:
 
 
 def engine_config(args: argparse.Namespace) -> dict[str, Any]:
-    return {"model_name_or_path": args.model, "device": args.device,
-            "load_format": args.load_format}
+    config = {"model_name_or_path": args.model, "device": args.device,
+              "load_format": args.load_format, "max_model_length": 2048}
+    if args.max_num_batched_tokens:
+        config["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return config
 
 
 def run_headless(engine: Any, texts: list[str], max_tokens: int) -> tuple[int, float]:
@@ -55,7 +57,45 @@ def run_headless(engine: Any, texts: list[str], max_tokens: int) -> tuple[int, f
     return tokens, time.perf_counter() - start
 
 
-def headless(args: argparse.Namespace) -> tuple[int, float]:
+async def run_app(engine: Any, users: list[str], max_tokens: int,
+                  ui_cpu: list[float] | None = None) -> tuple[int, float]:
+    """One round through the app; appends the UI thread's CPU seconds to `ui_cpu`."""
+    from .app import create_app
+    from .testing import wait_idle, wait_ready
+
+    app = create_app(engine, owns_engine=False, conversations=len(users), save_sessions=False,
+                     settings=Settings(temperature=0.0, top_p=1.0, max_tokens=max_tokens))
+    async with app.run_test(size=(160, 48)) as pilot:
+        await wait_ready(pilot, 600)
+        start, cpu = time.perf_counter(), time.thread_time()
+        for pane, text in zip(app.panes, users, strict=True):
+            await app.send(pane, text)
+        await wait_idle(pilot, 3600)
+        result = sum(p.tokens for p in app.panes), time.perf_counter() - start
+        if ui_cpu is not None:
+            ui_cpu.append(time.thread_time() - cpu)
+        await pilot.press("ctrl+q")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="minivllm-chat --bench",
+                                description="generation tok/s with the chat app vs headless")
+    p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    p.add_argument("--panes", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2, help="app rounds (headless: one more)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: torch's; 1 is steadier on a shared machine)")
+    args = p.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+
     from minivllm import LLMEngine
 
     engine = LLMEngine(engine_config(args))
@@ -64,78 +104,29 @@ def headless(args: argparse.Namespace) -> tuple[int, float]:
         texts = [render_prompt(engine.tokenizer, [{"role": "user", "content": u}], True)
                  for u in users]
         run_headless(engine, texts, WARMUP_TOKENS)
-        return run_headless(engine, texts, args.max_tokens)
+        asyncio.run(run_app(engine, users, WARMUP_TOKENS))
+        rates: dict[str, list[float]] = {"headless": [], "app": []}
+        ui_cpu: list[float] = []
+        tokens_app = 0
+        for r in range(2 * args.rounds + 1):
+            name = "headless" if r % 2 == 0 else "app"
+            if name == "headless":
+                tokens, seconds = run_headless(engine, texts, args.max_tokens)
+            else:
+                tokens, seconds = asyncio.run(run_app(engine, users, args.max_tokens, ui_cpu))
+                tokens_app += tokens
+            rates[name].append(tokens / seconds)
+            print(f"{name:>9}: {tokens:6d} tokens in {seconds:7.2f} s = "
+                  f"{rates[name][-1]:8.1f} tok/s", flush=True)
     finally:
         engine.exit()
-
-
-async def through_app(args: argparse.Namespace) -> tuple[int, float]:
-    from minivllm import LLMEngine
-
-    from .app import create_app
-    from .testing import wait_idle, wait_ready
-
-    config = engine_config(args)
-    app = create_app(
-        engine_factory=lambda on_progress: LLMEngine(config, on_progress=on_progress),
-        conversations=args.panes, save_sessions=False,
-        settings=Settings(temperature=0.0, top_p=1.0, max_tokens=WARMUP_TOKENS),
-    )
-    users = prompts(args.panes)
-    async with app.run_test(size=(160, 48)) as pilot:
-        await wait_ready(pilot, 600)
-
-        async def round_(max_tokens: int) -> tuple[int, float]:
-            for pane in app.panes:
-                await pane.clear()
-                pane.conversation.settings.max_tokens = max_tokens
-            start = time.perf_counter()
-            for pane, text in zip(app.panes, users, strict=True):
-                await app.send(pane, text)
-            await wait_idle(pilot, 3600)
-            return sum(p.tokens for p in app.panes), time.perf_counter() - start
-
-        await round_(WARMUP_TOKENS)
-        result = await round_(args.max_tokens)
-        await pilot.press("ctrl+q")
-    return result
-
-
-def _child(mode: str, argv: list[str]) -> tuple[int, float]:
-    out = subprocess.run([sys.executable, "-m", "minivllm.tui.bench", "--mode", mode, *argv],
-                         capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise RuntimeError(f"bench {mode} failed:\n{out.stderr[-3000:]}")
-    line = [x for x in out.stdout.splitlines() if x.startswith("{")][-1]
-    r = json.loads(line)
-    return r["tokens"], r["seconds"]
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="minivllm bench chat",
-                                description="generation tok/s with the chat app vs headless")
-    p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
-    p.add_argument("--panes", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument("--mode", choices=["headless", "app"], default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.mode is not None:  # one measurement, in this process
-        tokens, seconds = headless(args) if args.mode == "headless" else asyncio.run(
-            through_app(args))
-        print(json.dumps({"tokens": tokens, "seconds": seconds}))
-        return 0
-    argv = [a for a in (argv if argv is not None else sys.argv[1:])]
-    rows = [("headless", _child("headless", argv)), ("app", _child("app", argv)),
-            ("headless again", _child("headless", argv))]
-    rates = {}
-    for name, (tokens, seconds) in rows:
-        rates[name] = tokens / seconds if seconds else 0.0
-        print(f"{name:>15}: {tokens:6d} tokens in {seconds:7.2f} s = {rates[name]:8.1f} tok/s")
-    base = (rates["headless"] + rates["headless again"]) / 2
-    print(f"{'app / headless':>15}: {rates['app'] / base if base else 0.0:.2f} "
-          f"({args.panes} panes streaming; generation tok/s with the app vs headless)")
+    base = statistics.mean(rates["headless"])
+    app = statistics.mean(rates["app"])
+    print(f"app / headless: {app / base:.2f} ({args.panes} panes streaming, {args.max_tokens} "
+          f"tokens each; mean of {len(rates['app'])} app rounds over "
+          f"{len(rates['headless'])} interleaved headless rounds)")
+    # CPU time is steadier than tok/s on a shared machine: what the UI thread spent.
+    print(f"UI thread CPU: {1000 * sum(ui_cpu) / max(1, tokens_app):.2f} ms per generated token")
     return 0
 
 

@@ -1,4 +1,8 @@
-"""`minivllm-chat`: the Textual app, or with `--plain` (or no terminal) a line REPL."""
+"""`minivllm-chat`: the Textual app, or with `--plain` (or no terminal) a line REPL.
+
+What can be checked before the screen opens is (options, the model, the device, the
+keymap); a user error ends with one line naming the option and the value, exit status 1.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,11 @@ from .conversation import Settings
 from .engine_thread import EngineFactory
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# Step token budget on a CPU: a step computes at most this many tokens, so a long paste
+# in one pane is prefilled in chunks while the other panes keep streaming. Measured on a
+# 2-core machine with SmolLM2-135M: 128 tokens make a ~0.2 s step (1,024, the engine's
+# default, made 2-4 s steps that froze every other pane).
+CPU_STEP_TOKENS = 128
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=None, help="reply length cap")
     p.add_argument("--repetition-penalty", type=float, default=None, metavar="X",
                    help="above 1 discourages repeating tokens (try 1.1 with small models)")
-    p.add_argument("--resume", action="store_true", help="restore the last session")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help=f"tokens one engine step computes (default: the engine's; "
+                   f"{CPU_STEP_TOKENS} on a CPU, so steps stay short)")
+    p.add_argument("--resume", nargs="?", const="", default=None, metavar="ID",
+                   help="restore the newest session with messages, or session ID")
+    p.add_argument("--sessions", action="store_true",
+                   help="list saved sessions (id, date, panes, first words) and exit")
+    p.add_argument("--bench", action="store_true",
+                   help="measure the app's cost: generation tok/s with N panes streaming vs "
+                   "headless (options: minivllm-chat --bench --help)")
     p.add_argument("--plain", action="store_true",
                    help="line-oriented REPL instead of the full-screen app")
     p.add_argument("--keymap", type=Path, default=None, metavar="FILE",
@@ -58,14 +76,39 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
         "world_size": args.world_size,
         "device": args.device,
     }
-    if args.max_model_length:
+    if args.max_model_length is not None:
         config["max_model_length"] = args.max_model_length
+    if args.max_num_batched_tokens is not None:
+        config["max_num_batched_tokens"] = args.max_num_batched_tokens
     return config
 
 
-def engine_factory(args: argparse.Namespace) -> EngineFactory:
+def check_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine config, validated before the engine is built (raises with the option
+    named); on a CPU the step budget defaults to `CPU_STEP_TOKENS`."""
     config = engine_config(args)
+    if args.fake or getattr(args, "url", None):  # nothing local to check
+        return config
+    from minivllm.cli import check_engine_config
 
+    checked = check_engine_config(config)
+    if args.max_num_batched_tokens is None and _runs_on_cpu(checked.device):
+        # Not above max_model_length: the engine needs a step to hold one sequence's chunk.
+        config["max_num_batched_tokens"] = min(CPU_STEP_TOKENS, checked.max_len)
+    return config
+
+
+def _runs_on_cpu(device: str) -> bool:
+    if device == "cpu":
+        return True
+    if device == "cuda":
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def engine_factory(args: argparse.Namespace, config: dict[str, Any]) -> EngineFactory:
     def build(on_progress: Any) -> Any:
         if getattr(args, "url", None):
             from .remote import RemoteClient  # an EngineClient: the worker starts it
@@ -86,18 +129,30 @@ def engine_factory(args: argparse.Namespace) -> EngineFactory:
     return build
 
 
-def load_keymap(path: Path | None) -> dict[str, str]:
+def load_keymap(path: Path | None, known: set[str] | None = None) -> dict[str, str]:
+    """The keymap file (binding id -> keys); errors name the file."""
     if path is None:
         base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(Path.home(), ".config")
         path = Path(base) / "minivllm" / "keymap.json"
         if not path.is_file():
             return {}
-    with open(path, encoding="utf-8") as f:
-        keymap = json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            keymap = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"--keymap {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"keymap {path}: not valid JSON: {exc}") from None
     if not isinstance(keymap, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in keymap.items()
+        isinstance(k, str) and isinstance(v, str) and v.strip() for k, v in keymap.items()
     ):
-        raise ValueError(f"{path}: expected a JSON object of binding id -> keys")
+        raise ValueError(f"keymap {path}: expected a JSON object of binding id -> keys, "
+                         'such as {"chat.new_pane": "f5"}')
+    if known is not None:
+        unknown = sorted(set(keymap) - known)
+        if unknown:
+            raise ValueError(f"keymap {path}: unknown binding id(s) {', '.join(unknown)}; "
+                             f"known: {', '.join(sorted(known))}")
     return keymap
 
 
@@ -113,19 +168,60 @@ def settings_from(args: argparse.Namespace) -> Settings:
     return s
 
 
+def list_sessions_text() -> str:
+    from .store import data_dir, describe_session, list_sessions, sessions_dir
+
+    sessions = list_sessions(data_dir())
+    if not sessions:
+        return f"no saved sessions with messages in {sessions_dir(data_dir())}"
+    return "\n".join(describe_session(s) for s in sessions)
+
+
+def fail(error: BaseException | str) -> int:
+    from minivllm.cli import describe_error
+
+    text = error if isinstance(error, str) else describe_error(
+        error, {"model_name_or_path": "--model", "max_model_length": "--max-model-length",
+                "world_size": "--world-size", "device": "--device",
+                "max_num_batched_tokens": "--max-num-batched-tokens",
+                "temperature": "--temperature", "max_tokens": "--max-tokens"})
+    print(f"minivllm-chat: error: {text}", file=sys.stderr)
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--bench" in argv:  # the app's benchmark, with its own options
+        from .bench import main as bench_main
+
+        return bench_main([a for a in argv if a != "--bench"])
     args = build_parser().parse_args(argv)
+    if args.sessions:
+        print(list_sessions_text())
+        return 0
+    plain = args.plain or not (sys.stdin.isatty() and sys.stdout.isatty())
     try:
+        if args.conversations < 1:
+            raise ValueError(f"--conversations={args.conversations}: must be >= 1")
         settings = settings_from(args)
-        keymap = load_keymap(args.keymap)
-    except (ValueError, OSError) as exc:
-        print(f"minivllm-chat: {exc}", file=sys.stderr)
-        return 2
-    if args.conversations < 1:
-        print("minivllm-chat: --conversations must be >= 1", file=sys.stderr)
-        return 2
-    factory = engine_factory(args)
-    if args.plain or not (sys.stdin.isatty() and sys.stdout.isatty()):
+        known = None
+        if not plain:
+            from .app import binding_ids
+
+            known = binding_ids()
+        keymap = load_keymap(args.keymap, known)
+        resume: bool | Path = False
+        if args.resume is not None:
+            from .store import data_dir, find_session
+
+            resume = find_session(args.resume, data_dir()) if args.resume else True
+        config = check_config(args)
+    except (ValueError, TypeError, OSError) as exc:
+        return fail(exc)
+    except KeyboardInterrupt:
+        return 130
+    factory = engine_factory(args, config)
+    if plain:
         from .plain import run_plain
 
         return run_plain(engine_factory=factory, settings=settings)
@@ -133,9 +229,11 @@ def main(argv: list[str] | None = None) -> int:
 
     app = create_app(
         engine_factory=factory, model=args.url or args.model, conversations=args.conversations,
-        settings=settings, resume=args.resume, keymap=keymap,
+        settings=settings, resume=resume, keymap=keymap,
     )
     app.run()
+    if app.load_error:
+        return fail(app.load_error)
     return app.return_code or 0
 
 

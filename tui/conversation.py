@@ -67,8 +67,30 @@ class Settings:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Settings:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        """From a session record; unknown keys are ignored (older or newer files), a bad
+        value raises ValueError naming the field."""
+        if not isinstance(d, dict):
+            raise ValueError(f"settings={d!r}: not an object")
+        defaults = cls()
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in d:
+                continue
+            value, default = d[f.name], getattr(defaults, f.name)
+            if isinstance(default, bool) or isinstance(default, str):
+                ok = type(value) is type(default)
+            elif isinstance(default, int):
+                ok = isinstance(value, int) and not isinstance(value, bool)
+            elif isinstance(default, float):
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            else:
+                ok = True
+            if not ok:
+                raise ValueError(f"{f.name}={value!r}: expected {type(default).__name__}")
+            values[f.name] = value
+        settings = cls(**values)
+        settings.sampling_params()  # the engine's own checks, naming the field
+        return settings
 
 
 @dataclass
@@ -91,6 +113,19 @@ class Conversation:
     key: int  # stable id in the session file; the pane's on-screen number may change
     settings: Settings = field(default_factory=Settings)
     messages: list[ChatMessage] = field(default_factory=list)
+    # The first `dropped` messages no longer fit the context and are left out of the
+    # prompt (whole turns; the system prompt is always kept).
+    dropped: int = 0
+    draft: str = ""  # the input's text when the pane was closed (reopen restores it)
+
+    def next_turn_start(self) -> int | None:
+        """Where the prompt would start with one more turn left out: the next user
+        message after `dropped`, if it is not the newest one (which is always sent)."""
+        last = self.last_user_index()
+        for i in range(self.dropped + 1, len(self.messages)):
+            if self.messages[i].role == "user":
+                return i if last is not None and i <= last else None
+        return None
 
     def template_messages(self) -> list[dict[str, str]]:
         """The history for `apply_chat_template`: system prompt, then user/assistant turns.
@@ -102,7 +137,7 @@ class Conversation:
         out: list[dict[str, str]] = []
         if self.settings.system_prompt:
             out.append({"role": "system", "content": self.settings.system_prompt})
-        msgs = self.messages
+        msgs = self.messages[self.dropped:]
         for i, m in enumerate(msgs):
             nxt = msgs[i + 1] if i + 1 < len(msgs) else None
             if m.status == "error" or (
@@ -128,6 +163,7 @@ class Conversation:
         if i is None:
             return False
         del self.messages[i + 1:]
+        self.dropped = min(self.dropped, i)
         return True
 
     def to_markdown(self, title: str = "Conversation") -> str:

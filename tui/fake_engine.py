@@ -27,6 +27,8 @@ class FakeTokenizer:
     """Text <-> ids over a growing vocabulary of short pieces; a tiny chat template."""
 
     eos_token = "<|end|>"
+    # What the app reads to know the template has a thinking switch (as Qwen3's has).
+    chat_template = "{# a stand-in; apply_chat_template honours enable_thinking #}"
 
     def __init__(self) -> None:
         self._ids: dict[str, int] = {}
@@ -204,6 +206,13 @@ class FakeEngine:
         self._next_id += 1
         self._waiting.append(seq)
         return seq.seq_id
+
+    def prompt_progress(self, seq_id: int) -> tuple[int, int] | None:
+        for seq in (*self._running, *self._waiting):
+            if seq.seq_id == seq_id:
+                n = len(seq.prompt_ids)
+                return (n if seq.prefilled else 0), n
+        return None
 
     def abort(self, seq_id: int) -> None:
         for queue in (self._running, self._waiting):

@@ -10,9 +10,12 @@ in a backslash continues on the next). Commands: /stats /reset /system [TEXT] /t
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import queue
+import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -54,6 +57,7 @@ class PlainChat:
         self.err = err
         self.store = store
         self.color = color
+        self.stdin: TextIO | None = None  # a terminal: echo is off while a reply streams
         self.history = StatsHistory()
         self.latest: StatsSnapshot | None = None
         self.dead: str | None = None
@@ -89,7 +93,8 @@ class PlainChat:
                 self.err.flush()
                 return True
             elif isinstance(msg, LoadFailed):
-                self.err.write(f"minivllm-chat: the engine failed to load: {msg.error}\n")
+                first = msg.error.strip().splitlines()[0] if msg.error.strip() else "?"
+                self.err.write(f"minivllm-chat: error: the engine failed to load: {first}\n")
                 return False
             elif msg is None and not self.worker.alive:
                 return False
@@ -116,15 +121,29 @@ class PlainChat:
             else:
                 self._say(f"(system prompt: {self.conv.settings.system_prompt or 'none'})")
         elif word in ("/think", "/no_think"):
-            self._set(thinking=word == "/think")
-            self._say(f"(thinking {'on' if word == '/think' else 'off'})")
+            if not self.supports_thinking:
+                self._say("(this model has no thinking mode: its chat template has no "
+                          "enable_thinking switch)")
+            else:
+                self._set(thinking=word == "/think")
+                self._say(f"(thinking {'on' if word == '/think' else 'off'})")
         elif word == "/rep":
             self._set_repetition_penalty(rest)
         elif word == "/help":
             self._say(HELP)
+        elif re.fullmatch(r"/[A-Za-z_]+", word):
+            self._say(f"(unknown command {word}; /help lists the commands)")
         else:
             return self.send(text)
         return True
+
+    @property
+    def supports_thinking(self) -> bool:
+        tokenizer = (getattr(self.worker.client, "tokenizer", None)
+                     or getattr(self.worker.engine, "tokenizer", None))
+        if tokenizer is None:  # a remote engine: cannot tell
+            return True
+        return "enable_thinking" in str(getattr(tokenizer, "chat_template", "") or "")
 
     def _set(self, **changes: Any) -> None:
         new = copy.deepcopy(self.conv.settings)
@@ -185,7 +204,8 @@ class PlainChat:
         self._next_request += 1
         self.worker.submit(req, self.conv.template_messages(), params,
                            self.conv.settings.thinking)
-        self._stream(req, reply)
+        with no_echo(self.stdin if self.color else None):
+            self._stream(req, reply)
         if self.store is not None:
             self.store.end(1, reply.status, reply.content, reply.error)
         return True
@@ -241,6 +261,30 @@ class PlainChat:
         return kind
 
 
+@contextlib.contextmanager
+def no_echo(stream: TextIO | None) -> Iterator[None]:
+    """Turn the terminal's echo off while a reply streams, so neither Ctrl-C (`^C`) nor
+    keys typed meanwhile land in the middle of the reply; typed keys stay queued for the
+    next prompt. Does nothing when `stream` is not a terminal."""
+    try:
+        import termios
+
+        fd = stream.fileno() if stream is not None else -1
+        saved = termios.tcgetattr(fd) if fd >= 0 and stream.isatty() else None
+    except (ImportError, OSError, ValueError, AttributeError):
+        saved = None
+    if saved is None:
+        yield
+        return
+    quiet = list(saved)
+    quiet[3] &= ~(termios.ECHO | termios.ECHOCTL)  # lflags
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
+
+
 def _read_pipe(stdin: TextIO):  # noqa: ANN202 - generator of prompts
     parts: list[str] = []
     for line in stdin:
@@ -273,9 +317,15 @@ def _read_terminal(history: Path):  # noqa: ANN202 - generator of prompts
     def _newline(event: Any) -> None:
         event.current_buffer.insert_text("\n")
 
-    history.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        history.parent.mkdir(parents=True, exist_ok=True)
+        kept: Any = FileHistory(str(history))
+    except OSError:  # an unwritable data dir: history for this run only
+        from prompt_toolkit.history import InMemoryHistory
+
+        kept = InMemoryHistory()
     session: PromptSession = PromptSession(
-        history=FileHistory(str(history)), multiline=True, key_bindings=kb,
+        history=kept, multiline=True, key_bindings=kb,
         prompt_continuation="... ",
     )
     while True:
@@ -309,9 +359,13 @@ def run_plain(
     root = data_root or data_dir()
     events: queue.Queue = queue.Queue()
     worker = EngineWorker(events.put, engine=engine, engine_factory=engine_factory)
-    store = SessionStore(new_session_path(root)) if save else None
+    def storage_failed(error: str) -> None:
+        stderr.write(f"minivllm-chat: warning: the conversation is not being saved: {error}\n")
+
+    store = SessionStore(new_session_path(root), on_error=storage_failed) if save else None
     chat = PlainChat(worker, events, settings or Settings(), stdout, stderr, store,
                      color=interactive)
+    chat.stdin = stdin
     worker.start()
     code = 0
     try:

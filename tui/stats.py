@@ -120,6 +120,18 @@ def cache_line(s: EngineStats) -> str:
     )
 
 
+def compact_lines(s: EngineStats, r: Rates) -> list[str]:
+    """The panel for an 80-column terminal: the same figures in two short lines."""
+    pct = 100.0 * s.num_used_blocks / s.num_blocks if s.num_blocks else 0.0
+    return [
+        f"KV [{kv_bar(s.num_used_blocks, s.num_blocks, 10)}] {pct:.1f}%  "
+        f"Run {s.num_running} Wait {s.num_waiting} Preempt {s.num_preemptions}  "
+        f"Hit {100.0 * s.prefix_cache_hit_rate:.1f}%",
+        f"Gen {r.gen_1s:,.1f} tok/s (10 s {r.gen_10s:,.1f})  Prompt {r.prompt_1s:,.1f} tok/s  "
+        f"Step {1000.0 * s.last_step_time_s:.0f} ms",
+    ]
+
+
 def pool_summary(num_blocks: int, block_size: int, max_len: int) -> str:
     """`2,048 blocks x 256 = 524,288 tokens, 128 seqs of 4,096`."""
     tokens = num_blocks * block_size

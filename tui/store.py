@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,55 +33,99 @@ def sessions_dir(root: Path | None = None) -> Path:
     return (root or data_dir()) / "sessions"
 
 
-def latest_session(root: Path | None = None) -> Path | None:
-    """The most recently written session file, or None."""
-    folder = sessions_dir(root)
-    if not folder.is_dir():
-        return None
-    files = [p for p in folder.iterdir() if p.suffix == SESSION_SUFFIX and p.is_file()]
-    if not files:
-        return None
-    return max(files, key=lambda p: (p.stat().st_mtime, p.name))
-
-
 def new_session_path(root: Path | None = None) -> Path:
-    folder = sessions_dir(root)
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """A fresh session file's path (nothing is created until the first message)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return folder / f"{stamp}-{os.getpid()}{SESSION_SUFFIX}"
+    return sessions_dir(root) / f"{stamp}-{os.getpid()}{SESSION_SUFFIX}"
 
 
 class SessionStore:
-    """Appends records to one session file. Used from the UI thread only."""
+    """Appends records to one session file. Used from the UI thread only.
 
-    def __init__(self, path: Path) -> None:
+    The file is created at the first user message: records before it (the session
+    header, pane settings) wait in memory, so a start that fails or a run that never
+    chats leaves no empty session behind for `--resume` to pick.
+
+    Storage faults (an unwritable data dir, a full disk, a file-size limit) never reach
+    the caller: the store switches to memory-only, keeps `error`, and calls `on_error`
+    once so the UI can say so. The conversations stay on screen and can be exported.
+    """
+
+    def __init__(self, path: Path, on_error: Callable[[str], None] | None = None) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        self._file = os.fdopen(fd, "a", encoding="utf-8")
-        # NOTE: a crash may have left half a line at the end; start on a fresh line so the
-        # next record is not glued to it (the torn half is then skipped on replay).
-        size = self.path.stat().st_size
-        if size:
-            with open(self.path, "rb") as f:
-                f.seek(size - 1)
-                if f.read(1) != b"\n":
-                    self._file.write("\n")
+        self.on_error = on_error
+        self.error: str | None = None
+        self._file: Any = None
+        self._waiting: list[dict[str, Any]] = []  # records before the file exists
         self._partial: dict[int, list[str]] = {}
         self.closed = False
+        if self.path.exists():  # resuming: keep appending to the same file
+            self._open()
+
+    @property
+    def created(self) -> bool:
+        return self._file is not None
+
+    def _open(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            self._file = os.fdopen(fd, "a", encoding="utf-8")
+            # NOTE: a crash may have left half a line at the end; start on a fresh line so
+            # the next record is not glued to it (the torn half is then skipped on replay).
+            size = self.path.stat().st_size
+            if size:
+                with open(self.path, "rb") as f:
+                    f.seek(size - 1)
+                    if f.read(1) != b"\n":
+                        self._file.write("\n")
+        except OSError as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: OSError) -> None:
+        """Stop writing (memory only from now on) and tell the UI once."""
+        if self.error is not None:
+            return
+        self.error = f"{exc.strerror or exc} ({exc.filename or self.path})"
+        try:
+            if self._file is not None:
+                self._file.close()
+        except OSError:
+            pass
+        self._file = None
+        if self.on_error is not None:
+            self.on_error(self.error)
 
     # -- low level ---------------------------------------------------------------------
 
     def append(self, record: dict[str, Any], sync: bool = False) -> None:
-        if self.closed:
+        if self.closed or self.error is not None:
             return
-        self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
-        if sync:
-            self.sync()
+        if self._file is None:
+            if record.get("type") != "user":
+                self._waiting.append(record)
+                return
+            self._open()
+            if self._file is None:
+                return
+            waiting, self._waiting = self._waiting, []
+            for r in waiting:
+                self.append(r)
+        try:
+            self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
+            if sync:
+                self.sync()
+        except OSError as exc:
+            self._failed(exc)
 
     def sync(self) -> None:
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        if self._file is None:
+            return
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError as exc:
+            self._failed(exc)
 
     def flush_partial(self) -> None:
         """Write buffered reply text and hand it to the OS (survives a kill -9)."""
@@ -90,14 +135,22 @@ class SessionStore:
             if parts:
                 self.append({"type": "chunk", "pane": key, "text": "".join(parts)})
         self._partial.clear()
-        self._file.flush()
+        if self._file is not None:
+            try:
+                self._file.flush()
+            except OSError as exc:
+                self._failed(exc)
 
     def close(self) -> None:
         if self.closed:
             return
         self.flush_partial()
         self.sync()
-        self._file.close()
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
         self.closed = True
 
     # -- records -----------------------------------------------------------------------
@@ -107,6 +160,9 @@ class SessionStore:
 
     def pane(self, key: int, settings: Settings) -> None:
         self.append({"type": "pane", "pane": key, "settings": settings.to_dict()}, sync=True)
+
+    def theme(self, name: str) -> None:
+        self.append({"type": "theme", "theme": name})
 
     def user(self, key: int, text: str) -> None:
         self.append({"type": "user", "pane": key, "text": text, "at": time.time()}, sync=True)
@@ -134,12 +190,22 @@ class SessionStore:
         self._partial.pop(key, None)
         self.append({"type": "close", "pane": key}, sync=True)
 
+    def context_cut(self, key: int, dropped: int) -> None:
+        self.append({"type": "cut", "pane": key, "dropped": dropped})
+
+    def reopen_pane(self, key: int) -> None:
+        self.append({"type": "reopen", "pane": key}, sync=True)
+
 
 class NullStore(SessionStore):
     """Keeps nothing (benchmarks, throwaway runs)."""
 
     def __init__(self) -> None:  # noqa: D107 - no file
         self.path = Path("/dev/null")
+        self.on_error = None
+        self.error = None
+        self._file = None
+        self._waiting = []
         self._partial = {}
         self.closed = False
 
@@ -160,12 +226,42 @@ class NullStore(SessionStore):
 class LoadedSession:
     path: Path
     conversations: list[Conversation] = field(default_factory=list)
-    skipped_lines: int = 0
+    skipped_lines: int = 0  # torn or unreadable lines
+    bad_records: int = 0  # valid JSON with values that make no sense (skipped)
     interrupted: list[int] = field(default_factory=list)  # pane keys with an open reply
+    closed: dict[int, Conversation] = field(default_factory=dict)  # closed panes, by key
+    theme: str | None = None
+    model: str = ""
+    started: float = 0.0
+
+    @property
+    def id(self) -> str:
+        return self.path.stem
+
+    @property
+    def num_messages(self) -> int:
+        return sum(len(c.messages) for c in self.conversations)
+
+    def notice(self) -> str:
+        """What a resume should tell the user about skipped lines, or ''."""
+        parts = []
+        if self.skipped_lines:
+            parts.append(f"{self.skipped_lines} unreadable line(s)")
+        if self.bad_records:
+            parts.append(f"{self.bad_records} record(s) with bad values")
+        return f"{self.path.name}: skipped " + " and ".join(parts) if parts else ""
+
+
+class BadRecord(ValueError):
+    """A session line that parses but whose values make no sense."""
+
+
+STATUSES = ("streaming", "done", "length", "stopped", "interrupted", "error")
 
 
 def load_session(path: Path) -> LoadedSession:
-    """Replay a session file. Unreadable lines (a torn last line) are skipped and counted."""
+    """Replay a session file. Unreadable lines (a torn last line) and records with bad
+    values are skipped and counted; the rest of the file still loads."""
     loaded = LoadedSession(Path(path))
     convs: dict[int, Conversation] = {}
     with open(path, encoding="utf-8", errors="replace") as f:
@@ -174,9 +270,13 @@ def load_session(path: Path) -> LoadedSession:
                 continue
             try:
                 rec = json.loads(line)
-                _apply(convs, rec)
-            except (ValueError, KeyError, TypeError):
+            except ValueError:
                 loaded.skipped_lines += 1
+                continue
+            try:
+                _apply(loaded, convs, rec)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                loaded.bad_records += 1
     for key, conv in convs.items():
         for m in conv.messages[:-1]:
             if m.status == "streaming":  # an older reply left open by an earlier crash
@@ -192,36 +292,153 @@ def load_session(path: Path) -> LoadedSession:
     return loaded
 
 
-def _apply(convs: dict[int, Conversation], rec: dict[str, Any]) -> None:
+def _text(rec: dict[str, Any], name: str) -> str:
+    value = rec[name]
+    if not isinstance(value, str):
+        raise BadRecord(f"{name}={value!r}: not a string")
+    return value
+
+
+def _apply(loaded: LoadedSession, convs: dict[int, Conversation], rec: dict[str, Any]) -> None:
     kind = rec["type"]
     if kind == "session":
+        loaded.model = str(rec.get("model", ""))
+        loaded.started = float(rec.get("started", 0.0))
         return
-    key = int(rec["pane"])
+    if kind == "theme":
+        loaded.theme = _text(rec, "theme")
+        return
+    key = rec["pane"]
+    if isinstance(key, bool) or not isinstance(key, int):
+        raise BadRecord(f"pane={key!r}: not an int")
     if kind == "close":
-        convs.pop(key, None)
+        if key in convs:
+            loaded.closed[key] = convs.pop(key)
         return
+    if kind == "reopen":
+        if key in loaded.closed:
+            convs[key] = loaded.closed.pop(key)
+        return
+    if kind not in ("pane", "user", "chunk", "end", "regen", "clear", "cut"):
+        raise BadRecord(f"type={kind!r}: unknown record")
+    if kind == "pane":
+        settings = Settings.from_dict(rec["settings"])  # validated: raises on bad values
     conv = convs.get(key)
     if conv is None:
         conv = convs[key] = Conversation(key)
     if kind == "pane":
-        conv.settings = Settings.from_dict(rec["settings"])
+        conv.settings = settings
     elif kind == "user":
-        conv.messages.append(ChatMessage("user", str(rec["text"])))
+        conv.messages.append(ChatMessage("user", _text(rec, "text")))
     elif kind == "chunk":
+        text = _text(rec, "text")
         last = conv.messages[-1] if conv.messages else None
         if last is None or last.role != "assistant" or last.status != "streaming":
             last = ChatMessage("assistant", "", status="streaming")
             conv.messages.append(last)
-        last.content += str(rec["text"])
+        last.content += text
     elif kind == "end":
+        status = rec.get("status", "done")
+        if status not in STATUSES:
+            raise BadRecord(f"status={status!r}: not one of {STATUSES}")
+        error = rec.get("error")
+        if error is not None and not isinstance(error, str):
+            raise BadRecord(f"error={error!r}: not a string")
+        text = _text(rec, "text") if "text" in rec else None
         last = conv.messages[-1] if conv.messages else None
         if last is None or last.role != "assistant" or last.status != "streaming":
             last = ChatMessage("assistant", "")
             conv.messages.append(last)
-        last.content = str(rec.get("text", last.content))
-        last.status = rec.get("status", "done")
-        last.error = rec.get("error")
+        if text is not None:
+            last.content = text
+        last.status = status
+        last.error = error
     elif kind == "regen":
         conv.drop_last_reply()
     elif kind == "clear":
         conv.messages.clear()
+        conv.dropped = 0
+    elif kind == "cut":
+        dropped = rec["dropped"]
+        if isinstance(dropped, bool) or not isinstance(dropped, int) or not (
+            0 <= dropped <= len(conv.messages)
+        ):
+            raise BadRecord(f"dropped={dropped!r}: not a message index")
+        conv.dropped = dropped
+
+
+# -- finding sessions ----------------------------------------------------------------------
+
+
+def session_files(root: Path | None = None) -> list[Path]:
+    """Session files, newest first."""
+    folder = sessions_dir(root)
+    if not folder.is_dir():
+        return []
+    files = [p for p in folder.iterdir() if p.suffix == SESSION_SUFFIX and p.is_file()]
+    return sorted(files, key=lambda p: (p.stat().st_mtime, p.name), reverse=True)
+
+
+def list_sessions(root: Path | None = None) -> list[LoadedSession]:
+    """Every session with at least one message, newest first."""
+    out = []
+    for path in session_files(root):
+        try:
+            loaded = load_session(path)
+        except OSError:
+            continue
+        if loaded.num_messages or _has_user_record(path):
+            out.append(loaded)
+    return out
+
+
+def _has_user_record(path: Path) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and rec.get("type") == "user":
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+def latest_session(root: Path | None = None) -> Path | None:
+    """The newest session file in which a message was sent (files from before sessions
+    were created at the first message may be empty: they are passed over)."""
+    return next((p for p in session_files(root) if _has_user_record(p)), None)
+
+
+def find_session(session_id: str, root: Path | None = None) -> Path:
+    """The session whose id (file name without .jsonl) is `session_id`, or starts with
+    it when that is unambiguous. Raises ValueError naming the id."""
+    files = session_files(root)
+    exact = [p for p in files if p.stem == session_id]
+    if exact:
+        return exact[0]
+    matches = [p for p in files if p.stem.startswith(session_id)]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise ValueError(f"--resume {session_id}: no such session in {sessions_dir(root)} "
+                         "(--sessions lists them)")
+    raise ValueError(f"--resume {session_id}: matches {len(matches)} sessions: "
+                     + ", ".join(p.stem for p in matches[:5]))
+
+
+def describe_session(loaded: LoadedSession, width: int = 60) -> str:
+    """One line for `--sessions`: id, date, panes, messages, first words."""
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(
+        loaded.started or loaded.path.stat().st_mtime))
+    first = next((m.content for c in loaded.conversations for m in c.messages
+                  if m.role == "user"), "")
+    words = " ".join(first.split())
+    if len(words) > width:
+        words = words[: width - 1] + "…"
+    panes = len(loaded.conversations)
+    return (f"{loaded.id}  {when}  {panes} pane{'s' if panes != 1 else ''}  "
+            f"{loaded.num_messages} msgs  {words}")

@@ -43,8 +43,15 @@ async def type_and_send(pilot: Pilot, pane_index: int, text: str) -> None:
     pane = pilot.app.panes[pane_index]
     pane.input.focus()
     pane.input.text = text
+    before = len(pane.conversation.messages)
     pane.input.action_send()
     await pilot.pause()
+    # On a loaded machine one pause may not be enough for the app to take the message:
+    # wait (briefly, without failing: a refused send keeps the text) until it did.
+    deadline = time.monotonic() + 5.0
+    while (len(pane.conversation.messages) == before and pane.input.text == text
+           and time.monotonic() < deadline):
+        await asyncio.sleep(0.01)
 
 
 async def wait_idle(pilot: Pilot, timeout: float = 30.0) -> None:

@@ -458,6 +458,18 @@ class LLMEngine:
 
     # -- introspection -------------------------------------------------------------------
 
+    def prompt_progress(self, seq_id: int) -> tuple[int, int] | None:
+        """(prompt tokens computed so far, prompt tokens) of a live request, or None.
+
+        For a progress display during a long (chunked) prefill; a prefix-cache hit counts
+        as computed. Reads two ints, so another thread may call it while steps run.
+        """
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            return None
+        n = seq.num_prompt_tokens
+        return min(seq.num_computed_tokens, n), n
+
     def stats(self) -> EngineStats:
         now = time.perf_counter()
         recent = [r for r in self._recent if r[0] >= now - STATS_WINDOW_S]

@@ -265,6 +265,13 @@ class EngineFrontend:
     def prefix_cache_counters(self) -> PrefixCacheCounters:
         return self._prefix_counters
 
+    def prompt_progress(self, request_id: str) -> tuple[int, int] | None:
+        """(prompt tokens computed so far, prompt tokens) of a live request, or None: a
+        long prefill's progress. Safe from any thread (the engine reads two ints)."""
+        live = self._live.get(request_id)
+        progress = getattr(self.engine, "prompt_progress", None)
+        return progress(live.seq_id) if live is not None and progress is not None else None
+
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         return stream_outputs(self, request)
 

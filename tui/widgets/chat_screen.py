@@ -2,7 +2,8 @@
 
 Every binding has an id (`chat.*`), so `App.set_keymap({"chat.new_pane": "f2"})` can
 move it. The actions live on the app. Bindings that a focused input would otherwise
-swallow (ctrl+w deletes a word there, ctrl+left/right move by word) are priority ones.
+swallow (ctrl+w deletes a word there, ctrl+left/right move by word, ctrl+c copies,
+PgUp/PgDn move the cursor) are priority ones.
 """
 
 from __future__ import annotations
@@ -28,11 +29,19 @@ def _binding(key: str, action: str, desc: str, id: str, show: bool = True,
 class ChatScreen(Screen):
     BINDINGS = [
         _binding("escape", "stop", "Stop", "stop", priority=False),
-        _binding("alt+a", "broadcast", "Send to all", "broadcast"),
-        _binding("ctrl+r", "regenerate", "Regenerate", "regenerate"),
+        # ctrl+c stops the reply too (what a terminal user reaches for); it never quits.
+        _binding("ctrl+c", "interrupt", "Stop", "interrupt", show=False),
+        # NOTE: the footer shows few keys, so ctrl+q still fits on an 80-column terminal;
+        # the rest are in ctrl+p's palette, /help and the README.
+        _binding("alt+a", "broadcast", "Send to all", "broadcast", show=False),
+        _binding("ctrl+r", "regenerate", "Regenerate", "regenerate", show=False),
         _binding("ctrl+n", "new_pane", "New", "new_pane"),
         _binding("ctrl+w", "close_pane", "Close", "close_pane"),
+        _binding("ctrl+o", "reopen_pane", "Reopen", "reopen_pane", show=False),
         _binding("f2", "settings", "Settings", "settings"),
+        _binding("alt+c", "copy_reply", "Copy reply", "copy_reply", show=False),
+        _binding("pageup", "scroll_transcript(-1)", "Scroll up", "page_up", show=False),
+        _binding("pagedown", "scroll_transcript(1)", "Scroll down", "page_down", show=False),
         _binding("ctrl+left", "focus_step(-1)", "Previous pane", "focus_previous", show=False),
         _binding("ctrl+right", "focus_step(1)", "Next pane", "focus_next", show=False),
         *[
@@ -53,7 +62,7 @@ class ChatScreen(Screen):
         with self.panes_box:
             yield from self.initial_panes
         yield self.stats_panel
-        yield Footer()
+        yield Footer(compact=True)
 
     def on_mount(self) -> None:
         panes = self.panes

@@ -5,7 +5,6 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Collapsible, Markdown, Static
-from textual.widgets.markdown import MarkdownStream
 
 from ..conversation import Status
 from ..thinking import ThinkParser, split_thinking
@@ -27,10 +26,10 @@ class UserMessage(Static):
 class AssistantMessage(Vertical):
     """A reply: an optional collapsible thinking block, the answer, and a status note.
 
-    While streaming, text goes through a `MarkdownStream` per block (appends only the tail
-    of the document, coalescing writes the UI cannot keep up with). When the reply ends
-    the streams stop and each block gets one full `update()` (a code fence streamed in
-    pieces can otherwise render blank).
+    While streaming, each block is plain text in a `Static` (no Markdown parsing: with
+    four panes streaming on a 2-core CPU, rendering Markdown as it streamed cost the
+    engine a third of its tokens/s). When the reply ends the answer is rendered as
+    Markdown once (a code fence streamed in pieces can otherwise render blank anyway).
     """
 
     def __init__(
@@ -52,13 +51,18 @@ class AssistantMessage(Vertical):
         self._think_box: Collapsible | None = None
         self._think_md: Markdown | None = None
         self.answer_md = Markdown(self.answer_text.strip() or None, open_links=False)
-        self._streams: dict[str, MarkdownStream] = {}
+        self._live: Static | None = None  # the answer while it streams
+        self._think_live: Static | None = None  # the thinking while it streams
         self._note = Static("", markup=False, classes="note")
 
     def compose(self) -> ComposeResult:
         if self.thinking_text.strip():
             self._make_think_box(self.thinking_text.strip(), collapsed=True)
             yield self._think_box
+        if self.status == "streaming":
+            self._live = Static("", markup=False, classes="live")
+            self.answer_md.display = False
+            yield self._live
         yield self.answer_md
         yield self._note
 
@@ -67,7 +71,13 @@ class AssistantMessage(Vertical):
 
     def _make_think_box(self, text: str | None, collapsed: bool) -> None:
         self._think_md = Markdown(text, open_links=False, classes="thinking")
-        self._think_box = Collapsible(self._think_md, title="Thinking", collapsed=collapsed)
+        if text is None:  # streaming: plain text until the reply ends
+            self._think_md.display = False
+            self._think_live = Static("", markup=False, classes="thinking live")
+            children = (self._think_live, self._think_md)
+        else:
+            children = (self._think_md,)
+        self._think_box = Collapsible(*children, title="Thinking", collapsed=collapsed)
 
     def start_in_thinking(self) -> None:
         """The prompt opened the thinking block; the reply starts inside it."""
@@ -92,33 +102,34 @@ class AssistantMessage(Vertical):
         if kind == "think":
             if self._think_box is None:
                 self._make_think_box(None, collapsed=False)
-                await self.mount(self._think_box, before=self.answer_md)
+                await self.mount(self._think_box, before=self._live or self.answer_md)
             self.thinking_text += text
-            await self._stream(self._think_md).write(text)
+            if self._think_live is not None:
+                self._think_live.update(self.thinking_text)
             return
         if self._think_box is not None and not self._think_box.collapsed and text.strip():
             self._think_box.collapsed = True  # the answer has started
         self.answer_text += text
-        await self._stream(self.answer_md).write(text)
-
-    def _stream(self, md: Markdown) -> MarkdownStream:
-        key = "think" if md is self._think_md else "answer"
-        if key not in self._streams:
-            self._streams[key] = Markdown.get_stream(md)
-        return self._streams[key]
+        if self._live is not None:
+            self._live.update(self.answer_text.lstrip("\n"))
 
     async def finish(self, status: Status, error: str | None = None) -> None:
-        """The reply ended: settle the Markdown and show how it ended."""
+        """The reply ended: render the Markdown once and show how it ended."""
         for kind, text in self._parser.finish():
             await self._write(kind, text)
-        for stream in self._streams.values():
-            await stream.stop()
-        self._streams.clear()
         if self._think_md is not None:
             await self._think_md.update(self.thinking_text.strip())
+            if self._think_live is not None:
+                self._think_md.display = True
+                await self._think_live.remove()
+                self._think_live = None
             if self.answer_text.strip() and self._think_box is not None:
                 self._think_box.collapsed = True
         await self.answer_md.update(self.answer_text.strip())
+        if self._live is not None:
+            self.answer_md.display = True
+            await self._live.remove()
+            self._live = None
         self.status = status
         self.error = error
         self._show_note()

@@ -33,6 +33,9 @@ class ConversationPane(Vertical):
         self.state_detail = ""
         self.request_id: int | None = None
         self.regenerate_after_stop = False
+        self.context_tokens = 0  # the last prompt's tokens (+ its reply's, once it ends)
+        self.max_len = 0  # the engine's max_model_length, once known
+        self._prefill: tuple[int, int] | None = None  # (computed, prompt) tokens
         self.title_bar = Static("", markup=False, classes="pane-title")
         self.transcript = VerticalScroll(classes="transcript")
         self.input = ChatInput(placeholder="Message (Enter sends, ctrl+j newline)")
@@ -52,9 +55,27 @@ class ConversationPane(Vertical):
     def compose(self) -> ComposeResult:
         yield self.title_bar
         with self.transcript:
-            for m in self.conversation.messages:
+            for i, m in enumerate(self.conversation.messages):
+                if i == self.conversation.dropped and i:
+                    yield self._cut_marker(0)
                 yield self._widget_for(m)
         yield self.input
+
+    def _cut_marker(self, max_len: int) -> Static:
+        n = self.conversation.dropped
+        limit = f" ({max_len:,} tokens)" if max_len else ""
+        return Static(f"── {n} earlier message{'s' if n != 1 else ''} left out: "
+                      f"they no longer fit the context{limit} ──",
+                      markup=False, classes="context-cut")
+
+    async def show_context_cut(self, max_len: int) -> None:
+        """Move the "left out" marker to just before the first message still sent."""
+        await self.transcript.query(".context-cut").remove()
+        widgets = [c for c in self.transcript.children
+                   if isinstance(c, (UserMessage, AssistantMessage))]
+        n = self.conversation.dropped
+        if 0 < n < len(widgets):
+            await self.transcript.mount(self._cut_marker(max_len), before=widgets[n])
 
     def _widget_for(self, m: ChatMessage) -> UserMessage | AssistantMessage:
         if m.role == "user":
@@ -114,13 +135,18 @@ class ConversationPane(Vertical):
             return
         self._title_dirty = False
         self._title_at = now
-        parts = [f"#{self.number} {self.state_detail or self.state}"]
+        state = self.state_detail or self.state
+        if self.state == "prefill" and self._prefill is not None and not self.state_detail:
+            state = f"prefill {self._prefill[0]:,} / {self._prefill[1]:,}"
+        parts = [f"#{self.number} {state}"]
         if self.ttft is not None:
             parts.append(f"TTFT {self.ttft:.2f}s")
         if self.tokens_per_s is not None:
             parts.append(f"{self.tokens_per_s:.1f} tok/s")
         if self._tokens:
             parts.append(f"{self._tokens} tok")
+        if self.max_len and self.context_tokens:
+            parts.append(f"ctx {self.context_tokens:,} / {self.max_len:,} tok")
         title = " · ".join(parts)
         if title != self.title_text:
             self.title_text = title
@@ -146,6 +172,7 @@ class ConversationPane(Vertical):
         await self.transcript.mount(self._reply)
         self.transcript.anchor()
         self.request_id = request_id
+        self._prefill = None
         self._cleaner = StreamCleaner()
         self._pending.clear()
         self._sent_at = time.monotonic()
@@ -160,9 +187,19 @@ class ConversationPane(Vertical):
         if self.state == "queued":
             self.set_state("prefill")
 
+    def set_prefill_progress(self, progress: tuple[int, int] | None) -> None:
+        """The engine's (prompt tokens computed, prompt tokens) for this request."""
+        if progress is not None and progress != self._prefill:
+            self._prefill = progress
+            self._title_dirty = True
+            if progress[0] > 0 and self.state == "queued":
+                self.set_state("prefill")  # a chunk is computed: no longer waiting
+            self.refresh_title()
+
     def set_queued(self, queued: bool) -> None:
         """From the stats snapshot: is this request still in the engine's waiting queue?"""
-        if self.state in ("queued", "prefill") and self._first_at is None:
+        started = self._prefill is not None and self._prefill[0] > 0
+        if self.state in ("queued", "prefill") and self._first_at is None and not started:
             self.set_state("queued" if queued else "prefill")
 
     def feed(self, text: str, num_tokens: int, first_at: float, last_at: float) -> None:
@@ -207,6 +244,8 @@ class ConversationPane(Vertical):
             await self._reply.finish(status, error)
         self._reply = None
         self.request_id = None
+        if self.context_tokens:
+            self.context_tokens += self._tokens
         state = {"done": "idle", "length": "idle", "stopped": "stopped"}.get(status, "error")
         self.set_state(state)
         self.refresh_title(force=True)
@@ -230,9 +269,11 @@ class ConversationPane(Vertical):
 
     async def clear(self) -> None:
         self.conversation.messages.clear()
+        self.conversation.dropped = 0
         await self.transcript.remove_children()
         self._first_at = None
         self._tokens = 0
+        self.context_tokens = 0
         self.set_state("idle")
         self.refresh_title(force=True)
 

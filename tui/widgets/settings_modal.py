@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid, Horizontal, Vertical
+from textual.containers import Grid, Horizontal, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static, Switch, TextArea
 
@@ -13,7 +13,8 @@ from ..conversation import Settings
 
 class SettingsModal(ModalScreen[Settings | None]):
     """Returns the new `Settings`, or None if cancelled. Bad values are refused with the
-    engine's own `ValueError` message (which names the field)."""
+    engine's own `ValueError` message (which names the field). ctrl+s, or Enter in a
+    one-line field, saves; Esc cancels."""
 
     BINDINGS = [
         Binding("escape", "cancel", "Cancel", id="settings.cancel"),
@@ -28,7 +29,8 @@ class SettingsModal(ModalScreen[Settings | None]):
 
     def compose(self) -> ComposeResult:
         s = self.settings
-        with Vertical(id="settings-box"):
+        # Scrolls when the terminal is shorter than the form (80x24).
+        with VerticalScroll(id="settings-box"):
             yield Label(f"Pane #{self.pane_number} settings", id="settings-title")
             yield Label("System prompt")
             yield TextArea(s.system_prompt, id="system", soft_wrap=True)
@@ -85,6 +87,11 @@ class SettingsModal(ModalScreen[Settings | None]):
 
     def action_cancel(self) -> None:
         self.dismiss(None)
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        """Enter in a field saves, as in most forms."""
+        event.stop()
+        self.action_save()
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "save":

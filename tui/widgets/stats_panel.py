@@ -8,11 +8,14 @@ from textual.widgets import Sparkline, Static
 
 from minivllm.outputs import EngineStats
 
-from ..stats import Rates, cache_line, kv_line, queue_line, throughput_line
+from ..stats import Rates, cache_line, compact_lines, kv_line, queue_line, throughput_line
+
+COMPACT_BELOW = 120  # columns: narrower, the panel condenses and the sparkline goes
 
 
 class StatsPanel(Horizontal):
-    """Numbers on the left, generation tok/s over the last minute on the right."""
+    """Numbers on the left, generation tok/s over the last minute on the right. Below
+    `COMPACT_BELOW` columns: two short lines with every figure, no sparkline."""
 
     def __init__(self) -> None:
         super().__init__(id="stats-panel")
@@ -20,6 +23,7 @@ class StatsPanel(Horizontal):
         self.spark = Sparkline([], id="stats-spark", summary_function=max)
         self.spark_label = Static("", markup=False, id="stats-spark-label")
         self.lines: list[str] = []
+        self._last: tuple[EngineStats, Rates, list[float]] | None = None
 
     def compose(self) -> ComposeResult:
         yield self.text
@@ -27,9 +31,24 @@ class StatsPanel(Horizontal):
             yield self.spark_label
             yield self.spark
 
+    @property
+    def compact(self) -> bool:
+        return self.has_class("-compact")
+
+    def on_resize(self) -> None:
+        compact = self.app.size.width < COMPACT_BELOW
+        if compact != self.compact:
+            self.set_class(compact, "-compact")
+            if self._last is not None:
+                self.show(*self._last)
+
     def show(self, stats: EngineStats, rates: Rates, spark: list[float]) -> None:
-        self.lines = [kv_line(stats) + "   " + queue_line(stats), throughput_line(rates),
-                      cache_line(stats)]
+        self._last = (stats, rates, spark)
+        if self.compact:
+            self.lines = compact_lines(stats, rates)
+        else:
+            self.lines = [kv_line(stats) + "   " + queue_line(stats), throughput_line(rates),
+                          cache_line(stats)]
         self.text.update("\n".join(self.lines))
         self.spark.data = spark or [0.0]
         peak = max(spark) if spark else 0.0
