@@ -29,7 +29,10 @@ from . import LLMEngine, SamplingParams
 def _mv_engine(args: argparse.Namespace) -> LLMEngine:
     from .bench import build_engine
 
-    return build_engine(args, max_model_length=min(args.max_model_length, 4096))
+    # A pool for the 8 sequences of the batch figure, not the CPU's 2 GiB default.
+    max_len = max(args.prompt_len, args.ttft_prompt_len) + args.new_tokens
+    blocks_per_seq = -(-max_len // args.block_size)
+    return build_engine(args, max_model_length=max_len, max_cached_blocks=9 * blocks_per_seq)
 
 
 def _mv_generate(llm: LLMEngine, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
