@@ -34,5 +34,4 @@ gpu-check:
 	bash scripts/gpu_check.sh
 
 bench-cpu: install
-	$(BIN)/minivllm bench latency --model HuggingFaceTB/SmolLM2-135M-Instruct --device cpu \
-		--batch-sizes 1 8 --new-tokens 128 --ttft-prompt-len 512 --compare hf
+	$(BIN)/minivllm bench latency --device cpu

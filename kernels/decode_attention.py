@@ -55,16 +55,20 @@ def decode_attention_at_slots(
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    k = k_cache.flatten(0, 1)[slots]  # [num_seqs, max_len, num_kv_heads, head_dim]
-    v = v_cache.flatten(0, 1)[slots]
-    # Query heads grouped under their KV head, so K/V need no copy per query head.
+    max_len = slots.shape[1]
+    # Each KV head is read once for its whole query group: q is viewed as
+    # [num_seqs, num_kv_heads, group, head_dim], K/V are never repeated per query head.
+    flat = slots.reshape(-1)
+    k = k_cache.flatten(0, 1).index_select(0, flat).view(num_seqs, max_len, num_kv_heads, -1)
+    v = v_cache.flatten(0, 1).index_select(0, flat).view(num_seqs, max_len, num_kv_heads, -1)
     qg = q.view(num_seqs, num_kv_heads, group, head_dim).to(k.dtype)
-    scores = torch.einsum("bkgd,blkd->bkgl", qg, k).float() * scale
-    positions = torch.arange(k.shape[1], device=q.device)
-    valid = positions[None, :] < seq_lens[:, None].to(q.device)  # [num_seqs, max_len]
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [.., group, max_len]
+    if num_seqs > 1:  # one sequence's context is exactly max_len long: nothing to mask
+        positions = torch.arange(max_len, device=q.device)
+        valid = positions[None, :] < seq_lens[:, None].to(q.device)  # [num_seqs, max_len]
+        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1).to(v.dtype)
-    o = torch.einsum("bkgl,blkd->bkgd", probs, v)  # [num_seqs, num_kv_heads, group, head_dim]
+    o = torch.matmul(probs, v.transpose(1, 2))  # [num_seqs, num_kv_heads, group, head_dim]
     return o.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 

@@ -16,6 +16,7 @@ from .loader import KNOWN_CONFIGS
 from .models.registry import ARCHITECTURES
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
+CPU_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 @dataclass
@@ -112,7 +113,15 @@ def bench_throughput(args: argparse.Namespace) -> list[Row]:
 # -- latency --------------------------------------------------------------------------------
 
 
+def on_cpu(args: argparse.Namespace) -> bool:
+    return args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+
+
 def bench_latency(args: argparse.Namespace) -> list[Row]:
+    if on_cpu(args):
+        from .bench_cpu import bench_latency_cpu
+
+        return bench_latency_cpu(args)
     llm = build_engine(args)
     vocab = llm.config.model.vocab_size
     rng = random.Random(0)
@@ -342,7 +351,9 @@ def print_rows(title: str, rows: list[Row]) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("workload", choices=["throughput", "latency"])
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument(
+        "--model", default=None, help=f"default: {DEFAULT_MODEL}; {CPU_MODEL} for latency on CPU"
+    )
     p.add_argument(
         "--load-format",
         choices=["auto", "dummy"],
@@ -366,14 +377,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-num-seqs", type=int, default=64)
     # latency
     p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--new-tokens", type=int, default=None, help="default: 256; 128 on CPU")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--ttft-prompt-len", type=int, default=1024)
+    p.add_argument("--ttft-prompt-len", type=int, default=None, help="default: 1024; 512 on CPU")
     p.add_argument("--ttft-repeats", type=int, default=11)
 
 
 def main(args: argparse.Namespace) -> None:
+    cpu_latency = args.workload == "latency" and on_cpu(args)
+    if args.model is None:
+        args.model = CPU_MODEL if cpu_latency else DEFAULT_MODEL
+    if args.new_tokens is None:
+        args.new_tokens = 128 if cpu_latency else 256
+    if args.ttft_prompt_len is None:
+        args.ttft_prompt_len = 512 if cpu_latency else 1024
     if args.workload == "throughput":
         rows = bench_throughput(args)
     else:

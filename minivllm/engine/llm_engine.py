@@ -556,8 +556,13 @@ def _resolve_device(device: str) -> torch.device:
 
 
 def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """"auto": bf16 on GPUs and on CPUs with bf16 matmuls (AVX-512 BF16, AMX), else fp32."""
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        from ..cpu_features import default_cpu_dtype
+
+        return default_cpu_dtype() if device.type == "cpu" else torch.float32
     return getattr(torch, dtype)
 
 

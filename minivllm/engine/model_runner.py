@@ -10,6 +10,7 @@ from minivllm.kernels.decode_attention import context_slots
 
 from ..config import EngineConfig
 from ..layers.attention import Attention, AttentionMetadata, attention_metadata
+from ..layers.cpu_linear import pack_linears
 from ..layers.ops import uses_triton
 from ..layers.sampler import (
     PenaltyTensors,
@@ -61,6 +62,8 @@ class ModelRunner:
             self.progress("loading weights", 0.2)
             load_weights(self.model, config.model_path)
         self.model.eval()
+        if device.type == "cpu":
+            pack_linears(self.model)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         generator = None
         if config.seed is not None:

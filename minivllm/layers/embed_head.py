@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import all_reduce, gather_last_dim, get_tp_rank, get_tp_size
+from . import cpu_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -36,5 +37,9 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits for each rank's vocabulary slice, gathered on rank 0 (None on the others)."""
 
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(vocab_size, hidden_size)
+        self.packed: torch.Tensor | None = None  # oneDNN's copy on CPU (cpu_linear)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return gather_last_dim(F.linear(hidden, self.weight))
+        return gather_last_dim(cpu_linear.linear(hidden, self.weight, None, self.packed))

@@ -7,10 +7,10 @@ rank's slice of a full checkpoint tensor into it, so the weight loader stays gen
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import all_reduce, get_tp_rank, get_tp_size
+from . import cpu_linear
 
 
 class LinearBase(nn.Module):
@@ -25,12 +25,17 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        # oneDNN's packed copy of the weight on CPU (cpu_linear.pack_linears, after loading).
+        self.packed: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self._linear(x, self.bias)
+
+    def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return cpu_linear.linear(x, self.weight, bias, self.packed)
 
 
 class ReplicatedLinear(LinearBase):
@@ -98,5 +103,5 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self._linear(x, self.bias if self.tp_rank == 0 else None)
         return all_reduce(y)

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from minivllm.kernels.rotary import apply_rotary_ref, cos_sin_at
+from minivllm.kernels.rotary import apply_rotary_folded, folded_cos_sin_at
 
 from . import ops
 
@@ -53,5 +53,5 @@ class RotaryEmbedding(nn.Module):
         # tensor: look its cos/sin up once per step, not once per layer.
         if positions is not self._positions:
             self._positions = positions
-            self._cos_sin = cos_sin_at(self.cos_sin_cache, positions)
-        return apply_rotary_ref(q, k, *self._cos_sin)
+            self._cos_sin = folded_cos_sin_at(self.cos_sin_cache, positions)
+        return apply_rotary_folded(q, k, *self._cos_sin)
