@@ -227,6 +227,86 @@ def check_wrapper_errors() -> None:
             raise AssertionError(f"no ValueError mentioning {message!r}")
 
 
+def check_gemv() -> None:
+    from minivllm.kernels.gemv import (
+        default_config,
+        gemv,
+        gemv_ref,
+        rms_norm_gemv,
+        rms_norm_gemv_ref,
+    )
+
+    tiles = [
+        None,  # the default for the shape
+        dict(BLOCK_N=4, BLOCK_K=32, USE_DOT=False, DOT_PRECISION="ieee", num_warps=4,
+             num_stages=1),  # several K tiles, masked N and K tails
+        dict(BLOCK_N=16, BLOCK_K=32, USE_DOT=True, DOT_PRECISION="ieee", num_warps=4,
+             num_stages=1),  # tensor-core path
+    ]
+    for dtype in DTYPES:
+        for m, n, k in ((1, 40, 72), (3, 34, 100), (8, 64, 64)):
+            x = torch.randn(m, k).to(dtype)
+            w = (torch.randn(n, k) / k**0.5).to(dtype)
+            b = torch.randn(n).to(dtype)
+            residual = torch.randn(m, k).to(dtype)
+            norm_w = (1 + 0.1 * torch.randn(k)).to(dtype)
+            for config in tiles:
+                if config is not None:
+                    precision = default_config(m, n, k, dtype)["DOT_PRECISION"]
+                    config = dict(config, DOT_PRECISION=precision)
+                name = f"gemv {dtype} {m}x{n}x{k} {config}"
+                ref = gemv_ref(x.float(), w.float(), b.float())
+                _assert_close(name, gemv(x, w, b, config=config), ref, TOL[dtype])
+                _assert_close(name + " no bias", gemv(x, w, config=config),
+                              gemv_ref(x.float(), w.float()), TOL[dtype])
+                for res, silu in ((residual, False), (None, False), (residual, True)):
+                    got, got_res = rms_norm_gemv(x, res, norm_w, 1e-6, w, b, silu_mul=silu,
+                                                 config=config)
+                    want, want_res = rms_norm_gemv_ref(x, res, norm_w, 1e-6, w, b, silu_mul=silu)
+                    tag = f"{name} norm residual={res is not None} silu={silu}"
+                    _assert_close(tag, got, want, TOL[dtype])
+                    assert torch.equal(got_res, want_res), tag + ": new residual"
+                    if res is None:
+                        assert got_res is x
+
+
+def check_qkv_rotary_store() -> None:
+    from minivllm.kernels.qkv_rotary_store import qkv_rotary_store, qkv_rotary_store_ref
+    from minivllm.kernels.testing import paged_kv
+
+    cos_sin = _cos_sin_cache(4096, HEAD_DIM)
+    for dtype, (num_heads, num_kv_heads), qk_norm in [
+        (torch.float32, (4, 2), True),
+        (torch.float16, (6, 2), True),
+        (torch.float16, (2, 2), False),
+        (torch.float32, (6, 2), False),
+    ]:
+        cache = paged_kv([40, 7], num_kv_heads, HEAD_DIM, 16, dtype, "cpu", spare_blocks=2)
+        num_slots = cache.k_cache.shape[0] * 16
+        qkv, _, _, _ = _fused_qkv(9, num_heads, num_kv_heads, dtype)
+        positions = torch.randint(0, 4096, (9,))
+        slots = torch.randperm(num_slots)[:9]
+        slots[[1, 6]] = -1
+        weights = {}
+        if qk_norm:
+            weights = dict(q_norm_weight=(1 + 0.1 * torch.randn(HEAD_DIM)).to(dtype),
+                           k_norm_weight=(1 + 0.1 * torch.randn(HEAD_DIM)).to(dtype))
+        k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
+        q_ref = qkv_rotary_store_ref(positions, qkv, num_heads, cos_sin, k_ref, v_ref, slots,
+                                     **weights)
+        q = qkv_rotary_store(positions, qkv, num_heads, cos_sin, cache.k_cache, cache.v_cache,
+                             slots.int(), **weights)
+        name = f"qkv_rotary_store {dtype} {num_heads}/{num_kv_heads} norm={qk_norm}"
+        _assert_close(name + " q", q, q_ref, TOL[dtype])
+        _assert_close(name + " k_cache", cache.k_cache, k_ref, TOL[dtype])
+        assert torch.equal(cache.v_cache, v_ref), name + " v_cache (a copy)"
+        # Slots nobody writes (-1 included) keep their contents.
+        written = torch.zeros(num_slots, dtype=torch.bool)
+        written[slots[slots >= 0]] = True
+        untouched = ~written.view(cache.k_cache.shape[:2])
+        assert torch.equal(cache.k_cache[untouched], k_ref[untouched]), name
+
+
 # Subprocess groups: each start costs seconds (torch + triton imports), so the cheap
 # kernels share one.
 CHECKS = {
@@ -234,6 +314,7 @@ CHECKS = {
                     check_wrapper_errors],
     "prefill_attention": [check_prefill_attention],
     "decode_attention": [check_decode_attention],
+    "fused_decode": [check_gemv, check_qkv_rotary_store],
 }
 
 

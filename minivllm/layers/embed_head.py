@@ -37,4 +37,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits for each rank's vocabulary slice, gathered on rank 0 (None on the others)."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        if hidden.is_cuda:
+            from .linear import cuda_linear
+
+            return gather_last_dim(cuda_linear(hidden, self.weight))
         return gather_last_dim(F.linear(hidden, self.weight))

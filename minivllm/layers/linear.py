@@ -13,6 +13,16 @@ from torch import nn
 from ..distributed import all_reduce, get_tp_rank, get_tp_size
 
 
+def cuda_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """F.linear on CUDA, or the Triton GEMV for the few-row shapes where it measured faster
+    than cuBLAS (kernels/gemv.py's table)."""
+    from minivllm.kernels.gemv import MAX_ROWS, gemv, gemv_wins
+
+    if x.dim() == 2 and x.shape[0] <= MAX_ROWS and gemv_wins(x.shape[0], *weight.shape, x.dtype):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
@@ -30,6 +40,8 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return cuda_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -98,5 +110,6 @@ class RowParallelLinear(LinearBase):
         param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        bias = self.bias if self.tp_rank == 0 else None
+        y = cuda_linear(x, self.weight, bias) if x.is_cuda else F.linear(x, self.weight, bias)
         return all_reduce(y)
