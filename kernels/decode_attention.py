@@ -70,7 +70,7 @@ def decode_attention_at_slots(
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) dominates
-MAX_SPLITS = 64
+MAX_SPLITS = 128  # batch 1 at 32k: 8 KV heads x 128 splits of 256 = ~8 programs an SM
 
 
 @triton.jit
@@ -108,6 +108,9 @@ def _decode_split_kernel(
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    if NUM_SPLITS > 1:
+        if start >= end:  # an empty split writes nothing: the merge skips it
+            return
 
     rows = tl.arange(0, GROUP_PAD)
     row_mask = rows < GROUP
@@ -151,8 +154,7 @@ def _decode_split_kernel(
             mask=row_mask[:, None],
         )
     else:
-        # Partials are [num_seqs, num_heads, NUM_SPLITS(, HEAD_DIM)], fp32; an empty split
-        # writes (-inf, 0, 0), which the merge weighs to nothing.
+        # Partials are [num_seqs, num_heads, NUM_SPLITS(, HEAD_DIM)], fp32.
         part = (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split
         tl.store(part_m_ptr + part, m, mask=row_mask)
         tl.store(part_l_ptr + part, l_sum, mask=row_mask)
@@ -166,23 +168,33 @@ def _decode_merge_kernel(
     part_m_ptr,
     part_l_ptr,
     part_acc_ptr,
+    seq_lens_ptr,
     out_ptr,
     out_stride_s,
     out_stride_h,
     num_heads,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    part = (seq * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)  # [NUM_SPLITS]
-    m = tl.load(part_m_ptr + part)
-    l_sum = tl.load(part_l_ptr + part)
+    # Only the splits that had context wrote partials (the split kernel's arithmetic):
+    # a short context in a launch sized for a long one reads little here.
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    used = tl.cdiv(seq_len, tl.maximum(split_len, 1))
+    splits = tl.arange(0, NUM_SPLITS)
+    valid = splits < used
+    part = (seq * num_heads + head) * NUM_SPLITS + splits  # [NUM_SPLITS]
+    m = tl.load(part_m_ptr + part, mask=valid, other=float("-inf"))
+    l_sum = tl.load(part_l_ptr + part, mask=valid, other=0.0)
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty
     w = tl.exp2(m - m_max)  # [NUM_SPLITS]
     dims = tl.arange(0, HEAD_DIM)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :])  # [NUM_SPLITS, D]
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None],
+                  other=0.0)  # [NUM_SPLITS, D]
     total = tl.sum(w * l_sum, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
     tl.store(
@@ -297,12 +309,14 @@ def decode_attention(
             part_m,
             part_l,
             part_acc,
+            seq_lens,
             out,
             out.stride(0),
             out.stride(1),
             num_heads,
             HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits,
-            num_warps=4,
+            BLOCK_N=config["BLOCK_N"],
+            num_warps=4 if num_splits <= 32 else 8,  # [NUM_SPLITS, HEAD_DIM] fp32 in registers
         )
     return out

@@ -66,9 +66,9 @@ def _qkv_rotary_store_kernel(
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,  # HEAD_DIM // 2
     QK_NORM: tl.constexpr,
 ):
-    HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     dims = tl.arange(0, HALF)
@@ -180,6 +180,7 @@ def qkv_rotary_store(
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
+        HALF=head_dim // 2,
         QK_NORM=q_norm_weight is not None,
         num_warps=1 if head_dim <= 128 else 2,
     )

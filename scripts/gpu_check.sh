@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; a short table is printed last.
-# Usage on the GPU machine, from the repo root: bash scripts/gpu_check.sh [quick|profile]
-# (no argument: tests + benchmarks; quick: tests; profile: tests + step profile; all)
+# Usage on the GPU machine, from the repo root: bash scripts/gpu_check.sh [quick|profile|decode]
+# (no argument: tests + benchmarks; quick: tests; profile: tests + step profile;
+#  decode: tests + batch-1/long-context decode benchmarks, kernel table, per-kernel profile;
+#  all: everything)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/gpu-check}
@@ -25,7 +27,19 @@ fi
 
 if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
   bench throughput --compare hf --hf-num-seqs 16
-  bench latency --compare hf --batch-sizes 1 --repeats 3
+  bench latency --compare hf --batch-sizes 1 8 --repeats 3
+fi
+
+if [ "${1:-}" = "decode" ] || [ "${1:-}" = "all" ]; then
+  # Issue 11: few-row GEMV vs cuBLAS per shape, fused ops, batch-1 long-context attention.
+  $PY scripts/bench_kernels.py --only decode-fused 2>&1 | tee "$OUT/bench-kernels.log" | tail -150
+  [ "${1:-}" = "decode" ] && bench latency --compare hf --batch-sizes 1 8 --repeats 3 --ttft-repeats 3
+  bench latency --batch-sizes 1 --prompt-len 8192 --max-model-length 8704 --new-tokens 128 \
+    --repeats 2 --ttft-repeats 2
+  bench latency --batch-sizes 1 --prompt-len 32768 --max-model-length 33280 --new-tokens 128 \
+    --repeats 2 --ttft-repeats 2
+  $PY scripts/profile_steps.py --decode 1x128 --decode 8x128 --decode 1x32768 2>&1 \
+    | grep -v "it/s\]" | tee "$OUT/profile-decode.log" | tail -90
 fi
 
 echo

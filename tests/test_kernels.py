@@ -259,7 +259,8 @@ def check_gemv() -> None:
                 _assert_close(name, gemv(x, w, b, config=config), ref, TOL[dtype])
                 _assert_close(name + " no bias", gemv(x, w, config=config),
                               gemv_ref(x.float(), w.float()), TOL[dtype])
-                for res, silu in ((residual, False), (None, False), (residual, True)):
+                combos = ((residual, False), (None, False), (residual, True))
+                for res, silu in combos if config is None else combos[2:]:
                     got, got_res = rms_norm_gemv(x, res, norm_w, 1e-6, w, b, silu_mul=silu,
                                                  config=config)
                     want, want_res = rms_norm_gemv_ref(x, res, norm_w, 1e-6, w, b, silu_mul=silu)
@@ -268,6 +269,39 @@ def check_gemv() -> None:
                     assert torch.equal(got_res, want_res), tag + ": new residual"
                     if res is None:
                         assert got_res is x
+
+
+def check_fused_wrapper_errors() -> None:
+    from minivllm.kernels.gemv import gemv, rms_norm_gemv
+    from minivllm.kernels.qkv_rotary_store import qkv_rotary_store
+    from minivllm.kernels.testing import paged_kv
+
+    w = torch.randn(6, 8)
+    cache = paged_kv([20], 2, HEAD_DIM, 16, torch.float32, "cpu")
+    qkv = torch.randn(3, 8 * HEAD_DIM)
+    pos = torch.arange(3)
+    cos_sin = _cos_sin_cache(64, HEAD_DIM)
+    kv = (cache.k_cache, cache.v_cache)
+    cases = [
+        (lambda: gemv(torch.randn(9, 8), w), "1 to 8 rows"),
+        (lambda: gemv(torch.randn(2, 7), w), "does not take x"),
+        (lambda: gemv(torch.randn(2, 8), w.half()), "weight has dtype"),
+        (lambda: gemv(torch.randn(2, 8), w, torch.randn(5)), "bias has 5"),
+        (lambda: rms_norm_gemv(torch.randn(2, 8), None, torch.ones(7), 1e-6, w), "norm_weight"),
+        (lambda: rms_norm_gemv(torch.randn(2, 8), None, torch.ones(8), 1e-6, w[:5],
+                               silu_mul=True), "even number"),
+        (lambda: qkv_rotary_store(pos, qkv, 5, cos_sin, *kv, pos), "qkv has"),
+        (lambda: qkv_rotary_store(pos[:2], qkv, 4, cos_sin, *kv, pos), "one entry per token"),
+        (lambda: qkv_rotary_store(pos, qkv, 4, cos_sin, *kv, pos, torch.ones(HEAD_DIM)),
+         "come together"),
+    ]
+    for fn, message in cases:
+        try:
+            fn()
+        except ValueError as e:
+            assert message in str(e), f"expected {message!r} in {e!r}"
+        else:
+            raise AssertionError(f"no ValueError mentioning {message!r}")
 
 
 def check_qkv_rotary_store() -> None:
@@ -314,7 +348,7 @@ CHECKS = {
                     check_wrapper_errors],
     "prefill_attention": [check_prefill_attention],
     "decode_attention": [check_decode_attention],
-    "fused_decode": [check_gemv, check_qkv_rotary_store],
+    "fused_decode": [check_gemv, check_qkv_rotary_store, check_fused_wrapper_errors],
 }
 
 

@@ -18,7 +18,12 @@ def cuda_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     than cuBLAS (kernels/gemv.py's table)."""
     from minivllm.kernels.gemv import MAX_ROWS, gemv, gemv_wins
 
-    if x.dim() == 2 and x.shape[0] <= MAX_ROWS and gemv_wins(x.shape[0], *weight.shape, x.dtype):
+    if (
+        x.dim() == 2
+        and x.shape[0] <= MAX_ROWS
+        and x.stride(1) == 1
+        and gemv_wins(x.shape[0], *weight.shape, x.dtype)
+    ):
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
