@@ -96,25 +96,25 @@ def _qkv_rotary_store_kernel(
     y1 = f1 * cos - f2 * sin
     y2 = f2 * cos + f1 * sin
     if head < NUM_HEADS:
-        dst = q_out_ptr + (token * NUM_HEADS + head) * HEAD_DIM
-        tl.store(dst + dims, y1.to(q_out_ptr.dtype.element_ty))
-        tl.store(dst + HALF + dims, y2.to(q_out_ptr.dtype.element_ty))
+        q_dst = q_out_ptr + (token * NUM_HEADS + head) * HEAD_DIM
+        tl.store(q_dst + dims, y1.to(q_out_ptr.dtype.element_ty))
+        tl.store(q_dst + HALF + dims, y2.to(q_out_ptr.dtype.element_ty))
     else:
         kv_head = head - NUM_HEADS
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         # NOTE: int64 offsets: a layer's pool can exceed 2**31 elements.
-        dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+        cache_offset = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
         cache_dtype = k_cache_ptr.dtype.element_ty
         # Rounded to the activation dtype first, as the reference's rotated k is.
         # Padding tokens of a CUDA-graph bucket have no slot (-1).
         half_mask = (dims * 0 + slot) >= 0  # [HALF]
-        tl.store(k_cache_ptr + dst + dims, y1.to(act_dtype).to(cache_dtype), mask=half_mask)
-        tl.store(k_cache_ptr + dst + HALF + dims, y2.to(act_dtype).to(cache_dtype),
-                 mask=half_mask)
+        k_dst = k_cache_ptr + cache_offset
+        tl.store(k_dst + dims, y1.to(act_dtype).to(cache_dtype), mask=half_mask)
+        tl.store(k_dst + HALF + dims, y2.to(act_dtype).to(cache_dtype), mask=half_mask)
         v_dims = tl.arange(0, HEAD_DIM)
         v_mask = (v_dims * 0 + slot) >= 0
         v = tl.load(src + NUM_KV_HEADS * HEAD_DIM + v_dims, mask=v_mask)
-        tl.store(v_cache_ptr + dst + v_dims, v.to(cache_dtype), mask=v_mask)
+        tl.store(v_cache_ptr + cache_offset + v_dims, v.to(cache_dtype), mask=v_mask)
 
 
 def qkv_rotary_store(
