@@ -138,7 +138,7 @@ def gemv_variants(m: int, n: int, k: int) -> list[dict]:
 
 def weight_copies(n: int, k: int) -> list[torch.Tensor]:
     """Enough copies of an [n, k] weight that a graph of calls over them overflows L2."""
-    copies = max(1, min(32, -(-ROTATE_BYTES // (n * k * DTYPE.itemsize))))
+    copies = max(1, min(512, -(-ROTATE_BYTES // (n * k * DTYPE.itemsize))))
     return [(torch.randn(n, k, device="cuda") / k**0.5).to(DTYPE) for _ in range(copies)]
 
 
