@@ -84,6 +84,7 @@ def _gemv_kernel(
     SILU_MUL: tl.constexpr,
     USE_DOT: tl.constexpr,  # tensor cores for several rows; else multiply-and-sum
     DOT_PRECISION: tl.constexpr,
+    ONE_TILE: tl.constexpr,  # BLOCK_K >= K
 ):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
@@ -92,6 +93,14 @@ def _gemv_kernel(
     col_mask = cols < N
     k_range = tl.arange(0, BLOCK_K)
     act_dtype = x_ptr.dtype.element_ty
+
+    if ONE_TILE:
+        # All of K in one tile: W's loads go out first and overlap the norm's prologue.
+        w_mask = col_mask[:, None] & (k_range < K)[None, :]
+        w_offsets = cols[:, None].to(tl.int64) * stride_wn + k_range[None, :]
+        w_first = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
+        if SILU_MUL:
+            w_up_first = tl.load(w_ptr + w_offsets + N * stride_wn, mask=w_mask, other=0.0)
 
     if NORM:
         # Pass 1: the rms of each row of h = x + residual (rounded as the reference
@@ -128,16 +137,22 @@ def _gemv_kernel(
             nw = tl.load(norm_weight_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
             normed = (x.to(tl.float32) * rstd[:, None]).to(act_dtype).to(tl.float32)
             x = (normed * nw[None, :]).to(act_dtype)
-        w_mask = col_mask[:, None] & k_mask[None, :]
-        w_offsets = cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
-        w = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
+        if ONE_TILE:
+            w = w_first
+        else:
+            w_mask = col_mask[:, None] & k_mask[None, :]
+            w_offsets = cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
+            w = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
         if USE_DOT:
             acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=DOT_PRECISION)
         else:
             xf = x.to(tl.float32)
             acc += tl.sum(xf[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         if SILU_MUL:
-            w_up = tl.load(w_ptr + w_offsets + N * stride_wn, mask=w_mask, other=0.0)
+            if ONE_TILE:
+                w_up = w_up_first
+            else:
+                w_up = tl.load(w_ptr + w_offsets + N * stride_wn, mask=w_mask, other=0.0)
             if USE_DOT:
                 acc_up += tl.dot(x.to(w_up.dtype), tl.trans(w_up), input_precision=DOT_PRECISION)
             else:
@@ -239,6 +254,7 @@ def _launch(x, residual, norm_weight, weight, bias, out, residual_out, n, eps, c
         HAS_RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul,
+        ONE_TILE=cfg["BLOCK_K"] >= k,
         **cfg,
     )
 
