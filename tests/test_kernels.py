@@ -428,6 +428,26 @@ def test_use_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not dispatch.use_triton("cuda")
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_gemv_choice_is_per_row_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch padded to its CUDA-graph bucket and the same batch run eagerly must take the
+    same kernel, so the GEMV-or-cuBLAS choice depends on the bucket (1, 2, 4, 8) only."""
+    from minivllm.kernels import gemv
+
+    monkeypatch.setattr(gemv, "MEASURED_WINS", {(4, 64, 32): True, (8, 64, 32): False})
+    gemv.gemv_wins.cache_clear()
+    try:
+        assert gemv.gemv_wins(3, 64, 32, torch.bfloat16) and gemv.gemv_wins(4, 64, 32,
+                                                                            torch.float16)
+        assert not gemv.gemv_wins(5, 64, 32, torch.bfloat16)
+        assert not gemv.gemv_wins(8, 64, 32, torch.bfloat16)
+        assert not gemv.gemv_wins(9, 64, 32, torch.bfloat16), "more rows than a GEMV takes"
+        assert not gemv.gemv_wins(1, 64, 32, torch.float32), "fp32 stays on cuBLAS"
+        assert gemv.gemv_wins(1, 7, 5, torch.bfloat16) == gemv._wins_by_default(1)
+    finally:
+        gemv.gemv_wins.cache_clear()
+
+
 def test_kernel_modules_import_without_triton() -> None:
     # sys.modules[name] = None makes `import name` raise ImportError: Triton "uninstalled".
     code = """
