@@ -177,38 +177,62 @@ def _gemv_kernel(
 
 
 @functools.cache
-def default_config(m: int, n: int, k: int, dtype: torch.dtype, sms: int = 132) -> dict:
-    """Tiles from first principles, until measured (scripts/bench_kernels.py):
-    - a program streams ~16-32 KB of W in one or two tiles, so each keeps many loads in
-      flight (the loop is not software-pipelined without tensor-core dots);
-    - at least ~2 programs per SM, so the SMs that finish early are few;
-    - one row: multiply-and-sum in fp32; several rows: tensor-core dots (x padded to 16),
-      which keep the math off the critical path."""
-    block_k = min(triton.next_power_of_2(k), 2048 if m == 1 else 512)
-    use_dot = m > 1
-    budget = 16384 if m == 1 else 8192  # elements of W per tile
-    block_n = max(budget // block_k, 16 if use_dot else 1)
-    while block_n > (16 if use_dot else 2) and triton.cdiv(n, block_n) < 2 * sms:
+def default_config(
+    m: int, n: int, k: int, dtype: torch.dtype, sms: int = 132, silu_mul: bool = False
+) -> dict:
+    """Tiles per shape; `n` counts output columns (half the weight's rows with silu_mul).
+
+    Measured on the H200 (scripts/bench_kernels.py, 2026-12-03, graph replays):
+    - one row: multiply-and-sum in fp32 over ~8K elements of W a program (16 KB: N8 K1024
+      or N4 K2048, 4 warps), at least ~2 programs an SM; 16K-element tiles with 8 warps
+      were 10-15% slower (LM head 92.6 against 76.6 us);
+    - several rows: tensor-core dots with x padded to 16 rows; N32 K256 with 3 stages for
+      wide outputs, N16 K512 for outputs of 2048 or fewer (fewer, longer programs lost).
+    Several rows use one configuration whatever their number, so a row's result never
+    depends on how many rows share the launch."""
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    if m > 1:
+        block_n, block_k = (32, 256) if n > 2048 else (16, 512)
+        return dict(BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=True, DOT_PRECISION=precision,
+                    num_warps=4, num_stages=3)
+    block_k = min(triton.next_power_of_2(k), 2048)
+    budget = 4096 if silu_mul else 8192  # elements of W a tile (silu_mul loads two tiles)
+    block_n = max(budget // block_k, 1)
+    while block_n > 2 and triton.cdiv(n, block_n) < 2 * sms:
         block_n //= 2
-    return dict(
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        USE_DOT=use_dot,
-        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-        num_warps=4 if block_n * block_k <= 8192 else 8,
-        num_stages=3 if use_dot else 1,
-    )
+    return dict(BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=False, DOT_PRECISION=precision,
+                num_warps=4, num_stages=1)
 
 
-# Where the Triton GEMV beats cuBLAS: (rows, N, K) -> True, from scripts/bench_kernels.py
-# on the H200. Shapes not listed follow `_wins_by_default`.
-MEASURED_WINS: dict[tuple[int, int, int], bool] = {}
+# Where the Triton GEMV beats cuBLAS: (row bucket, N, K) -> bool, measured on the H200
+# by `python scripts/bench_kernels.py --only decode-fused` (2026-12-03; graph replays,
+# weights rotated past L2). Shapes not listed follow `_wins_by_default`. One row: every
+# projection of the three models but Llama-3.2-1B's gate_up and SmolLM2's LM head
+# (K = 576 pads to a 1024 tile). Several rows: the narrow projections (o, down: cuBLAS
+# ran at 0.3-0.9 TB/s there) and Qwen3's LM head; cuBLAS keeps the wide ones.
+MEASURED_WINS: dict[tuple[int, int, int], bool] = {
+    **{(1, n, k): True for n, k in (
+        (4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (151936, 1024),  # Qwen3
+        (3072, 2048), (2048, 2048), (2048, 8192), (128256, 2048),  # Llama-3.2-1B
+        (960, 576), (576, 576), (3072, 576), (576, 1536),  # SmolLM2-135M
+    )},
+    (1, 16384, 2048): False,
+    (1, 49152, 576): False,
+    **{(m, n, k): True for m in (2, 4, 8) for n, k in (
+        (1024, 2048), (1024, 3072), (151936, 1024), (2048, 2048), (960, 576), (576, 576),
+        (576, 1536),
+    )},
+    **{(m, n, k): False for m in (2, 4, 8) for n, k in (
+        (4096, 1024), (6144, 1024), (3072, 2048), (16384, 2048), (2048, 8192),
+        (128256, 2048), (3072, 576), (49152, 576),
+    )},
+}
 
 
 def _wins_by_default(m: int) -> bool:
-    # First principles: one row is a pure bandwidth problem where cuBLAS's GEMV reached
-    # ~1.5 TB/s (PERF_NOTES); several rows are GEMMs cuBLAS handles with tensor cores.
-    return m <= 2
+    # Unmeasured shapes: one row is a pure bandwidth problem where the GEMV won on 13 of
+    # the 15 measured shapes; several rows are GEMMs cuBLAS mostly handles as well.
+    return m == 1
 
 
 @functools.cache
@@ -228,7 +252,7 @@ def gemv_wins(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
 def _launch(x, residual, norm_weight, weight, bias, out, residual_out, n, eps, config, *,
             norm, silu_mul) -> None:
     m, k = x.shape
-    cfg = dict(config or default_config(m, n, k, x.dtype, num_sms(x.device)))
+    cfg = dict(config or default_config(m, n, k, x.dtype, num_sms(x.device), silu_mul))
     block_n = cfg.pop("BLOCK_N")
     use_dot = cfg["USE_DOT"]
     block_m = 16 if use_dot else max(1, triton.next_power_of_2(m))
