@@ -55,7 +55,7 @@ def top_kernels(llm: LLMEngine, n: int = 12) -> str:
     )
 
 
-MATMUL_NAMES = ("gemv", "gemm", "xmma", "cutlass", "nvjet", "splitk")
+MATMUL_NAMES = ("gemv", "gemm", "xmma", "cutlass", "nvjet")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
@@ -116,10 +116,13 @@ def decode_kernels(batch: int, context: int, steps: int = 5) -> None:
     calls: dict[str, int] = defaultdict(int)
     nbytes: dict[str, float] = defaultdict(float)
     matmul_index = 0
+    proj = "?"
     for e in events:
         name = e.name
         label = name[:48]
-        if any(k in name.lower() for k in MATMUL_NAMES):
+        if "splitkreduce" in name.lower():  # cuBLAS's second pass of the product before
+            label = f"{proj}: {name[:40]}"
+        elif any(k in name.lower() for k in MATMUL_NAMES):
             pos = matmul_index % per_step_matmuls
             proj = "lm_head" if pos == per_step_matmuls - 1 else PROJECTIONS[pos % 4]
             label = f"{proj}: {name[:40]}"
