@@ -19,6 +19,7 @@ activation dtype where they would be written to memory), so results equal
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +86,7 @@ def _gemv_kernel(
     USE_DOT: tl.constexpr,  # tensor cores for several rows; else multiply-and-sum
     DOT_PRECISION: tl.constexpr,
     ONE_TILE: tl.constexpr,  # BLOCK_K >= K
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (Hopper+)
 ):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
@@ -93,14 +95,23 @@ def _gemv_kernel(
     col_mask = cols < N
     k_range = tl.arange(0, BLOCK_K)
     act_dtype = x_ptr.dtype.element_ty
+    if PDL:
+        # The next kernel may start once every program got here; it waits for this one
+        # to finish (its own gdc_wait) before it reads anything this one writes.
+        tl.extra.cuda.gdc_launch_dependents()
 
     if ONE_TILE:
-        # All of K in one tile: W's loads go out first and overlap the norm's prologue.
+        # All of K in one tile: W's loads go out first and overlap the norm's prologue
+        # and, with PDL, the end of the previous kernel (W is never written).
         w_mask = col_mask[:, None] & (k_range < K)[None, :]
         w_offsets = cols[:, None].to(tl.int64) * stride_wn + k_range[None, :]
         w_first = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
         if SILU_MUL:
             w_up_first = tl.load(w_ptr + w_offsets + N * stride_wn, mask=w_mask, other=0.0)
+    if PDL:
+        # Everything below reads the previous kernels' outputs or writes memory they
+        # may still read: wait until they are complete and visible.
+        tl.extra.cuda.gdc_wait()
 
     if NORM:
         # Pass 1: the rms of each row of h = x + residual (rounded as the reference
@@ -253,6 +264,8 @@ def _launch(x, residual, norm_weight, weight, bias, out, residual_out, n, eps, c
             norm, silu_mul) -> None:
     m, k = x.shape
     cfg = dict(config or default_config(m, n, k, x.dtype, num_sms(x.device), silu_mul))
+    explicit = cfg.pop("PDL", None)  # tests and benchmarks may force it either way
+    pdl = _use_pdl(x.device) if explicit is None else explicit
     block_n = cfg.pop("BLOCK_N")
     use_dot = cfg["USE_DOT"]
     block_m = 16 if use_dot else max(1, triton.next_power_of_2(m))
@@ -279,8 +292,21 @@ def _launch(x, residual, norm_weight, weight, bias, out, residual_out, n, eps, c
         HAS_BIAS=bias is not None,
         SILU_MUL=silu_mul,
         ONE_TILE=cfg["BLOCK_K"] >= k,
+        PDL=pdl,
         **cfg,
+        **({"launch_pdl": True} if pdl else {}),
     )
+
+
+@functools.cache
+def _use_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: a GEMV starts while the kernel before it finishes and
+    streams its weights meanwhile (Hopper and later; kept inside CUDA graphs). Off with
+    MINIVLLM_PDL=0, and on the CPU interpreter."""
+    if device.type != "cuda" or os.environ.get("MINIVLLM_PDL", "1") == "0":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -38,6 +38,9 @@ if [ "${1:-}" = "decode" ] || [ "${1:-}" = "all" ]; then
     --repeats 2 --ttft-repeats 2
   bench latency --batch-sizes 1 --prompt-len 32768 --max-model-length 33280 --new-tokens 128 \
     --repeats 2 --ttft-repeats 2
+  # The same batch-1 figure without programmatic dependent launch (the GEMV's overlap).
+  echo "-- batch 1 with MINIVLLM_PDL=0:" | tee -a "$OUT/bench.log"
+  MINIVLLM_PDL=0 bench latency --batch-sizes 1 --repeats 3 --ttft-repeats 2
   $PY scripts/profile_steps.py --decode 1x128 --decode 8x128 --decode 1x32768 2>&1 \
     | grep -v "it/s\]" | tee "$OUT/profile-decode.log" | tail -90
 fi
@@ -45,4 +48,4 @@ fi
 echo
 echo "== summary =="
 grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -2
-grep -E "^  (throughput|decode|TTFT|transformers|ratio)" "$OUT/bench.log" || true
+grep -E "^  (throughput|decode|TTFT|transformers|ratio)|^-- " "$OUT/bench.log" || true

@@ -366,9 +366,11 @@ def check_compile_sm90() -> None:
     flags = dict(NORM=True, HAS_RESIDUAL=True, HAS_BIAS=True, SILU_MUL=True,
                  DOT_PRECISION="tf32")
     _compile_sm90(_gemv_kernel, {**bf16, "eps": "fp32"},
-                  dict(flags, BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, USE_DOT=False, ONE_TILE=True))
+                  dict(flags, BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, USE_DOT=False, ONE_TILE=True,
+                       PDL=True))
     _compile_sm90(_gemv_kernel, {**bf16, "eps": "fp32"},
-                  dict(flags, BLOCK_M=16, BLOCK_N=16, BLOCK_K=512, USE_DOT=True, ONE_TILE=False),
+                  dict(flags, BLOCK_M=16, BLOCK_N=16, BLOCK_K=512, USE_DOT=True, ONE_TILE=False,
+                       PDL=True),
                   num_stages=3)
     sig = {name: "*bf16" for name in _qkv_rotary_store_kernel.arg_names if name.endswith("_ptr")}
     sig.update(positions_ptr="*i64", slot_mapping_ptr="*i64", cos_sin_ptr="*fp32", eps="fp32")

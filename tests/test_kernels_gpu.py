@@ -332,3 +332,45 @@ def test_decode_attention_batch1_32k(num_splits) -> None:
         out = decode_attention(q, *args, 0.088, num_splits=num_splits)
         _assert_close(f"decode batch 1 ctx {context} splits {num_splits}", out, ref,
                       TOL[torch.bfloat16])
+
+
+def test_gemv_pdl_chain_in_graph() -> None:
+    """Programmatic dependent launch: each GEMV reads the previous one's output right after
+    its gdc_wait. A chain like a layer's (o -> add + norm + gate_up + SiLU -> down ->
+    add + norm + qkv) run with PDL, eagerly and replayed from a CUDA graph with new inputs,
+    must equal the same chain without PDL bit for bit (a missing wait reads stale data)."""
+    from minivllm.kernels.gemv import default_config, gemv, rms_norm_gemv
+
+    torch.use_deterministic_algorithms(False)  # no NaN-fill kernels inside the capture
+    hidden, inter, qkv_out = 1024, 3072, 4096
+    w_o = (torch.randn(hidden, 2048, device=DEVICE) / 45).to(torch.bfloat16)
+    w_gu = (torch.randn(2 * inter, hidden, device=DEVICE) / 32).to(torch.bfloat16)
+    w_down = (torch.randn(hidden, inter, device=DEVICE) / 55).to(torch.bfloat16)
+    w_qkv = (torch.randn(qkv_out, hidden, device=DEVICE) / 32).to(torch.bfloat16)
+    norm_w = torch.ones(hidden, device=DEVICE, dtype=torch.bfloat16)
+    attn = torch.randn(1, 2048, device=DEVICE).to(torch.bfloat16)
+    residual = torch.randn(1, hidden, device=DEVICE).to(torch.bfloat16)
+
+    def chain(pdl: bool):
+        def cfg(n, k, silu=False):
+            return dict(default_config(1, n, k, torch.bfloat16, silu_mul=silu), PDL=pdl)
+
+        o = gemv(attn, w_o, config=cfg(hidden, 2048))
+        act, res = rms_norm_gemv(o, residual, norm_w, 1e-6, w_gu, silu_mul=True,
+                                 config=cfg(inter, hidden, True))
+        down = gemv(act, w_down, config=cfg(hidden, inter))
+        return rms_norm_gemv(down, res, norm_w, 1e-6, w_qkv, config=cfg(qkv_out, hidden))
+
+    for pdl in (False, True):
+        chain(pdl)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_graph = chain(True)
+    for _ in range(3):
+        attn.normal_()
+        residual.normal_()
+        graph.replay()
+        plain = chain(False)
+        eager_pdl = chain(True)
+        for got in (out_graph, eager_pdl):
+            assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
