@@ -20,6 +20,7 @@ from minivllm.kernels.dispatch import (
     tl,
     triton,
 )
+from minivllm.kernels.pdl import attention_pdl
 
 
 def decode_attention_ref(
@@ -101,11 +102,17 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)  # a step input: no kernel writes it
+    if PDL:
+        # q and this step's K/V come from the kernel before.
+        tl.extra.cuda.gdc_wait()
     # Splits divide the actual context (in whole tiles), not the grid's capacity, so a
     # launch sized for the longest context stays balanced for shorter ones.
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -179,7 +186,10 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     # Only the splits that had context wrote partials (the split kernel's arithmetic):
@@ -187,6 +197,8 @@ def _decode_merge_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     used = tl.cdiv(seq_len, tl.maximum(split_len, 1))
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the partials come from the kernel before
     splits = tl.arange(0, NUM_SPLITS)
     valid = splits < used
     part = (seq * num_heads + head) * NUM_SPLITS + splits  # [NUM_SPLITS]
@@ -274,6 +286,8 @@ def decode_attention(
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     config = _tile_config(k_cache.dtype) if tile_config is None else tile_config
+    pdl = attention_pdl(device)
+    launch = {"launch_pdl": True} if pdl else {}
 
     if num_splits == 1:
         part_m = part_l = part_acc = out  # unused: the kernel writes `out` directly
@@ -305,7 +319,9 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
+        PDL=pdl,
         **config,
+        **launch,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
@@ -320,6 +336,8 @@ def decode_attention(
             HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits,
             BLOCK_N=config["BLOCK_N"],
+            PDL=pdl,
             num_warps=4 if num_splits <= 32 else 8,  # [NUM_SPLITS, HEAD_DIM] fp32 in registers
+            **launch,
         )
     return out

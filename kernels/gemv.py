@@ -19,7 +19,6 @@ activation dtype where they would be written to memory), so results equal
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +30,7 @@ from minivllm.kernels.dispatch import (
     tl,
     triton,
 )
+from minivllm.kernels.pdl import gemv_pdl
 from minivllm.kernels.rms_norm import rms_norm_ref
 from minivllm.kernels.silu_and_mul import silu_and_mul_ref
 
@@ -265,7 +265,7 @@ def _launch(x, residual, norm_weight, weight, bias, out, residual_out, n, eps, c
     m, k = x.shape
     cfg = dict(config or default_config(m, n, k, x.dtype, num_sms(x.device), silu_mul))
     explicit = cfg.pop("PDL", None)  # tests and benchmarks may force it either way
-    pdl = _use_pdl(x.device) if explicit is None else explicit
+    pdl = gemv_pdl(x.device) if explicit is None else explicit
     block_n = cfg.pop("BLOCK_N")
     use_dot = cfg["USE_DOT"]
     block_m = 16 if use_dot else max(1, triton.next_power_of_2(m))
@@ -296,17 +296,6 @@ def _launch(x, residual, norm_weight, weight, bias, out, residual_out, n, eps, c
         **cfg,
         **({"launch_pdl": True} if pdl else {}),
     )
-
-
-@functools.cache
-def _use_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: a GEMV starts while the kernel before it finishes and
-    streams its weights meanwhile (Hopper and later; kept inside CUDA graphs). Off with
-    MINIVLLM_PDL=0, and on the CPU interpreter."""
-    if device.type != "cuda" or os.environ.get("MINIVLLM_PDL", "1") == "0":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

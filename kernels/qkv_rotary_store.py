@@ -18,6 +18,7 @@ from minivllm.kernels.dispatch import (
     tl,
     triton,
 )
+from minivllm.kernels.pdl import attention_pdl
 from minivllm.kernels.rms_norm import rms_norm_ref
 from minivllm.kernels.rotary import rotary_ref
 from minivllm.kernels.store_kvcache import store_kvcache_ref
@@ -68,13 +69,19 @@ def _qkv_rotary_store_kernel(
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,  # HEAD_DIM // 2
     QK_NORM: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     dims = tl.arange(0, HALF)
+    # Positions and the table are step inputs no kernel writes: read before the wait.
     pos = tl.load(positions_ptr + token).to(tl.int64)
     cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + dims).to(tl.float32)  # [HALF]
     sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + dims).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     act_dtype = qkv_ptr.dtype.element_ty
     src = qkv_ptr + token * qkv_stride_t + head * HEAD_DIM  # q heads, then k heads
     x1 = tl.load(src + dims)
@@ -165,6 +172,7 @@ def qkv_rotary_store(
     q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=device)
     if num_tokens == 0:
         return q
+    pdl = attention_pdl(device)
     _qkv_rotary_store_kernel[(num_tokens, num_heads + num_kv_heads)](
         positions,
         qkv,
@@ -182,6 +190,8 @@ def qkv_rotary_store(
         HEAD_DIM=head_dim,
         HALF=head_dim // 2,
         QK_NORM=q_norm_weight is not None,
+        PDL=pdl,
         num_warps=1 if head_dim <= 128 else 2,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return q

@@ -375,16 +375,18 @@ def check_compile_sm90() -> None:
     sig = {name: "*bf16" for name in _qkv_rotary_store_kernel.arg_names if name.endswith("_ptr")}
     sig.update(positions_ptr="*i64", slot_mapping_ptr="*i64", cos_sin_ptr="*fp32", eps="fp32")
     _compile_sm90(_qkv_rotary_store_kernel, sig,
-                  dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, QK_NORM=True), 1)
+                  dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, QK_NORM=True,
+                       PDL=True), 1)
     sig = {name: "*fp32" for name in _decode_split_kernel.arg_names if name.endswith("_ptr")}
     sig.update(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16",
                block_tables_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32")
     _compile_sm90(_decode_split_kernel, sig,
                   dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256,
-                       BLOCK_N=128, NUM_SPLITS=64, DOT_PRECISION="tf32"), 4, 2)
+                       BLOCK_N=128, NUM_SPLITS=32, DOT_PRECISION="tf32", PDL=True), 4, 2)
     sig = {name: "*fp32" for name in _decode_merge_kernel.arg_names if name.endswith("_ptr")}
     sig.update(out_ptr="*bf16", seq_lens_ptr="*i32")
-    _compile_sm90(_decode_merge_kernel, sig, dict(HEAD_DIM=128, NUM_SPLITS=128, BLOCK_N=128), 8)
+    _compile_sm90(_decode_merge_kernel, sig,
+                  dict(HEAD_DIM=128, NUM_SPLITS=32, BLOCK_N=128, PDL=True), 4)
 
 
 # Subprocess groups: each start costs seconds (torch + triton imports), so the cheap

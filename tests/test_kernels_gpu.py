@@ -374,3 +374,55 @@ def test_gemv_pdl_chain_in_graph() -> None:
         eager_pdl = chain(True)
         for got in (out_graph, eager_pdl):
             assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+
+
+def test_attention_path_pdl_in_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MINIVLLM_PDL=all: q/k norm + rotary + KV store -> decode attention (split + merge)
+    -> o GEMV, each launched with PDL, replayed from a CUDA graph, equals the chain
+    without PDL bit for bit (each kernel reads what the one before wrote)."""
+    from minivllm.kernels import pdl
+    from minivllm.kernels.decode_attention import decode_attention
+    from minivllm.kernels.gemv import gemv
+    from minivllm.kernels.qkv_rotary_store import qkv_rotary_store
+    from minivllm.kernels.testing import paged_kv
+
+    torch.use_deterministic_algorithms(False)  # no NaN-fill kernels inside the capture
+    heads, kv_heads, head_dim = 16, 8, 128
+    cache = paged_kv([3000], kv_heads, head_dim, 256, torch.bfloat16, DEVICE, spare_columns=4)
+    qkv = torch.randn(1, (heads + 2 * kv_heads) * head_dim, device=DEVICE).to(torch.bfloat16)
+    positions = torch.tensor([2999], device=DEVICE)
+    slots = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    slots[0] = cache.block_tables[0, 2999 // 256].long() * 256 + 2999 % 256
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim)
+    freqs = torch.arange(4096, device=DEVICE).float()[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    norm_w = torch.ones(head_dim, device=DEVICE, dtype=torch.bfloat16)
+    w_o = (torch.randn(1024, heads * head_dim, device=DEVICE) / 45).to(torch.bfloat16)
+
+    def chain():
+        q = qkv_rotary_store(positions, qkv, heads, cos_sin, cache.k_cache, cache.v_cache,
+                             slots, norm_w, norm_w)
+        o = decode_attention(q, cache.k_cache, cache.v_cache, cache.seq_lens,
+                             cache.block_tables, 0.088, num_splits=16)
+        return gemv(o.flatten(1), w_o)
+
+    def run_with(setting: str, graphed: bool) -> torch.Tensor:
+        monkeypatch.setenv("MINIVLLM_PDL", setting)
+        pdl._pdl_level.cache_clear()
+        chain()  # compile outside the capture
+        if not graphed:
+            return chain().clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        graph.replay()
+        return out.clone()
+
+    try:
+        for _ in range(2):
+            qkv.normal_()
+            want = run_with("0", graphed=False)
+            assert torch.equal(run_with("all", graphed=True), want)
+            assert torch.equal(run_with("all", graphed=False), want)
+    finally:
+        pdl._pdl_level.cache_clear()
