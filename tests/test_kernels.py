@@ -227,6 +227,168 @@ def check_wrapper_errors() -> None:
             raise AssertionError(f"no ValueError mentioning {message!r}")
 
 
+def check_gemv() -> None:
+    from minivllm.kernels.gemv import (
+        default_config,
+        gemv,
+        gemv_ref,
+        rms_norm_gemv,
+        rms_norm_gemv_ref,
+    )
+
+    tiles = [
+        None,  # the default for the shape
+        dict(BLOCK_N=4, BLOCK_K=32, USE_DOT=False, DOT_PRECISION="ieee", num_warps=4,
+             num_stages=1),  # several K tiles, masked N and K tails
+        dict(BLOCK_N=16, BLOCK_K=32, USE_DOT=True, DOT_PRECISION="ieee", num_warps=4,
+             num_stages=1),  # tensor-core path
+    ]
+    for dtype in DTYPES:
+        for m, n, k in ((1, 40, 72), (3, 34, 100), (8, 64, 64)):
+            x = torch.randn(m, k).to(dtype)
+            w = (torch.randn(n, k) / k**0.5).to(dtype)
+            b = torch.randn(n).to(dtype)
+            residual = torch.randn(m, k).to(dtype)
+            norm_w = (1 + 0.1 * torch.randn(k)).to(dtype)
+            for config in tiles:
+                if config is not None:
+                    precision = default_config(m, n, k, dtype)["DOT_PRECISION"]
+                    config = dict(config, DOT_PRECISION=precision)
+                name = f"gemv {dtype} {m}x{n}x{k} {config}"
+                ref = gemv_ref(x.float(), w.float(), b.float())
+                _assert_close(name, gemv(x, w, b, config=config), ref, TOL[dtype])
+                _assert_close(name + " no bias", gemv(x, w, config=config),
+                              gemv_ref(x.float(), w.float()), TOL[dtype])
+                combos = ((residual, False), (None, False), (residual, True))
+                for res, silu in combos if config is None else combos[2:]:
+                    got, got_res = rms_norm_gemv(x, res, norm_w, 1e-6, w, b, silu_mul=silu,
+                                                 config=config)
+                    want, want_res = rms_norm_gemv_ref(x, res, norm_w, 1e-6, w, b, silu_mul=silu)
+                    tag = f"{name} norm residual={res is not None} silu={silu}"
+                    _assert_close(tag, got, want, TOL[dtype])
+                    assert torch.equal(got_res, want_res), tag + ": new residual"
+                    if res is None:
+                        assert got_res is x
+
+
+def check_fused_wrapper_errors() -> None:
+    from minivllm.kernels.gemv import gemv, rms_norm_gemv
+    from minivllm.kernels.qkv_rotary_store import qkv_rotary_store
+    from minivllm.kernels.testing import paged_kv
+
+    w = torch.randn(6, 8)
+    cache = paged_kv([20], 2, HEAD_DIM, 16, torch.float32, "cpu")
+    qkv = torch.randn(3, 8 * HEAD_DIM)
+    pos = torch.arange(3)
+    cos_sin = _cos_sin_cache(64, HEAD_DIM)
+    kv = (cache.k_cache, cache.v_cache)
+    cases = [
+        (lambda: gemv(torch.randn(9, 8), w), "1 to 8 rows"),
+        (lambda: gemv(torch.randn(2, 7), w), "does not take x"),
+        (lambda: gemv(torch.randn(2, 8), w.half()), "weight has dtype"),
+        (lambda: gemv(torch.randn(2, 8), w, torch.randn(5)), "bias has 5"),
+        (lambda: rms_norm_gemv(torch.randn(2, 8), None, torch.ones(7), 1e-6, w), "norm_weight"),
+        (lambda: rms_norm_gemv(torch.randn(2, 8), None, torch.ones(8), 1e-6, w[:5],
+                               silu_mul=True), "even number"),
+        (lambda: qkv_rotary_store(pos, qkv, 5, cos_sin, *kv, pos), "qkv has"),
+        (lambda: qkv_rotary_store(pos[:2], qkv, 4, cos_sin, *kv, pos), "one entry per token"),
+        (lambda: qkv_rotary_store(pos, qkv, 4, cos_sin, *kv, pos, torch.ones(HEAD_DIM)),
+         "come together"),
+    ]
+    for fn, message in cases:
+        try:
+            fn()
+        except ValueError as e:
+            assert message in str(e), f"expected {message!r} in {e!r}"
+        else:
+            raise AssertionError(f"no ValueError mentioning {message!r}")
+
+
+def check_qkv_rotary_store() -> None:
+    from minivllm.kernels.qkv_rotary_store import qkv_rotary_store, qkv_rotary_store_ref
+    from minivllm.kernels.testing import paged_kv
+
+    cos_sin = _cos_sin_cache(4096, HEAD_DIM)
+    for dtype, (num_heads, num_kv_heads), qk_norm in [
+        (torch.float32, (4, 2), True),
+        (torch.float16, (6, 2), True),
+        (torch.float16, (2, 2), False),
+        (torch.float32, (6, 2), False),
+    ]:
+        cache = paged_kv([40, 7], num_kv_heads, HEAD_DIM, 16, dtype, "cpu", spare_blocks=2)
+        num_slots = cache.k_cache.shape[0] * 16
+        qkv, _, _, _ = _fused_qkv(9, num_heads, num_kv_heads, dtype)
+        positions = torch.randint(0, 4096, (9,))
+        slots = torch.randperm(num_slots)[:9]
+        slots[[1, 6]] = -1
+        weights = {}
+        if qk_norm:
+            weights = dict(q_norm_weight=(1 + 0.1 * torch.randn(HEAD_DIM)).to(dtype),
+                           k_norm_weight=(1 + 0.1 * torch.randn(HEAD_DIM)).to(dtype))
+        k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
+        q_ref = qkv_rotary_store_ref(positions, qkv, num_heads, cos_sin, k_ref, v_ref, slots,
+                                     **weights)
+        q = qkv_rotary_store(positions, qkv, num_heads, cos_sin, cache.k_cache, cache.v_cache,
+                             slots.int(), **weights)
+        name = f"qkv_rotary_store {dtype} {num_heads}/{num_kv_heads} norm={qk_norm}"
+        _assert_close(name + " q", q, q_ref, TOL[dtype])
+        _assert_close(name + " k_cache", cache.k_cache, k_ref, TOL[dtype])
+        assert torch.equal(cache.v_cache, v_ref), name + " v_cache (a copy)"
+        # Slots nobody writes (-1 included) keep their contents.
+        written = torch.zeros(num_slots, dtype=torch.bool)
+        written[slots[slots >= 0]] = True
+        untouched = ~written.view(cache.k_cache.shape[:2])
+        assert torch.equal(cache.k_cache[untouched], k_ref[untouched]), name
+
+
+def _compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int = 4,
+                  num_stages: int = 1) -> None:
+    """Compiles a kernel for an H100/H200 (sm_90) without a GPU: Triton's frontend, its
+    passes and ptxas, with the divisibility hints the launcher gives aligned arguments."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {name: signature.get(name, "constexpr" if name in constexprs else "i32")
+           for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig)
+             if sig[name].startswith("*") or "stride" in name or name in ("N", "K")}
+    triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                   options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def check_compile_sm90() -> None:
+    from minivllm.kernels.decode_attention import _decode_merge_kernel, _decode_split_kernel
+    from minivllm.kernels.gemv import _gemv_kernel
+    from minivllm.kernels.qkv_rotary_store import _qkv_rotary_store_kernel
+
+    bf16 = {name: "*bf16" for name in _gemv_kernel.arg_names if name.endswith("_ptr")}
+    flags = dict(NORM=True, HAS_RESIDUAL=True, HAS_BIAS=True, SILU_MUL=True,
+                 DOT_PRECISION="tf32")
+    _compile_sm90(_gemv_kernel, {**bf16, "eps": "fp32"},
+                  dict(flags, BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, USE_DOT=False, ONE_TILE=True,
+                       PDL=True))
+    _compile_sm90(_gemv_kernel, {**bf16, "eps": "fp32"},
+                  dict(flags, BLOCK_M=16, BLOCK_N=16, BLOCK_K=512, USE_DOT=True, ONE_TILE=False,
+                       PDL=True),
+                  num_stages=3)
+    sig = {name: "*bf16" for name in _qkv_rotary_store_kernel.arg_names if name.endswith("_ptr")}
+    sig.update(positions_ptr="*i64", slot_mapping_ptr="*i64", cos_sin_ptr="*fp32", eps="fp32")
+    _compile_sm90(_qkv_rotary_store_kernel, sig,
+                  dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, QK_NORM=True,
+                       PDL=True), 1)
+    sig = {name: "*fp32" for name in _decode_split_kernel.arg_names if name.endswith("_ptr")}
+    sig.update(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16",
+               block_tables_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32")
+    _compile_sm90(_decode_split_kernel, sig,
+                  dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256,
+                       BLOCK_N=128, NUM_SPLITS=32, DOT_PRECISION="tf32", PDL=True), 4, 2)
+    sig = {name: "*fp32" for name in _decode_merge_kernel.arg_names if name.endswith("_ptr")}
+    sig.update(out_ptr="*bf16", seq_lens_ptr="*i32")
+    _compile_sm90(_decode_merge_kernel, sig,
+                  dict(HEAD_DIM=128, NUM_SPLITS=32, BLOCK_N=128, PDL=True), 4)
+
+
 # Subprocess groups: each start costs seconds (torch + triton imports), so the cheap
 # kernels share one.
 CHECKS = {
@@ -234,6 +396,8 @@ CHECKS = {
                     check_wrapper_errors],
     "prefill_attention": [check_prefill_attention],
     "decode_attention": [check_decode_attention],
+    "fused_decode": [check_gemv, check_qkv_rotary_store, check_fused_wrapper_errors],
+    "compile_sm90": [check_compile_sm90],  # no interpreter: a real compile for sm_90
 }
 
 
@@ -245,6 +409,8 @@ CHECKS = {
 @pytest.mark.parametrize("group", list(CHECKS))
 def test_triton_kernel_interpreted(group: str) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
+    if group == "compile_sm90":
+        del env["TRITON_INTERPRET"]
     proc = subprocess.run([sys.executable, __file__, group], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, f"{group} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
@@ -264,6 +430,26 @@ def test_use_triton(monkeypatch: pytest.MonkeyPatch) -> None:
     assert dispatch.use_triton("cpu") == dispatch.HAS_TRITON
     monkeypatch.setattr(dispatch, "HAS_TRITON", False)
     assert not dispatch.use_triton("cuda")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_gemv_choice_is_per_row_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch padded to its CUDA-graph bucket and the same batch run eagerly must take the
+    same kernel, so the GEMV-or-cuBLAS choice depends on the bucket (1, 2, 4, 8) only."""
+    from minivllm.kernels import gemv
+
+    monkeypatch.setattr(gemv, "MEASURED_WINS", {(4, 64, 32): True, (8, 64, 32): False})
+    gemv.gemv_wins.cache_clear()
+    try:
+        assert gemv.gemv_wins(3, 64, 32, torch.bfloat16) and gemv.gemv_wins(4, 64, 32,
+                                                                            torch.float16)
+        assert not gemv.gemv_wins(5, 64, 32, torch.bfloat16)
+        assert not gemv.gemv_wins(8, 64, 32, torch.bfloat16)
+        assert not gemv.gemv_wins(9, 64, 32, torch.bfloat16), "more rows than a GEMV takes"
+        assert not gemv.gemv_wins(1, 64, 32, torch.float32), "fp32 stays on cuBLAS"
+        assert gemv.gemv_wins(1, 7, 5, torch.bfloat16) == gemv._wins_by_default(1)
+    finally:
+        gemv.gemv_wins.cache_clear()
 
 
 def test_kernel_modules_import_without_triton() -> None:

@@ -223,3 +223,206 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
 
     x = torch.randn(4096, 2 * 3072, device=DEVICE).to(dtype)
     _assert_close(f"silu_and_mul {dtype}", silu_and_mul(x), silu_and_mul_ref(x), TOL[dtype])
+
+
+# -- fused decode-path kernels (issue 11) ---------------------------------------------------
+
+# (name, hidden, heads, kv_heads, head_dim, intermediate, vocab)
+MODELS = [
+    ("qwen3-0.6b", 1024, 16, 8, 128, 3072, 151936),
+    ("llama-3.2-1b", 2048, 32, 8, 64, 8192, 128256),
+    ("smollm2-135m", 576, 9, 3, 64, 1536, 49152),
+]
+
+
+def _projections(hidden, heads, kv_heads, head_dim, inter, vocab):
+    """(name, N, K) of each matrix a decode step multiplies by."""
+    return [
+        ("qkv", (heads + 2 * kv_heads) * head_dim, hidden),
+        ("o", hidden, heads * head_dim),
+        ("gate_up", 2 * inter, hidden),
+        ("down", hidden, inter),
+        ("lm_head", vocab, hidden),
+    ]
+
+
+@pytest.mark.parametrize("model", MODELS, ids=[m[0] for m in MODELS])
+def test_gemv(model) -> None:
+    """bf16 against an fp32 product of the same bf16 inputs; bound 1e-2 relative (bf16
+    output rounding is ~3e-3). Rows 1, 2, 4, 8; default tiles and both inner paths."""
+    from minivllm.kernels.gemv import default_config, gemv, rms_norm_gemv, rms_norm_gemv_ref
+
+    _, hidden, heads, kv_heads, head_dim, inter, vocab = model
+    for name, n, k in _projections(hidden, heads, kv_heads, head_dim, inter, vocab):
+        w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(torch.bfloat16)
+        for m in (1, 2, 4, 8):
+            x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
+            ref = torch.nn.functional.linear(x.float(), w.float())
+            configs = [None]
+            if m in (1, 8) and name != "lm_head":
+                base = default_config(m, n, k, torch.bfloat16)
+                configs.append(dict(base, USE_DOT=not base["USE_DOT"], BLOCK_N=16, BLOCK_K=128,
+                                    num_warps=4))
+            for config in configs:
+                _assert_close(f"gemv {name} {m}x{n}x{k} {config}", gemv(x, w, config=config),
+                              ref, TOL[torch.bfloat16])
+        if name in ("qkv", "gate_up"):
+            for m in (1, 4):
+                x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
+                residual = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
+                norm_w = (1 + 0.1 * torch.randn(k, device=DEVICE)).to(torch.bfloat16)
+                silu = name == "gate_up"
+                got, got_res = rms_norm_gemv(x, residual, norm_w, 1e-6, w, silu_mul=silu)
+                want, want_res = rms_norm_gemv_ref(x.float(), residual.float(), norm_w.float(),
+                                                   1e-6, w.float(), silu_mul=silu)
+                _assert_close(f"rms_norm_gemv {name} {m} silu={silu}", got, want,
+                              TOL[torch.bfloat16])
+                _assert_close(f"rms_norm_gemv {name} residual", got_res, want_res, 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("model", MODELS, ids=[m[0] for m in MODELS])
+def test_qkv_rotary_store(dtype: torch.dtype, model) -> None:
+    """Against the unfused references at the same dtype (bound 1e-2 bf16, 1e-4 fp32);
+    positions up to 32k, padding tokens (slot -1) write nothing."""
+    from minivllm.kernels.qkv_rotary_store import qkv_rotary_store, qkv_rotary_store_ref
+    from minivllm.kernels.testing import paged_kv
+
+    _, _, heads, kv_heads, head_dim, _, _ = model
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim)
+    freqs = torch.arange(40960, device=DEVICE).float()[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    cache = paged_kv([4096], kv_heads, head_dim, 256, dtype, DEVICE, spare_blocks=8)
+    num_slots = cache.k_cache.shape[0] * 256
+    tokens = 1000
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=DEVICE).to(dtype)
+    positions = torch.randint(0, 40960, (tokens,), device=DEVICE)
+    slots = torch.randperm(num_slots, device=DEVICE)[:tokens]
+    slots[::9] = -1
+    for qk_norm in (True, False):
+        weights = {}
+        if qk_norm:
+            weights = dict(q_norm_weight=(1 + 0.1 * torch.randn(head_dim, device=DEVICE)).to(dtype),
+                           k_norm_weight=(1 + 0.1 * torch.randn(head_dim, device=DEVICE)).to(dtype))
+        k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
+        q_ref = qkv_rotary_store_ref(positions, qkv, heads, cos_sin, k_ref, v_ref, slots,
+                                     **weights)
+        q = qkv_rotary_store(positions, qkv, heads, cos_sin, cache.k_cache, cache.v_cache,
+                             slots, **weights)
+        name = f"qkv_rotary_store {dtype} {model[0]} norm={qk_norm}"
+        _assert_close(name + " q", q, q_ref, TOL[dtype])
+        _assert_close(name + " k_cache", cache.k_cache, k_ref, TOL[dtype])
+        assert torch.equal(cache.v_cache, v_ref), name + " v_cache"
+
+
+@pytest.mark.parametrize("num_splits", [None, 32, 64, 128])
+def test_decode_attention_batch1_32k(num_splits) -> None:
+    """Batch 1 from 1 to 32k context in a launch sized for 32k (the engine's graph at
+    max_model_length 32k): short contexts leave most splits empty; bound 1e-2 (bf16)."""
+    from minivllm.kernels.decode_attention import decode_attention, decode_attention_ref
+    from minivllm.kernels.testing import paged_kv
+
+    for context in (1, 100, 3000, 32768):
+        cache = paged_kv([context], 8, 128, 256, torch.bfloat16, DEVICE,
+                         spare_columns=(32768 - context) // 256 + 1)
+        args = (cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables)
+        q = torch.randn(1, 16, 128, device=DEVICE).to(torch.bfloat16)
+        ref = decode_attention_ref(q.double(), *(a.double() for a in args[:2]), *args[2:],
+                                   0.088)
+        out = decode_attention(q, *args, 0.088, num_splits=num_splits)
+        _assert_close(f"decode batch 1 ctx {context} splits {num_splits}", out, ref,
+                      TOL[torch.bfloat16])
+
+
+def test_gemv_pdl_chain_in_graph() -> None:
+    """Programmatic dependent launch: each GEMV reads the previous one's output right after
+    its gdc_wait. A chain like a layer's (o -> add + norm + gate_up + SiLU -> down ->
+    add + norm + qkv) run with PDL, eagerly and replayed from a CUDA graph with new inputs,
+    must equal the same chain without PDL bit for bit (a missing wait reads stale data)."""
+    from minivllm.kernels.gemv import default_config, gemv, rms_norm_gemv
+
+    torch.use_deterministic_algorithms(False)  # no NaN-fill kernels inside the capture
+    hidden, inter, qkv_out = 1024, 3072, 4096
+    w_o = (torch.randn(hidden, 2048, device=DEVICE) / 45).to(torch.bfloat16)
+    w_gu = (torch.randn(2 * inter, hidden, device=DEVICE) / 32).to(torch.bfloat16)
+    w_down = (torch.randn(hidden, inter, device=DEVICE) / 55).to(torch.bfloat16)
+    w_qkv = (torch.randn(qkv_out, hidden, device=DEVICE) / 32).to(torch.bfloat16)
+    norm_w = torch.ones(hidden, device=DEVICE, dtype=torch.bfloat16)
+    attn = torch.randn(1, 2048, device=DEVICE).to(torch.bfloat16)
+    residual = torch.randn(1, hidden, device=DEVICE).to(torch.bfloat16)
+
+    def chain(pdl: bool):
+        def cfg(n, k, silu=False):
+            return dict(default_config(1, n, k, torch.bfloat16, silu_mul=silu), PDL=pdl)
+
+        o = gemv(attn, w_o, config=cfg(hidden, 2048))
+        act, res = rms_norm_gemv(o, residual, norm_w, 1e-6, w_gu, silu_mul=True,
+                                 config=cfg(inter, hidden, True))
+        down = gemv(act, w_down, config=cfg(hidden, inter))
+        return rms_norm_gemv(down, res, norm_w, 1e-6, w_qkv, config=cfg(qkv_out, hidden))
+
+    for pdl in (False, True):
+        chain(pdl)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_graph = chain(True)
+    for _ in range(3):
+        attn.normal_()
+        residual.normal_()
+        graph.replay()
+        plain = chain(False)
+        eager_pdl = chain(True)
+        for got in (out_graph, eager_pdl):
+            assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+
+
+def test_attention_path_pdl_in_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MINIVLLM_PDL=all: q/k norm + rotary + KV store -> decode attention (split + merge)
+    -> o GEMV, each launched with PDL, replayed from a CUDA graph, equals the chain
+    without PDL bit for bit (each kernel reads what the one before wrote)."""
+    from minivllm.kernels import pdl
+    from minivllm.kernels.decode_attention import decode_attention
+    from minivllm.kernels.gemv import gemv
+    from minivllm.kernels.qkv_rotary_store import qkv_rotary_store
+    from minivllm.kernels.testing import paged_kv
+
+    torch.use_deterministic_algorithms(False)  # no NaN-fill kernels inside the capture
+    heads, kv_heads, head_dim = 16, 8, 128
+    cache = paged_kv([3000], kv_heads, head_dim, 256, torch.bfloat16, DEVICE, spare_columns=4)
+    qkv = torch.randn(1, (heads + 2 * kv_heads) * head_dim, device=DEVICE).to(torch.bfloat16)
+    positions = torch.tensor([2999], device=DEVICE)
+    slots = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    slots[0] = cache.block_tables[0, 2999 // 256].long() * 256 + 2999 % 256
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim)
+    freqs = torch.arange(4096, device=DEVICE).float()[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    norm_w = torch.ones(head_dim, device=DEVICE, dtype=torch.bfloat16)
+    w_o = (torch.randn(1024, heads * head_dim, device=DEVICE) / 45).to(torch.bfloat16)
+
+    def chain():
+        q = qkv_rotary_store(positions, qkv, heads, cos_sin, cache.k_cache, cache.v_cache,
+                             slots, norm_w, norm_w)
+        o = decode_attention(q, cache.k_cache, cache.v_cache, cache.seq_lens,
+                             cache.block_tables, 0.088, num_splits=16)
+        return gemv(o.flatten(1), w_o)
+
+    def run_with(setting: str, graphed: bool) -> torch.Tensor:
+        monkeypatch.setenv("MINIVLLM_PDL", setting)
+        pdl._pdl_level.cache_clear()
+        chain()  # compile outside the capture
+        if not graphed:
+            return chain().clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        graph.replay()
+        return out.clone()
+
+    try:
+        for _ in range(2):
+            qkv.normal_()
+            want = run_with("0", graphed=False)
+            assert torch.equal(run_with("all", graphed=True), want)
+            assert torch.equal(run_with("all", graphed=False), want)
+    finally:
+        pdl._pdl_level.cache_clear()

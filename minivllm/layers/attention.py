@@ -63,12 +63,20 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        kv_stored: bool = False,
+    ) -> torch.Tensor:
         # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+        # kv_stored: this step's K/V are already in the cache (a fused kernel put them there).
         meta = get_attention_metadata()
         if self.k_cache.numel() == 0:  # warm-up before the pool exists: plain causal attention
             return _no_cache_attention(q, k, v, meta, self.scale)
-        ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if not kv_stored:
+            ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         if meta.is_decode and meta.context_slots is not None:
             return decode_attention_at_slots(
                 q, self.k_cache, self.v_cache, meta.context_slots, meta.seq_lens, self.scale

@@ -42,4 +42,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed: torch.Tensor | None = None  # oneDNN's copy on CPU (cpu_linear)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        if hidden.is_cuda:
+            from .linear import cuda_linear
+
+            return gather_last_dim(cuda_linear(hidden, self.weight))
         return gather_last_dim(cpu_linear.linear(hidden, self.weight, None, self.packed))

@@ -7,10 +7,26 @@ rank's slice of a full checkpoint tensor into it, so the weight loader stays gen
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import all_reduce, get_tp_rank, get_tp_size
 from . import cpu_linear
+
+
+def cuda_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """F.linear on CUDA, or the Triton GEMV for the few-row shapes where it measured faster
+    than cuBLAS (kernels/gemv.py's table)."""
+    from minivllm.kernels.gemv import MAX_ROWS, gemv, gemv_wins
+
+    if (
+        x.dim() == 2
+        and x.shape[0] <= MAX_ROWS
+        and x.stride(1) == 1
+        and gemv_wins(x.shape[0], *weight.shape, x.dtype)
+    ):
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class LinearBase(nn.Module):
@@ -35,6 +51,8 @@ class LinearBase(nn.Module):
         return self._linear(x, self.bias)
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.is_cuda:
+            return cuda_linear(x, self.weight, bias)
         return cpu_linear.linear(x, self.weight, bias, self.packed)
 
 

@@ -74,3 +74,22 @@ def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, num_spl
 
         return kernel(q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits=num_splits)
     return decode_attention_ref(q, k_cache, v_cache, seq_lens, block_tables, scale)
+
+
+# -- fused decode-path ops (Triton only: callers take them where `uses_triton` holds) -----
+
+
+def qkv_rotary_store(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                     q_norm_weight=None, k_norm_weight=None, eps=1e-6):
+    """q/k RMSNorm (optional) + rotary + KV store in one launch; returns q."""
+    from minivllm.kernels.qkv_rotary_store import qkv_rotary_store as kernel
+
+    return kernel(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                  q_norm_weight, k_norm_weight, eps)
+
+
+def rms_norm_gemv(x, residual, norm_weight, eps, weight, bias=None, silu_mul=False):
+    """Residual add + RMSNorm + few-row projection (+ SiLU-and-mul) in one launch."""
+    from minivllm.kernels.gemv import rms_norm_gemv as kernel
+
+    return kernel(x, residual, norm_weight, eps, weight, bias, silu_mul=silu_mul)

@@ -8,10 +8,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minivllm.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
+from minivllm.kernels.gemv import gemv_wins
+
 from ..config import ModelConfig
 from ..distributed import get_tp_size
+from ..layers import ops
 from ..layers.activation import SiluAndMul
-from ..layers.attention import Attention
+from ..layers.attention import Attention, get_attention_metadata
 from ..layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..layers.norm import RMSNorm
@@ -41,9 +45,29 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, config.attn_scale)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.attend(positions, self.qkv_proj(x))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """Attention and the output projection, from the QKV projection's output."""
+        if self.attn.k_cache.numel() and ops.uses_triton(qkv.device):
+            # One launch for q/k norm + rotary + KV store (CUDA; the CPU path is below).
+            q = ops.qkv_rotary_store(
+                positions,
+                qkv,
+                self.num_heads,
+                self.rotary_emb.cos_sin_cache,
+                self.attn.k_cache,
+                self.attn.v_cache,
+                get_attention_metadata().slot_mapping,
+                self.q_norm.weight if self.qk_norm else None,
+                self.k_norm.weight if self.qk_norm else None,
+                self.q_norm.eps if self.qk_norm else 1e-6,
+            )
+            o = self.attn(q, None, None, kv_stored=True)  # [num_tokens, num_heads, head_dim]
+            return self.o_proj(o.flatten(1))
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -78,6 +102,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, positions, x, residual):
+        if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:
+            return self._forward_few_rows(positions, x, residual)
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
@@ -86,6 +112,30 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(positions, x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def _forward_few_rows(self, positions, x, residual):
+        """Decode-sized batches on CUDA: each RMSNorm runs inside the projection after it,
+        and SiLU-and-mul inside gate_up, where the GEMV table picks the Triton GEMV."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = _norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
+        x = attn.attend(positions, qkv)
+        h, residual = _norm_linear(
+            self.post_attention_layernorm, mlp.gate_up_proj, x, residual, silu_mul=True
+        )
+        return mlp.down_proj(h), residual
+
+
+def _norm_linear(norm: RMSNorm, linear: nn.Module, x, residual, silu_mul: bool = False):
+    """linear(norm(x + residual)) (then SiLU-and-mul); returns (output, new residual)."""
+    w = linear.weight
+    if gemv_wins(x.shape[0], w.shape[0], w.shape[1], x.dtype):
+        return ops.rms_norm_gemv(x, residual, norm.weight, norm.eps, w, linear.bias, silu_mul)
+    if residual is None:
+        residual, x = x, norm(x)
+    else:
+        x, residual = norm(x, residual)
+    y = linear(x)
+    return (ops.silu_and_mul(y) if silu_mul else y), residual
 
 
 class DecoderModel(nn.Module):

@@ -1,0 +1,197 @@
+"""The QKV projection's post-processing in one launch: per-head RMSNorm of q and k (Qwen3;
+optional), rotary embedding of q and k, and the store of k and v into the paged cache.
+
+Replaces up to four launches a layer (q norm, k norm, rotary, KV store). One program per
+(token, head): heads [0, num_heads) are q heads, written to a new q tensor; the next
+num_kv_heads programs normalise and rotate a k head and copy its v head into the cache.
+k is not written back to the QKV buffer: attention reads it from the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from minivllm.kernels.dispatch import (
+    INDEX_DTYPES,
+    check_kv_cache,
+    check_tensor,
+    require_triton,
+    tl,
+    triton,
+)
+from minivllm.kernels.pdl import attention_pdl
+from minivllm.kernels.rms_norm import rms_norm_ref
+from minivllm.kernels.rotary import rotary_ref
+from minivllm.kernels.store_kvcache import store_kvcache_ref
+
+
+def qkv_rotary_store_ref(
+    positions: torch.Tensor,  # [num_tokens]
+    qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+    num_heads: int,
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]: cos in the first half, sin after
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens]; -1 skips the token's store
+    q_norm_weight: torch.Tensor | None = None,  # [head_dim]
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:  # q: [num_tokens, num_heads, head_dim]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    q, k, v = qkv.split(
+        [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
+    )
+    q = q.reshape(-1, num_heads, head_dim)
+    k = k.reshape(-1, num_kv_heads, head_dim)
+    v = v.reshape(-1, num_kv_heads, head_dim)
+    if q_norm_weight is not None:
+        q = rms_norm_ref(q, q_norm_weight, eps)[0]
+        k = rms_norm_ref(k, k_norm_weight, eps)[0]
+    q, k = rotary_ref(positions, q, k, cos_sin_cache)
+    store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+    return q
+
+
+@triton.jit
+def _qkv_rotary_store_kernel(
+    positions_ptr,
+    qkv_ptr,
+    q_out_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    cos_sin_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    qkv_stride_t,
+    eps,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,  # HEAD_DIM // 2
+    QK_NORM: tl.constexpr,
+    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dims = tl.arange(0, HALF)
+    # Positions and the table are step inputs no kernel writes: read before the wait.
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + dims).to(tl.float32)  # [HALF]
+    sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + dims).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    act_dtype = qkv_ptr.dtype.element_ty
+    src = qkv_ptr + token * qkv_stride_t + head * HEAD_DIM  # q heads, then k heads
+    x1 = tl.load(src + dims)
+    x2 = tl.load(src + HALF + dims)
+    if QK_NORM:
+        # As rms_norm_ref: normed rows rounded, times the weight, rounded again.
+        is_q = (dims * 0 + head) < NUM_HEADS  # [HALF]: q or k weights
+        f1 = x1.to(tl.float32)
+        f2 = x2.to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / HEAD_DIM + eps)
+        w1 = tl.where(is_q, tl.load(q_norm_ptr + dims), tl.load(k_norm_ptr + dims))
+        w2 = tl.where(is_q, tl.load(q_norm_ptr + HALF + dims), tl.load(k_norm_ptr + HALF + dims))
+        w1 = w1.to(tl.float32)
+        w2 = w2.to(tl.float32)
+        x1 = ((f1 * rstd).to(act_dtype).to(tl.float32) * w1).to(act_dtype)
+        x2 = ((f2 * rstd).to(act_dtype).to(tl.float32) * w2).to(act_dtype)
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    y1 = f1 * cos - f2 * sin
+    y2 = f2 * cos + f1 * sin
+    if head < NUM_HEADS:
+        q_dst = q_out_ptr + (token * NUM_HEADS + head) * HEAD_DIM
+        tl.store(q_dst + dims, y1.to(q_out_ptr.dtype.element_ty))
+        tl.store(q_dst + HALF + dims, y2.to(q_out_ptr.dtype.element_ty))
+    else:
+        kv_head = head - NUM_HEADS
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        # NOTE: int64 offsets: a layer's pool can exceed 2**31 elements.
+        cache_offset = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+        cache_dtype = k_cache_ptr.dtype.element_ty
+        # Rounded to the activation dtype first, as the reference's rotated k is.
+        # Padding tokens of a CUDA-graph bucket have no slot (-1).
+        half_mask = (dims * 0 + slot) >= 0  # [HALF]
+        k_dst = k_cache_ptr + cache_offset
+        tl.store(k_dst + dims, y1.to(act_dtype).to(cache_dtype), mask=half_mask)
+        tl.store(k_dst + HALF + dims, y2.to(act_dtype).to(cache_dtype), mask=half_mask)
+        v_dims = tl.arange(0, HEAD_DIM)
+        v_mask = (v_dims * 0 + slot) >= 0
+        v = tl.load(src + NUM_KV_HEADS * HEAD_DIM + v_dims, mask=v_mask)
+        tl.store(v_cache_ptr + cache_offset + v_dims, v.to(cache_dtype), mask=v_mask)
+
+
+def qkv_rotary_store(
+    positions: torch.Tensor,  # [num_tokens]
+    qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+    num_heads: int,
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim], contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens]; -1 skips the token's store
+    q_norm_weight: torch.Tensor | None = None,  # [head_dim]
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:  # q: [num_tokens, num_heads, head_dim], a new tensor
+    """Triton version of `qkv_rotary_store_ref`. Positions are not range-checked (that
+    would need a host sync); they must be < max_position."""
+    require_triton()
+    _, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    device = k_cache.device
+    check_tensor("qkv", qkv, 2, device=device)
+    check_tensor("positions", positions, 1, INDEX_DTYPES, device=device)
+    check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES, device=device)
+    num_tokens, width = qkv.shape
+    if width != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(
+            f"qkv has {width} columns; {num_heads} q + 2 x {num_kv_heads} kv heads of "
+            f"{head_dim} need {(num_heads + 2 * num_kv_heads) * head_dim}"
+        )
+    if positions.shape[0] != num_tokens or slot_mapping.shape[0] != num_tokens:
+        raise ValueError(
+            f"positions {tuple(positions.shape)} and slot_mapping "
+            f"{tuple(slot_mapping.shape)} must have one entry per token ({num_tokens})"
+        )
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != head_dim or not (
+        cos_sin_cache.is_contiguous()
+    ):
+        raise ValueError(
+            f"cos_sin_cache must be a contiguous [max_position, {head_dim}] tensor, "
+            f"got shape {tuple(cos_sin_cache.shape)}"
+        )
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("q_norm_weight and k_norm_weight come together (or neither)")
+    if q_norm_weight is not None:
+        for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+            check_tensor(name, w, 1, device=device)
+            if w.shape[0] != head_dim:
+                raise ValueError(f"{name} has {w.shape[0]} elements for head_dim {head_dim}")
+    q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=device)
+    if num_tokens == 0:
+        return q
+    pdl = attention_pdl(device)
+    _qkv_rotary_store_kernel[(num_tokens, num_heads + num_kv_heads)](
+        positions,
+        qkv,
+        q,
+        qkv if q_norm_weight is None else q_norm_weight,
+        qkv if k_norm_weight is None else k_norm_weight,
+        cos_sin_cache,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        qkv.stride(0),
+        eps,
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HALF=head_dim // 2,
+        QK_NORM=q_norm_weight is not None,
+        PDL=pdl,
+        num_warps=1 if head_dim <= 128 else 2,
+        **({"launch_pdl": True} if pdl else {}),
+    )
+    return q
