@@ -92,12 +92,25 @@ def test_pack_weight_falls_back_where_it_cannot_pack(monkeypatch):
     assert torch.equal(cpu_linear.linear(x, w, None, None), F.linear(x, w))
 
 
-def test_engine_packs_its_linears(smollm2):
-    from minivllm.layers.linear import LinearBase
+def test_fp32_engine_keeps_f_linear_and_pack_linears_packs_every_linear(smollm2):
+    """fp32 is the exact-parity path: its linears stay on F.linear. pack_linears (used for
+    bf16) packs every linear of a model."""
+    from minivllm.layers.linear import LinearBase, ReplicatedLinear
 
     layers = [m for m in smollm2.runner.model.modules() if isinstance(m, LinearBase)]
-    assert layers and all(m.packed is not None for m in layers)
-    assert smollm2.runner.model.lm_head.packed is not None
+    assert layers and all(m.packed is None for m in layers)
+    assert smollm2.runner.model.lm_head.packed is None
+    model = torch.nn.Sequential(ReplicatedLinear(16, 8, bias=True), ReplicatedLinear(8, 4, False))
+    for m in model:
+        m.weight.data.normal_()
+        if m.bias is not None:
+            m.bias.data.normal_()
+    cpu_linear.pack_linears(model)
+    if torch.backends.mkldnn.is_available():
+        assert all(m.packed is not None for m in model)
+    x = torch.randn(3, 16)
+    ref = F.linear(F.linear(x, model[0].weight, model[0].bias), model[1].weight)
+    torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

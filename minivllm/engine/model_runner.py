@@ -62,7 +62,10 @@ class ModelRunner:
             self.progress("loading weights", 0.2)
             load_weights(self.model, config.model_path)
         self.model.eval()
-        if device.type == "cpu":
+        # NOTE: fp32 stays unpacked: it is the exact-parity path checked against
+        # transformers (oneDNN's packed sums differ from F.linear by ~1e-6, enough to move
+        # logprobs past 1e-4); bf16 is where packing pays (PERF.md's CPU facts).
+        if device.type == "cpu" and dtype != torch.float32:
             pack_linears(self.model)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         generator = None
