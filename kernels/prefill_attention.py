@@ -57,15 +57,17 @@ def prefill_attention_ref(
         # Query j sits at position seq_len - q_len + j and sees keys 0..that position.
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        # NOTE: 4-D (a batch of one): on CPU, 3-D inputs take SDPA's unfused math path,
+        # ~3x slower at 512 tokens than the fused kernel 4-D inputs get (PERF_NOTES.md).
         o = F.scaled_dot_product_attention(
-            q[q_start:q_end].transpose(0, 1).to(k.dtype),  # [num_heads, q_len, head_dim]
-            k.transpose(0, 1),
-            v.transpose(0, 1),
+            q[None, q_start:q_end].transpose(1, 2).to(k.dtype),  # [1, heads, q_len, head_dim]
+            k[None].transpose(1, 2),
+            v[None].transpose(1, 2),
             attn_mask=mask,
             scale=scale,
             enable_gqa=group > 1,
         )
-        out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
+        out[q_start:q_end] = o[0].transpose(0, 1).to(out.dtype)
     return out
 
 

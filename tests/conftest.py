@@ -10,6 +10,9 @@ import pytest
 # Two cores: torch's default of one thread per core already fights the helpers' pytest
 # workers; keep each test process to the cores it has.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# CPU engines run their decode step eager in tests (compiling costs seconds per engine);
+# tests/test_cpu_step.py compiles on purpose.
+os.environ.setdefault("MINIVLLM_CPU_COMPILE", "0")
 
 SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
 

@@ -22,6 +22,7 @@ from ..layers.sampler import (
 from ..models import build_model
 from ..models.weights import init_dummy_weights, load_weights
 from .batch import ForwardBatch
+from .cpu_step import CPUDecodeStep, cpu_decode_step, lazily_zeroed
 from .cuda_graph import CUDAGraphRunner, batch_buckets
 
 CPU_KV_BUDGET_BYTES = 2 << 30  # the CPU pool's default size, when max_cached_blocks is unset
@@ -75,6 +76,7 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
         self.graphs: CUDAGraphRunner | None = None
+        self.cpu_step: CPUDecodeStep | None = None  # CPU decode without per-op Python
         self.buckets = batch_buckets(config.max_num_sequences)
         self.max_blocks_per_seq = (config.max_len + self.block_size - 1) // self.block_size
 
@@ -144,13 +146,19 @@ class ModelRunner:
             layer.num_kv_heads,
             layer.head_dim,
         )
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":
+            self.kv_cache = lazily_zeroed(shape, self.dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache = self.kv_cache[0, i]
             attn.v_cache = self.kv_cache[1, i]
         self.num_blocks = num_blocks
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.capture_cuda_graphs()
+        if self.device.type == "cpu":
+            self.progress("compiling the CPU decode step", 0.8)
+            self.cpu_step = cpu_decode_step(self.model, self.kv_cache, self.config.enforce_eager)
 
     @torch.inference_mode()
     def capture_cuda_graphs(self) -> None:
@@ -269,6 +277,8 @@ class ModelRunner:
         width = meta.block_tables.shape[1]
         if b.is_decode and self.graphs is not None and self.graphs.fits(b.num_seqs, width):
             hidden = self.graphs.run(input_ids, positions, meta)
+        elif b.is_decode and self.cpu_step is not None:
+            hidden = self.cpu_step(input_ids, positions, meta)
         else:
             with attention_metadata(meta):
                 hidden = self.model(input_ids, positions)  # [num_tokens, hidden]

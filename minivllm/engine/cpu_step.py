@@ -1,0 +1,322 @@
+"""The CPU decode step compiled (torch.compile / inductor), so a token pays almost no
+per-op Python: vLLM's CPU backend runs its model compiled too.
+
+Eager, a SmolLM2 decode token issues ~1,100 torch ops from Python (~15 ms of a ~58 ms token
+on this machine, PERF_NOTES.md). Here one function, `decode_layer`, is a whole decoder
+layer; it is compiled once and called for every layer with that layer's weights as
+arguments, so dynamo traces one layer, not thirty (start-up: a few seconds with warm caches),
+and a step is ~30 calls into inductor's generated C++ plus ~15 eager ops. The matrix
+products stay MKL's, the same kernels as eager.
+
+The compiled layer only reads the KV cache: it returns the layer's new K/V, and the caller
+stores all layers' K/V with two `index_copy_` afterwards (an in-place store into the pool
+inside the graph is a mutated graph input, which inductor may copy whole). Each sequence
+attends to its cached context then its new key, the order the eager step reads back from
+the cache after its store, so the compiled step equals the eager one up to fp32 rounding
+(tests/test_cpu_step.py).
+
+Shapes: the batch size and the context length are unbacked (dynamic, 1 included), the pool
+and the weights static: start-up compiles one graph for every step. Prefill stays eager
+(its time is in the matrix products).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import shutil
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from minivllm.kernels.rms_norm import rms_norm_ref
+from minivllm.kernels.rotary import apply_rotary_folded, folded_cos_sin_at
+from minivllm.kernels.silu_and_mul import silu_and_mul_ref
+
+from ..layers import cpu_linear
+from ..layers.attention import AttentionMetadata
+
+# Set to 0 to keep the model's eager decode step (the test suite does: compiling costs
+# seconds per engine; tests/test_cpu_step.py compiles on purpose).
+COMPILE_ENV = "MINIVLLM_CPU_COMPILE"
+# NOTE: inductor's pattern matcher rewrites the attention into SDPA and fails on the dynamic
+# context length there (torch 2.13: "Attempting to broadcast a dimension of length s9 + 1");
+# the step has nothing else for it to fuse (the matrix products stay MKL's).
+COMPILE_OPTIONS = {"pattern_matcher": False}
+
+
+def _linear(x, weight, bias, packed):
+    return cpu_linear.linear(x, weight, bias, packed)
+
+
+def decode_layer(
+    x: torch.Tensor,  # [num_seqs, hidden]: the previous layer's output
+    residual: torch.Tensor,  # [num_seqs, hidden]: the residual stream (zeros at layer 0)
+    w: tuple,  # the layer's tensors, `layer_weights` order
+    k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]: this layer's pool
+    v_cache: torch.Tensor,
+    prev_slots: torch.Tensor,  # [num_seqs, max_prev]: cache slots of the cached context
+    cos: torch.Tensor,  # [num_seqs, 1, head_dim] from `folded_cos_sin_at`
+    sin: torch.Tensor,
+    valid: torch.Tensor,  # [num_seqs, max_prev + 1]: which context positions to attend to
+    shape: tuple[int, int, int],  # num_heads, num_kv_heads, head_dim
+    scale: float,
+    eps: float,
+    qk_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decoder layer of a decode step; returns (output, residual, new k, new v), the
+    new K/V [num_seqs, num_kv_heads, head_dim] in the cache's dtype. The cache is only read:
+    each sequence attends to its context, then its new token (the eager order)."""
+    (ln1, qkv_w, qkv_b, qkv_p, q_norm, k_norm, o_w, o_p, ln2, gu_w, gu_b, gu_p, down_w,
+     down_b, down_p) = w
+    num_heads, num_kv_heads, head_dim = shape
+    num_seqs = x.shape[0]
+    # Facts the unbacked sizes cannot tell the compiler (_mark_dynamic); the caller pads
+    # a one-column context to two.
+    torch._check(prev_slots.shape[1] >= 2)
+    torch._check(num_seqs >= 1)
+    group = num_heads // num_kv_heads
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    h, residual = rms_norm_ref(x, ln1, eps, residual)
+    qkv = _linear(h, qkv_w, qkv_b, qkv_p)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q = q.reshape(num_seqs, num_heads, head_dim)
+    k = k.reshape(num_seqs, num_kv_heads, head_dim)
+    v = v.reshape(num_seqs, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q = rms_norm_ref(q.reshape(-1, head_dim), q_norm, qk_eps)[0].view_as(q)
+        k = rms_norm_ref(k.reshape(-1, head_dim), k_norm, qk_eps)[0].view_as(k)
+    q, k = apply_rotary_folded(q, k, cos, sin)
+    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    # Attention is batched over (KV head, sequence), KV head first: the context gathered
+    # from the [num_slots, num_kv_heads, head_dim] pool as [num_kv_heads, num_seqs,
+    # max_prev, head_dim] is then plain matrices with head_dim contiguous, which the batched
+    # products read as they are (sequence-first, inductor gathered K transposed, element by
+    # element: 3x slower at batch 8).
+    k_context = k_cache.transpose(0, 1)[:, prev_slots]
+    v_context = v_cache.transpose(0, 1)[:, prev_slots]
+    # [num_kv_heads, num_seqs, group, head_dim]
+    qg = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).to(k_cache.dtype)
+    k_new = k.transpose(0, 1)[:, :, None]  # [num_kv_heads, num_seqs, 1, head_dim]
+    # Scores over the context, then the new key's, as one row [.., group, max_prev + 1].
+    scores = torch.cat(
+        [torch.matmul(qg, k_context.transpose(2, 3)), (qg * k_new).sum(-1)[..., None]], dim=-1
+    ).float() * scale
+    scores = scores.masked_fill(~valid[None, :, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1).to(v_cache.dtype)
+    o = torch.matmul(probs[..., :-1], v_context) + probs[..., -1:] * v.transpose(0, 1)[:, :, None]
+    o = o.transpose(0, 1)  # [num_seqs, num_kv_heads, group, head_dim]
+    x = _linear(o.reshape(num_seqs, q_size).to(x.dtype), o_w, None, o_p)
+    h, residual = rms_norm_ref(x, ln2, eps, residual)
+    x = _linear(silu_and_mul_ref(_linear(h, gu_w, gu_b, gu_p)), down_w, down_b, down_p)
+    return x, residual, k, v
+
+
+def _mark_dynamic(x, residual, prev_slots, cos, sin, valid) -> None:
+    """The sizes that vary from step to step: the batch size and the context length.
+
+    Marked unbacked, not just dynamic: torch would specialise a dynamic size of 1 (batch 1,
+    a one-token context) into a graph of its own; an unbacked size takes any value, so one
+    graph serves every step. Only the compiling call needs the marks."""
+    for t, dims in (
+        (x, [0]),
+        (residual, [0]),
+        (prev_slots, [0, 1]),
+        (cos, [0]),
+        (sin, [0]),
+        (valid, [0, 1]),
+    ):
+        for dim in dims:
+            torch._dynamo.decorators.mark_unbacked(t, dim)
+
+
+def _skip_guards(skip: bool):
+    """Skip dynamo's guard checks on the compiled layer's calls (~0.1-0.2 ms each, 30 a step
+    on SmolLM2): after warm-up there is one graph and every call passes the same kinds of
+    tensors (the weights, this pool, the step's index tensors), so nothing is left to check.
+    """
+    if skip and SKIP_GUARDS:
+        return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+    return contextlib.nullcontext()
+
+
+SKIP_GUARDS = True
+
+
+def layer_weights(layer: torch.nn.Module) -> tuple:
+    """A decoder layer's tensors in `decode_layer`'s order (None where the model has none)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (
+        layer.input_layernorm.weight,
+        attn.qkv_proj.weight, attn.qkv_proj.bias, attn.qkv_proj.packed,
+        attn.q_norm.weight if attn.qk_norm else None,
+        attn.k_norm.weight if attn.qk_norm else None,
+        attn.o_proj.weight, attn.o_proj.packed,
+        layer.post_attention_layernorm.weight,
+        mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.gate_up_proj.packed,
+        mlp.down_proj.weight, mlp.down_proj.bias, mlp.down_proj.packed,
+    )
+
+
+def compile_unavailable_reason() -> str | None:
+    """Why inductor cannot compile here (None: it can). It needs a C++ compiler."""
+    if os.environ.get(COMPILE_ENV, "1") == "0":
+        return f"{COMPILE_ENV}=0"
+    cxx = os.environ.get("CXX")
+    if not any(shutil.which(c) for c in ((cxx,) if cxx else ("g++", "c++", "clang++"))):
+        return "no C++ compiler (g++, c++ or clang++) on PATH"
+    return None
+
+
+class CPUDecodeStep:
+    """Runs decode steps on CPU: a few eager ops around one `decode_layer` call per layer,
+    that function compiled once and shared by every layer (its weights are arguments).
+
+    Built once the KV pool exists; `warm_up` compiles the graph, so that no request pays
+    for compilation.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor) -> None:
+        m = model.model
+        self.model = model
+        self.kv_cache = kv_cache
+        self.embedding = m.embed_tokens.weight
+        self.final_norm = m.norm
+        self.weights = [layer_weights(layer) for layer in m.layers]
+        attn = m.layers[0].self_attn
+        self.cos_sin_cache = attn.rotary_emb.cos_sin_cache
+        self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        self.scale = float(attn.attn.scale)
+        self.eps = float(m.layers[0].input_layernorm.eps)
+        self.qk_eps = float(attn.q_norm.eps) if attn.qk_norm else 0.0
+        self.compile_seconds = 0.0
+        self.layer = torch.compile(decode_layer, fullgraph=True, options=COMPILE_OPTIONS)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_seqs]
+        positions: torch.Tensor,  # [num_seqs]
+        prev_slots: torch.Tensor,  # [num_seqs, max_prev]: cache slots of the cached context
+        seq_lens: torch.Tensor,  # [num_seqs]: context length after this step
+        layer: Callable | None = None,  # `decode_layer` or its compiled form (default)
+        mark_dynamic: bool = False,  # when compiling: which sizes vary from step to step
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(final hidden [num_seqs, hidden], new K, new V [num_layers, num_seqs, kv_heads,
+        head_dim]); the cache is only read."""
+        layer = layer or self.layer
+        if prev_slots.shape[1] < 2:
+            # The graph assumes two context columns or more (`decode_layer`'s _check): a
+            # padded column (slot 0) is masked out like any position past a sequence's end.
+            prev_slots = F.pad(prev_slots, (0, 2 - prev_slots.shape[1]))
+        num_seqs, max_prev = prev_slots.shape
+        cache = self.kv_cache.flatten(2, 3)  # [2, num_layers, num_slots, kv_heads, head_dim]
+        # Cached positions 0 .. seq_len - 2, then the new token (the last column).
+        prev = torch.arange(max_prev)[None, :] < (seq_lens[:, None] - 1)
+        valid = torch.cat([prev, prev.new_ones(num_seqs, 1)], dim=1)  # [num_seqs, ctx]
+        cos, sin = folded_cos_sin_at(self.cos_sin_cache, positions)
+        x = F.embedding(input_ids, self.embedding)  # [num_seqs, hidden]
+        residual = torch.zeros_like(x)  # x + 0 == x: layer 0 takes the same graph
+        new_k, new_v = [], []
+        if mark_dynamic:
+            _mark_dynamic(x, residual, prev_slots, cos, sin, valid)
+        with _skip_guards(layer is self.layer and not mark_dynamic):
+            for i, w in enumerate(self.weights):
+                x, residual, k, v = layer(
+                    x, residual, w, cache[0, i], cache[1, i], prev_slots, cos, sin, valid,
+                    self.shape, self.scale, self.eps, self.qk_eps,
+                )
+                new_k.append(k)
+                new_v.append(v)
+        hidden, _ = rms_norm_ref(x, self.final_norm.weight, self.final_norm.eps, residual)
+        return hidden, torch.stack(new_k), torch.stack(new_v)
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [num_seqs, hidden]
+        assert meta.context_slots is not None
+        # The new token's own slot is the last column of the longest sequence: drop it.
+        prev_slots = meta.context_slots[:, :-1].contiguous()
+        hidden, new_k, new_v = self.forward(input_ids, positions, prev_slots, meta.seq_lens)
+        # This step's K/V into the pool: one copy for K and one for V over all layers.
+        cache = self.kv_cache.flatten(2, 3)  # [2, num_layers, num_slots, kv_heads, head_dim]
+        cache[0].index_copy_(1, meta.slot_mapping, new_k)
+        cache[1].index_copy_(1, meta.slot_mapping, new_v)
+        return hidden
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile the graph on dummy inputs (the cache is only read). Raises what inductor
+        raises where it cannot compile."""
+        start = time.perf_counter()
+        ids = torch.zeros(3, dtype=torch.long)
+        prev = torch.zeros(3, 5, dtype=torch.long)
+        self.forward(ids, ids, prev, torch.full((3,), 6, dtype=torch.long), mark_dynamic=True)
+        self.compile_seconds = time.perf_counter() - start
+
+
+def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros whose pages the OS maps on first touch.
+
+    `torch.zeros` writes every byte up front: 0.6-5.8 s for the CPU's default 2 GiB pool on
+    this machine (the page faults of 2 GiB), and the whole pool resident from the start.
+    An anonymous mapping reads as zeros and costs memory only for the blocks in use.
+    """
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= n
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes)  # anonymous, page-aligned, zero-filled on first touch
+    # The tensor keeps the mapping alive (torch.frombuffer holds the buffer).
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def cpu_decode_step(
+    model: torch.nn.Module, kv_cache: torch.Tensor, enforce_eager: bool
+) -> CPUDecodeStep | None:
+    """The compiled CPU decode step for this model, or None where the model's own eager
+    forward runs: `enforce_eager`, MINIVLLM_CPU_COMPILE=0, tensor parallelism (the
+    all-reduce is not traced), a model without the Llama layout, or no working compiler
+    (then with a one-line warning)."""
+    from ..distributed import get_tp_size
+
+    if enforce_eager or get_tp_size() > 1 or not hasattr(getattr(model, "model", None), "layers"):
+        return None
+    reason = compile_unavailable_reason()
+    if reason is None:
+        # Before compiling: the graph is specialised to the weights' strides.
+        transposed = transpose_wide_weights(model)
+        step = CPUDecodeStep(model, kv_cache)
+        try:
+            step.warm_up()
+            return step
+        except Exception as e:  # noqa: BLE001 - whatever inductor raises: run eager
+            for w in transposed:  # the eager path keeps its row-major (parity) layout
+                w.data = w.data.contiguous()
+            first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            reason = f"torch.compile failed: {type(e).__name__}: {first_line}"
+    if os.environ.get(COMPILE_ENV) != "0":
+        warnings.warn(f"the CPU decode step runs eager ({reason})", RuntimeWarning, stacklevel=2)
+    return None
+
+
+
+def transpose_wide_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Store each weight with more outputs than inputs column-major ([in, out] in memory,
+    the same [out, in] tensor to every caller); returns them. MKL's one-row product reads
+    such a weight 1.3-3x faster column-major on this AVX2 machine (qkv, gate_up, the LM
+    head: PERF_NOTES.md); prefill's products take either layout at the same speed."""
+    done: list[torch.nn.Parameter] = []
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if not isinstance(w, torch.nn.Parameter) or w.dim() != 2 or w.shape[0] <= w.shape[1]:
+            continue
+        # A tied weight (embedding = LM head) is met twice; a packed one has its own layout.
+        if getattr(module, "packed", None) is None and w.is_contiguous():
+            w.data = w.data.t().contiguous().t()
+            done.append(w)
+    return done
