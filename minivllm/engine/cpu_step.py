@@ -139,12 +139,10 @@ def _skip_guards(skip: bool):
     on SmolLM2): after warm-up there is one graph and every call passes the same kinds of
     tensors (the weights, this pool, the step's index tensors), so nothing is left to check.
     """
-    if skip and SKIP_GUARDS:
+    if skip:
         return torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
     return contextlib.nullcontext()
 
-
-SKIP_GUARDS = True
 
 
 def layer_weights(layer: torch.nn.Module) -> tuple:
@@ -194,6 +192,7 @@ class CPUDecodeStep:
         self.eps = float(m.layers[0].input_layernorm.eps)
         self.qk_eps = float(attn.q_norm.eps) if attn.qk_norm else 0.0
         self.compile_seconds = 0.0
+        self.skip_guards = True  # see _skip_guards
         self.layer = torch.compile(decode_layer, fullgraph=True, options=COMPILE_OPTIONS)
 
     def forward(
@@ -220,19 +219,32 @@ class CPUDecodeStep:
         cos, sin = folded_cos_sin_at(self.cos_sin_cache, positions)
         x = F.embedding(input_ids, self.embedding)  # [num_seqs, hidden]
         residual = torch.zeros_like(x)  # x + 0 == x: layer 0 takes the same graph
-        new_k, new_v = [], []
         if mark_dynamic:
             _mark_dynamic(x, residual, prev_slots, cos, sin, valid)
-        with _skip_guards(layer is self.layer and not mark_dynamic):
-            for i, w in enumerate(self.weights):
-                x, residual, k, v = layer(
-                    x, residual, w, cache[0, i], cache[1, i], prev_slots, cos, sin, valid,
-                    self.shape, self.scale, self.eps, self.qk_eps,
-                )
-                new_k.append(k)
-                new_v.append(v)
+        args = (prev_slots, cos, sin, valid, self.shape, self.scale, self.eps, self.qk_eps)
+        skip = self.skip_guards and layer is self.layer and not mark_dynamic
+        try:
+            with _skip_guards(skip):
+                x, residual, new_k, new_v = self._layers(layer, x, residual, cache, args)
+        except RuntimeError as e:
+            if not skip or "skip_guard_eval_unsafe" not in str(e):
+                raise
+            # Something the graph depends on changed since warm-up (a patched torch
+            # module, say): check guards from now on (dynamo recompiles once) and redo
+            # the step, which has written nothing yet.
+            self.skip_guards = False
+            x, residual, new_k, new_v = self._layers(layer, x, residual, cache, args)
         hidden, _ = rms_norm_ref(x, self.final_norm.weight, self.final_norm.eps, residual)
-        return hidden, torch.stack(new_k), torch.stack(new_v)
+        return hidden, new_k, new_v
+
+    def _layers(self, layer: Callable, x, residual, cache, args) -> tuple:
+        """Every decoder layer: (last output, residual, new K, new V [num_layers, ...])."""
+        new_k, new_v = [], []
+        for i, w in enumerate(self.weights):
+            x, residual, k, v = layer(x, residual, w, cache[0, i], cache[1, i], *args)
+            new_k.append(k)
+            new_v.append(v)
+        return x, residual, torch.stack(new_k), torch.stack(new_v)
 
     def __call__(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
