@@ -73,7 +73,9 @@ MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial w
 MAX_SPLITS = 64
 
 
-@triton.jit
+# NOTE: the block table's row stride is the step's widest table; not specialised on, so
+# a new width never compiles a new variant mid-run.
+@triton.jit(do_not_specialize=["bt_stride_s"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,

@@ -89,7 +89,9 @@ def _find_seq(cu_seqlens_ptr, num_seqs, tile, BLOCK_M: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# NOTE: the block table's row stride and the sequence count change every step; not
+# specialised on, so a new batch shape never compiles a new variant mid-run.
+@triton.jit(do_not_specialize=["bt_stride_s", "num_seqs"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,

@@ -50,10 +50,6 @@ def generate(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:2] == ["bench", "chat"]:  # the app's own benchmark, with its own options
-        from .tui.bench import main as bench_chat
-
-        sys.exit(bench_chat(argv[2:]))
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -70,7 +66,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from .bench import add_arguments
 
-    b = sub.add_parser("bench", help="PERF.md's throughput and latency workloads")
+    b = sub.add_parser(
+        "bench", help="PERF.md's workloads: throughput, latency, prefill, chat, coldstart"
+    )
     add_arguments(b)
 
     args = parser.parse_args(argv)

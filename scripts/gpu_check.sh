@@ -14,7 +14,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 
 # Tests run from outside the repo so `kernels` can never resolve to its folder.
 (cd /tmp && $PY -m pytest "$REPO/tests/test_kernels_gpu.py" "$REPO/tests/test_gpu_engine.py" \
-  -m gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -25)
+  "$REPO/tests/test_gpu_graphs.py" -m gpu -q -p no:cacheprovider 2>&1 \
+  | tee "$OUT/gpu-tests.log" | tail -40)
 
 bench() { minivllm_bench "$@" 2>&1 | tee -a "$OUT/bench.log" | grep -v "it/s\]" | tail -8; }
 minivllm_bench() { $PY -m minivllm.cli bench "$@"; }
@@ -26,9 +27,12 @@ fi
 if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
   bench throughput --compare hf --hf-num-seqs 16
   bench latency --compare hf --batch-sizes 1 --repeats 3
+  bench prefill --repeats 5
+  bench chat
+  bench coldstart
 fi
 
 echo
 echo "== summary =="
 grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -2
-grep -E "^  (throughput|decode|TTFT|transformers|ratio)" "$OUT/bench.log" || true
+grep -E "^  (throughput|decode|TTFT|transformers|ratio|prefill|chat|cold)" "$OUT/bench.log" || true
