@@ -54,6 +54,27 @@ TORCH_KERNELS = Kernels(
 )
 
 
+class CheckedFirst:
+    """A Triton wrapper whose input checks run on its first launch only.
+
+    The wrappers' checks (ranks, dtypes, devices, strides) cost tens of microseconds a
+    call, several times the launch itself. An engine's shapes come from its own model
+    and batch code, so the first launch (the start-up compile pass) is checked and later
+    ones pass `check=False`.
+    """
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.checked = False
+
+    def __call__(self, *args, **kwargs):
+        if self.checked:
+            return self.fn(*args, check=False, **kwargs)
+        out = self.fn(*args, **kwargs)
+        self.checked = True
+        return out
+
+
 def triton_kernels() -> Kernels:
     from minivllm.kernels.decode_attention import decode_attention
     from minivllm.kernels.prefill_attention import prefill_attention
@@ -65,12 +86,12 @@ def triton_kernels() -> Kernels:
     return Kernels(
         name="triton",
         is_triton=True,
-        rms_norm=rms_norm,
-        rotary=rotary,
-        silu_and_mul=silu_and_mul,
-        store_kvcache=store_kvcache,
-        prefill_attention=prefill_attention,
-        decode_attention=decode_attention,
+        rms_norm=CheckedFirst(rms_norm),
+        rotary=CheckedFirst(rotary),
+        silu_and_mul=CheckedFirst(silu_and_mul),
+        store_kvcache=CheckedFirst(store_kvcache),
+        prefill_attention=CheckedFirst(prefill_attention),
+        decode_attention=CheckedFirst(decode_attention),
     )
 
 
