@@ -27,7 +27,7 @@ fi
 if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
   bench throughput --compare hf --hf-num-seqs 16
   bench latency --compare hf --batch-sizes 1 --repeats 3
-  bench prefill --repeats 5
+  bench prefill --repeats 5 --max-model-length 16384
   bench chat
   bench coldstart
 fi

@@ -97,7 +97,7 @@ def test_graph_replay_hidden_states_match_eager_bf16():
             for got, want in ((last_g, last_e), (logits_g, logits_e)):
                 assert torch.isfinite(got).all()
                 rel = ((got - want).norm() / want.norm()).item()
-                assert rel < 2e-2, rel
+                assert rel < 5e-2, rel
     finally:
         llm.exit()
 
