@@ -61,6 +61,8 @@ class TritonCompileWatch:
             runtime = triton.knobs.runtime
         except (ImportError, AttributeError):
             return self
+        if not hasattr(runtime, "jit_post_compile_hook"):
+            return self  # the cache counts still tell
         self._previous = runtime.jit_post_compile_hook
         previous = self._previous
 
