@@ -70,6 +70,7 @@ def _batch(seqs: list[tuple[int, int]], block_size: int, first_block: int) -> Fo
     return b
 
 
+@torch.inference_mode()
 def test_graph_replay_hidden_states_match_eager_bf16():
     """A prefill step and a mixed step (decoding sequences beside a chunk of a prompt) give
     the eager step's last hidden rows and logits within bf16 rounding."""

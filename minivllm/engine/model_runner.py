@@ -227,6 +227,7 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
+    @torch.inference_mode()
     def prepare(self, b: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The step's inputs on the device, in a few host-to-device copies (one per dtype,
         plus the block tables for a graph step). A prefill/mixed step that a CUDA graph
@@ -321,6 +322,7 @@ class ModelRunner:
             return None
         return self.sampler(logits.float(), self.sampling_tensors(b)).tolist()
 
+    @torch.inference_mode()
     def _forward(
         self,
         b: ForwardBatch,
