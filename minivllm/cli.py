@@ -50,6 +50,14 @@ def generate(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:  # the HTTP server, with vLLM's flag names
+        from .server.cli import main as serve
+
+        sys.exit(serve(argv[1:]))
+    if argv[:2] == ["bench", "serve"]:
+        from .server.bench import main as bench_serve
+
+        sys.exit(bench_serve(argv[2:]))
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 

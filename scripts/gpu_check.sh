@@ -30,9 +30,19 @@ if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
   bench prefill --repeats 5 --max-model-length 16384
   bench chat
   bench coldstart
+  # minivllm serve against the same load in-process (needs the server's wheels).
+  if $PY -c "import fastapi, uvicorn, httpx, prometheus_client" 2>/dev/null; then
+    (cd /tmp && $PY -c "from minivllm.cli import main; main()" bench serve \
+      --model Qwen/Qwen3-0.6B --load-format dummy --max-model-len 2048 --max-num-seqs 32 \
+      --prompt-len 128 --output-len 256 --concurrency 1 8 32) 2>&1 \
+      | tee "$OUT/bench-serve.log" | tail -14
+  else
+    echo "bench serve: skipped (fastapi/uvicorn/httpx/prometheus_client not installed)"
+  fi
 fi
 
 echo
 echo "== summary =="
 grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -2
 grep -E "^  (throughput|decode|TTFT|transformers|ratio|prefill|chat|cold)" "$OUT/bench.log" || true
+grep -E "^(server|frontend|engine) |^server / " "$OUT/bench-serve.log" 2>/dev/null || true

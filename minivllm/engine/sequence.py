@@ -43,12 +43,6 @@ class Sequence:
         self.error: str | None = None
         self.num_preemptions = 0
         self.first_token_time: float | None = None
-        self.stop_text_len: int | None = None  # where a stop string cut the text
-        # Streaming bookkeeping (the engine's): the detokenizer and what was reported.
-        self.detokenizer = None
-        self.num_detokenized = 0  # completion tokens pushed into the detokenizer
-        self.num_reported_tokens = 0
-        self.num_reported_chars = 0
 
     def __repr__(self) -> str:
         return (
