@@ -14,9 +14,9 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 
 # Tests run from outside the repo so `kernels` can never resolve to its folder.
 (cd /tmp && $PY -m pytest "$REPO/tests/test_kernels_gpu.py" "$REPO/tests/test_gpu_engine.py" \
-  -m gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -25)
+  "$REPO/tests/test_async.py" -m gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -25)
 
-bench() { minivllm_bench "$@" 2>&1 | tee -a "$OUT/bench.log" | grep -v "it/s\]" | tail -8; }
+bench() { minivllm_bench "$@" 2>&1 | tee -a "$OUT/bench.log" | grep -v "it/s\]" | tail -12; }
 minivllm_bench() { $PY -m minivllm.cli bench "$@"; }
 
 if [ "${1:-}" = "profile" ] || [ "${1:-}" = "all" ]; then
@@ -24,11 +24,12 @@ if [ "${1:-}" = "profile" ] || [ "${1:-}" = "all" ]; then
 fi
 
 if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
-  bench throughput --compare hf --hf-num-seqs 16
+  # Overlapped vs synchronous scheduling, one engine: tok/s and host ms per step each.
+  bench throughput --compare hf --hf-num-seqs 16 --scheduling both
   bench latency --compare hf --batch-sizes 1 --repeats 3
 fi
 
 echo
 echo "== summary =="
 grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -2
-grep -E "^  (throughput|decode|TTFT|transformers|ratio)" "$OUT/bench.log" || true
+grep -E "^  (throughput|host ms|decode|TTFT|transformers|ratio)" "$OUT/bench.log" || true

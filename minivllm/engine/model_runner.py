@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from minivllm.kernels.decode_attention import context_slots
 
 from ..config import EngineConfig
+from ..distributed import broadcast_from_rank0, get_tp_rank
 from ..layers.attention import Attention, AttentionMetadata, attention_metadata
 from ..layers.ops import uses_triton
 from ..layers.sampler import Sampler, SamplingTensors
@@ -20,6 +22,16 @@ from .cuda_graph import CUDAGraphRunner, batch_buckets
 CPU_KV_BUDGET_BYTES = 2 << 30  # the CPU pool's default size, when max_cached_blocks is unset
 
 Progress = Callable[[str, float], None]
+
+
+@dataclass
+class StepHandle:
+    """A launched step. On rank 0: the sampled tokens on the device and, on CUDA, their
+    copy on its way to pinned host memory with the event that marks its arrival."""
+
+    tokens: torch.Tensor | None = None  # [num_seqs] int64 on the device; None off rank 0
+    host: torch.Tensor | None = None  # [num_seqs] pinned
+    ready: torch.cuda.Event | None = None
 
 
 class ModelRunner:
@@ -65,6 +77,16 @@ class ModelRunner:
         self.graphs: CUDAGraphRunner | None = None
         self.buckets = batch_buckets(config.max_num_sequences)
         self.max_blocks_per_seq = (config.max_len + self.block_size - 1) // self.block_size
+        # The last launched step's sampled tokens, read by the next step's placeholders.
+        self.last_sampled: torch.Tensor | None = None
+        # Two pinned buffers: step N+1 is launched before step N's tokens are read.
+        self._host_tokens: list[torch.Tensor] = []
+        if device.type == "cuda":
+            n = config.max_num_sequences
+            self._host_tokens = [
+                torch.empty(n, dtype=torch.long, pin_memory=True) for _ in range(2)
+            ]
+        self._num_launched = 0
 
     # -- KV pool -------------------------------------------------------------------------
 
@@ -213,10 +235,20 @@ class ModelRunner:
             all_greedy=False,
         )
 
-    @torch.inference_mode()
     def run(self, b: ForwardBatch) -> list[int] | None:
-        """Forward one step; on rank 0 return one sampled token per sequence."""
+        """Forward one step and wait for it; on rank 0 return one sampled token per
+        sequence."""
+        return self.collect(self.launch(b))
+
+    @torch.inference_mode()
+    def launch(self, b: ForwardBatch) -> StepHandle:
+        """Enqueue one step (forward and sampling) without waiting for the device.
+
+        On the CPU this computes the step (there is nothing to overlap), but the engine
+        drives both devices through the same launch / collect path."""
         input_ids, positions, meta = self.prepare(b)
+        if b.fill_rows:
+            self._fill_placeholders(input_ids, b)
         width = meta.block_tables.shape[1]
         if b.is_decode and self.graphs is not None and self.graphs.fits(b.num_seqs, width):
             hidden = self.graphs.run(input_ids, positions, meta)
@@ -226,5 +258,34 @@ class ModelRunner:
         last = hidden if b.is_decode else hidden[meta.cu_seqlens_q[1:].long() - 1]
         logits = self.model.compute_logits(last)
         if logits is None:  # not rank 0
+            return StepHandle()
+        tokens = self.sampler(logits.float(), self.sampling_tensors(b))  # [num_seqs]
+        self.last_sampled = tokens
+        if not self._host_tokens:
+            return StepHandle(tokens)
+        host = self._host_tokens[self._num_launched % 2][: b.num_seqs]
+        self._num_launched += 1
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return StepHandle(tokens, host, ready)
+
+    def collect(self, handle: StepHandle) -> list[int] | None:
+        """Wait for a launched step's tokens; None off rank 0."""
+        if handle.tokens is None:
             return None
-        return self.sampler(logits.float(), self.sampling_tensors(b)).tolist()
+        if handle.ready is None:
+            return handle.tokens.tolist()
+        handle.ready.synchronize()
+        return handle.host.tolist()
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, b: ForwardBatch) -> None:
+        """Write the previous step's sampled tokens into this step's unknown inputs.
+
+        Rank 0 holds them; the other ranks receive the finished input ids from it."""
+        if get_tp_rank() == 0:
+            assert self.last_sampled is not None, "a placeholder without a step before it"
+            index = self._to_device(b.fill_rows + b.fill_from, torch.long)
+            rows, src = index.split(len(b.fill_rows))
+            input_ids[rows] = self.last_sampled[src]
+        broadcast_from_rank0(input_ids)

@@ -105,11 +105,41 @@ class RunBatch:
 
 
 @dataclass(frozen=True)
+class StepInput:
+    """One forward step as a change to what the worker already holds; never answered.
+
+    The worker keeps each live sequence's block table: a step carries only the entries
+    appended since the last one (`tables`: seq_id, entries kept, entries appended; kept
+    is 0 after a preemption) and the ids of sequences that ended (`finished`). A
+    placeholder input (overlapped scheduling) is 0 here and received from rank 0 on the
+    device. No reply on success, so rank 0 never waits for a worker between steps; a
+    worker that fails sends its traceback and exits, which fails rank 0's collectives.
+    """
+
+    seq_ids: list[int]
+    starts: list[int]
+    num_tokens: list[int]
+    input_ids: list[int]
+    fill_rows: list[int]
+    tables: list[tuple[int, int, list[int]]]
+    finished: list[int]
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Reply, then exit."""
 
 
-Command = InitWorker | JoinGroup | LoadModel | SizeKVPool | AllocateKVCache | RunBatch | Shutdown
+Command = (
+    InitWorker
+    | JoinGroup
+    | LoadModel
+    | SizeKVPool
+    | AllocateKVCache
+    | RunBatch
+    | StepInput
+    | Shutdown
+)
 
 
 @dataclass(frozen=True)
@@ -207,6 +237,7 @@ class WorkerGroup:
         with self._lock:
             if self._closed:
                 raise WorkerError("the tensor-parallel workers were shut down")
+            self._raise_unsolicited()
             for w in self._workers:
                 self._send(w, command)
             try:
@@ -217,6 +248,26 @@ class WorkerGroup:
                 self._raise_if_a_worker_died(wait_s=1.0, cause=e)
                 raise
             return result, self._collect()
+
+    def run_nowait(self, command: StepInput, local: Callable[[], T]) -> T:
+        """Send `command` (which the workers do not answer) and run `local` here.
+
+        A worker's failure still surfaces within about a second: an earlier command's
+        traceback waiting on a connection is raised here, and a collective that fails
+        because a peer died or gave up is reported as that worker's failure."""
+        with self._lock:
+            if self._closed:
+                raise WorkerError("the tensor-parallel workers were shut down")
+            self._raise_unsolicited()
+            for w in self._workers:
+                self._send(w, command)
+            try:
+                with use_tp(self.tp):
+                    return local()
+            except Exception as e:
+                self._raise_unsolicited(wait_s=1.0, cause=e)
+                self._raise_if_a_worker_died(wait_s=1.0, cause=e)
+                raise
 
     def close(self) -> None:
         """Stop the workers and release the group. Idempotent; safe at interpreter exit
@@ -274,6 +325,25 @@ class WorkerGroup:
                 raise self._died(w) from e
             if w.proc.poll() is not None:
                 raise self._died(w)
+
+    def _raise_unsolicited(self, wait_s: float = 0.0, cause: BaseException | None = None):
+        """Raise a worker's error reply to a command that expects none (a failed step)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for w in self._workers:
+                try:
+                    waiting = w.conn.poll(0)
+                except (EOFError, OSError):
+                    waiting = False
+                if waiting:
+                    reply = self._recv(w)
+                    raise WorkerError(
+                        f"tensor-parallel worker rank {w.rank} failed:\n"
+                        f"{(reply.error or repr(reply.value)).rstrip()}"
+                    ) from cause
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
 
     def _collect(self) -> list[Any]:
         """One reply from every worker (all read, so none is left for the next round)."""
@@ -392,10 +462,40 @@ class _WorkerLoop:
         self.conn = conn
         self.init: InitWorker | None = None
         self.runner: ModelRunner | None = None
+        self.tables: dict[int, list[int]] = {}  # live sequences' block tables
+
+    def run_step(self, step: StepInput) -> None:
+        for seq_id in step.finished:
+            self.tables.pop(seq_id, None)
+        for seq_id, keep, appended in step.tables:
+            table = self.tables.setdefault(seq_id, [])
+            del table[keep:]
+            table.extend(appended)
+        bs = self.runner.block_size
+        b = ForwardBatch(step.input_ids, [], [], [0], [], [], [], [], [], [], [])
+        b.fill_rows = step.fill_rows
+        for seq_id, start, n in zip(step.seq_ids, step.starts, step.num_tokens, strict=True):
+            table = self.tables[seq_id]
+            end = start + n
+            b.positions.extend(range(start, end))
+            b.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            b.cu_seqlens_q.append(b.cu_seqlens_q[-1] + n)
+            b.seq_lens.append(end)
+            b.block_tables.append(table)
+        self.runner.launch(b)
 
     def serve(self) -> None:
         while True:
             command = self.conn.recv()
+            if isinstance(command, StepInput):
+                try:
+                    self.run_step(command)
+                except Exception:
+                    # Nobody waits for a reply: report, then leave so that rank 0's
+                    # collectives fail at once instead of waiting for us.
+                    self.conn.send(Reply(error=traceback.format_exc()))
+                    raise
+                continue
             try:
                 value = self.handle(command)
             except Exception:
