@@ -7,6 +7,12 @@ collectives rank 0 runs at the same time) and answers with exactly one `Reply`. 
 are length-prefixed pickles, so any size goes through whole and in order; the next
 command is sent only after every reply to the previous one has come back.
 
+The one exception is the hot path: a step (`StepInput`) carries only what changed since
+the last one (block-table entries appended, sequences ended) and is not answered, so
+rank 0 never waits on a worker between steps. A worker whose step fails sends its
+traceback unasked and exits; rank 0 raises it at its next command or when the step's
+collectives fail.
+
 Rank 0 never blocks on a worker without watching it: each wait polls the connection
 with a timeout and checks that the process is alive, so a dead worker becomes a
 `WorkerDiedError` within about a second instead of a hang. On CUDA a watchdog thread
@@ -98,13 +104,6 @@ class AllocateKVCache:
 
 
 @dataclass(frozen=True)
-class RunBatch:
-    """One forward step; the worker's share of the collectives, no sampling."""
-
-    batch: ForwardBatch
-
-
-@dataclass(frozen=True)
 class StepInput:
     """One forward step as a change to what the worker already holds; never answered.
 
@@ -136,7 +135,6 @@ Command = (
     | LoadModel
     | SizeKVPool
     | AllocateKVCache
-    | RunBatch
     | StepInput
     | Shutdown
 )
@@ -507,8 +505,6 @@ class _WorkerLoop:
 
     def handle(self, command: Command) -> Any:
         match command:
-            case RunBatch(batch=batch):
-                return self.runner.run(batch)
             case InitWorker():
                 self.init = command
                 if command.device.type == "cuda":
