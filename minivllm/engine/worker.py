@@ -129,15 +129,7 @@ class Shutdown:
     """Reply, then exit."""
 
 
-Command = (
-    InitWorker
-    | JoinGroup
-    | LoadModel
-    | SizeKVPool
-    | AllocateKVCache
-    | StepInput
-    | Shutdown
-)
+Command = InitWorker | JoinGroup | LoadModel | SizeKVPool | AllocateKVCache | StepInput | Shutdown
 
 
 @dataclass(frozen=True)
