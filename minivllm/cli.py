@@ -54,6 +54,14 @@ def main(argv: list[str] | None = None) -> None:
         from .tui.bench import main as bench_chat
 
         sys.exit(bench_chat(argv[2:]))
+    if argv[:1] == ["serve"]:  # the HTTP server, with vLLM's flag names
+        from .server.cli import main as serve
+
+        sys.exit(serve(argv[1:]))
+    if argv[:2] == ["bench", "serve"]:
+        from .server.bench import main as bench_serve
+
+        sys.exit(bench_serve(argv[2:]))
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -27,9 +27,19 @@ if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
   # Overlapped vs synchronous scheduling, one engine: tok/s and host ms per step each.
   bench throughput --compare hf --hf-num-seqs 16 --scheduling both
   bench latency --compare hf --batch-sizes 1 --repeats 3
+  # minivllm serve against the same load in-process (needs the server's wheels).
+  if $PY -c "import fastapi, uvicorn, httpx, prometheus_client" 2>/dev/null; then
+    (cd /tmp && $PY -c "from minivllm.cli import main; main()" bench serve \
+      --model Qwen/Qwen3-0.6B --load-format dummy --max-model-len 2048 --max-num-seqs 32 \
+      --prompt-len 128 --output-len 256 --concurrency 1 8 32) 2>&1 \
+      | tee "$OUT/bench-serve.log" | tail -14
+  else
+    echo "bench serve: skipped (fastapi/uvicorn/httpx/prometheus_client not installed)"
+  fi
 fi
 
 echo
 echo "== summary =="
 grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -2
 grep -E "^  (throughput|host ms|decode|TTFT|transformers|ratio)" "$OUT/bench.log" || true
+grep -E "^(server|frontend|engine) |^server / " "$OUT/bench-serve.log" 2>/dev/null || true

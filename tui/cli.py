@@ -41,6 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="line-oriented REPL instead of the full-screen app")
     p.add_argument("--keymap", type=Path, default=None, metavar="FILE",
                    help="JSON {binding id: keys} (default: $XDG_CONFIG_HOME/minivllm/keymap.json)")
+    p.add_argument("--url", default=None, metavar="URL",
+                   help="chat with a running `minivllm serve` (http://HOST:PORT) instead of "
+                   "loading a model here")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="with --url: the server's API key")
     p.add_argument("--fake", action="store_true", help=argparse.SUPPRESS)  # scripted engine
     return p
 
@@ -60,6 +65,10 @@ def engine_factory(args: argparse.Namespace) -> EngineFactory:
     config = engine_config(args)
 
     def build(on_progress: Any) -> Any:
+        if getattr(args, "url", None):
+            from .remote import RemoteClient  # an EngineClient: the worker starts it
+
+            return RemoteClient(args.url, args.api_key)
         if args.fake:
             from .fake_engine import FakeEngine
 
@@ -119,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     from .app import create_app
 
     app = create_app(
-        engine_factory=factory, model=args.model, conversations=args.conversations,
+        engine_factory=factory, model=args.url or args.model, conversations=args.conversations,
         settings=settings, resume=args.resume, keymap=keymap,
     )
     app.run()

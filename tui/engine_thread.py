@@ -1,18 +1,15 @@
-"""The one thread that owns the engine.
+"""The app's bridge to an `EngineClient` (an engine in this process, or a server).
 
-The engine is not thread-safe, so only this thread calls `add_prompt`, `step`,
-`pop_deltas`, `abort` and `stats`. The UI sends commands through a queue and gets
-results back as posted messages (`messages.py`). Loop: drain commands; step if any
-request is live (else wait on the queue briefly); pop deltas and post them; post a stats
-snapshot a few times a second.
-
-Failure policy: a bad request (add_prompt raises) fails only that request; an exception
-from `step()` fails the requests that were live and the loop keeps serving; if the loop
-itself dies, `EngineDied` is posted so every pane can say so.
+The engine loop itself lives in `minivllm.frontend.EngineFrontend` (shared with
+`minivllm serve`). This thread builds or connects the client behind the loading screen,
+turns the app's commands into requests, and turns the client's outputs into the UI's
+messages (`messages.py`): deltas merged per request and posted at most 60 times a second,
+a stats snapshot a few times a second, `EngineDied` if the engine stops for good.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -20,6 +17,15 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from minivllm.frontend import (
+    EngineClient,
+    EngineFrontend,
+    GenerateRequest,
+    RequestOutput,
+    render_chat_prompt,
+)
+from minivllm.frontend import engine_info as frontend_engine_info
 
 from .messages import (
     DeltaBatch,
@@ -34,6 +40,8 @@ from .messages import (
     StatsSnapshot,
 )
 
+# Builds an LLMEngine (or any engine with its API), or returns an unstarted EngineClient
+# (`--url`: a remote server).
 EngineFactory = Callable[[Callable[[str, float], None]], Any]
 Post = Callable[[Any], Any]
 
@@ -64,39 +72,28 @@ def _describe(exc: BaseException) -> str:
 
 
 def engine_info(engine: Any) -> EngineInfo:
-    """Read what the header shows. Call on the engine thread (it calls `stats()`)."""
-    cfg = engine.config
-    stats = engine.stats()
-    dtype = str(getattr(engine, "dtype", "?")).replace("torch.", "")
-    return EngineInfo(
-        model=str(getattr(cfg, "model_name_or_path", "?")),
-        device=str(getattr(engine, "device", getattr(cfg, "device", "?"))),
-        dtype=dtype,
-        world_size=int(getattr(cfg, "world_size", 1)),
-        block_size=int(stats.block_size),
-        num_blocks=int(stats.num_blocks),
-        max_len=int(getattr(cfg, "max_len", 0) or 0),
-    )
+    """What the header shows, read from a built engine (on the thread that owns it)."""
+    return EngineInfo(**dataclasses.asdict(frontend_engine_info(engine)))
 
 
 def render_prompt(
     tokenizer: Any, messages: list[dict[str, str]], enable_thinking: bool | None
 ) -> str:
     """The chat template over the whole history, ending with the assistant's turn."""
-    kwargs: dict[str, Any] = {}
-    if enable_thinking is not None:
-        kwargs["enable_thinking"] = enable_thinking
-    return tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=False, **kwargs
-    )
+    return render_chat_prompt(tokenizer, messages, enable_thinking=enable_thinking)
+
+
+def _is_client(obj: Any) -> bool:
+    return isinstance(obj, EngineClient)
 
 
 class EngineWorker:
-    """Runs the engine on its own thread. Every public method is safe from any thread.
+    """The app's engine, served by a thread. Every public method is safe from any thread.
 
-    Give it either a built `engine`, or an `engine_factory(on_progress)` that builds one on
-    this thread (so the UI can show a loading screen). `owns_engine` decides whether the
-    thread calls `engine.exit()` when it stops (default: when it built the engine).
+    Give one of: a built `engine` (wrapped in an `EngineFrontend`), an
+    `engine_factory(on_progress)` called on this thread (it may return an engine or an
+    unstarted `EngineClient`), or a `client`. `owns_engine` decides whether stopping
+    calls `engine.exit()` (default: when the engine was built here).
     """
 
     def __init__(
@@ -105,29 +102,30 @@ class EngineWorker:
         *,
         engine: Any = None,
         engine_factory: EngineFactory | None = None,
+        client: EngineClient | None = None,
         owns_engine: bool | None = None,
         stats_interval: float = 0.25,
         delta_interval: float = 1 / 60,
         idle_wait: float = 0.05,
     ) -> None:
-        if (engine is None) == (engine_factory is None):
-            raise ValueError("give exactly one of engine= and engine_factory=")
+        if sum(x is not None for x in (engine, engine_factory, client)) != 1:
+            raise ValueError("give exactly one of engine=, engine_factory= and client=")
         self._post = post
         self.engine = engine
         self._factory = engine_factory
+        self.client: EngineClient | None = client
         self._owns = owns_engine if owns_engine is not None else engine is None
         self._stats_interval = stats_interval
         self._delta_interval = delta_interval
         self._idle_wait = idle_wait
-        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
-        # Engine-thread state.
-        self._seq_of: dict[int, int] = {}  # request id -> seq id, for live requests
-        self._req_of: dict[int, int] = {}  # seq id -> request id
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()  # commands and outputs
+        self._thread = threading.Thread(target=self._run, name="minivllm-ui-bridge", daemon=True)
+        # Bridge-thread state.
+        self._live: set[int] = set()
         self._no_tokens_yet: list[int] = []  # accepted requests without output, FCFS
-        # Deltas are merged per request and posted at most every `delta_interval`: one
-        # UI message per step would cost the UI (and, through the GIL, the engine) more
-        # than the text is worth.
+        # Deltas are merged per request and posted at most every `delta_interval`: one UI
+        # message per step would cost the UI (and, through the GIL, the engine) more than
+        # the text is worth.
         self._outbox: dict[int, RequestDelta] = {}
         self._next_post = 0.0
         self.died: str | None = None
@@ -162,119 +160,135 @@ class EngineWorker:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
-    # -- engine thread -----------------------------------------------------------------
+    # -- bridge thread -------------------------------------------------------------------
 
     def _run(self) -> None:
+        client = None
         try:
-            if self.engine is None:
-                try:
-                    self.engine = self._factory(self._on_progress)
-                except BaseException as exc:  # noqa: BLE001 - reported to the UI
-                    self.died = _describe(exc)
-                    self._post(LoadFailed(self.died + "\n" + traceback.format_exc()))
-                    return
-            self._post(EngineReady(engine_info(self.engine)))
-            self._serve()
+            try:
+                client = self._connect()
+            except BaseException as exc:  # noqa: BLE001 - reported to the UI
+                self.died = _describe(exc)
+                self._post(LoadFailed(self.died + "\n" + traceback.format_exc()))
+                return
+            self._serve(client)
         except BaseException as exc:  # noqa: BLE001 - the UI must hear about it
             self.died = _describe(exc)
             self._post(EngineDied(self.died))
         finally:
-            if self._owns and self.engine is not None:
+            if client is not None:
                 try:
-                    self.engine.exit()
+                    client.close()
                 except Exception:  # noqa: BLE001 - already shutting down
                     pass
+
+    def _connect(self) -> EngineClient:
+        client = self.client
+        if client is None:
+            engine = self.engine
+            if engine is None:
+                assert self._factory is not None
+                built = self._factory(self._on_progress)
+                if _is_client(built):
+                    client = built
+                else:
+                    engine = self.engine = built
+            if client is None:
+                client = EngineFrontend(engine, owns_engine=self._owns)
+            self.client = client
+        info = client.start(self._on_progress)
+        self._post(EngineReady(EngineInfo(**dataclasses.asdict(info))))
+        return client
 
     def _on_progress(self, stage: str, fraction: float) -> None:
         self._post(LoadProgress(str(stage), float(fraction)))
 
-    def _serve(self) -> None:
-        engine = self.engine
+    def _serve(self, client: EngineClient) -> None:
         next_stats = 0.0
         while True:
-            busy = bool(self._seq_of)
-            wait = 0.0 if busy else max(0.0, min(self._idle_wait, next_stats - time.monotonic()))
-            commands = self._drain(wait)
-            want_stats = False
-            for cmd in commands:
-                if isinstance(cmd, _Quit):
-                    self._abort_all()
-                    return
-                if isinstance(cmd, _Submit):
-                    self._handle_submit(cmd)
-                elif isinstance(cmd, _Abort):
-                    seq = self._seq_of.get(cmd.request_id)
-                    if seq is not None:
-                        try:
-                            engine.abort(seq)
-                        except Exception:  # noqa: BLE001 - it may have just finished
-                            pass
-                elif isinstance(cmd, _Stats):
-                    want_stats = True
-            if self._seq_of:
-                try:
-                    engine.step()
-                except Exception as exc:  # noqa: BLE001 - fail the live requests, keep serving
-                    self._fail_live(_describe(exc))
-            if self._seq_of or commands:
-                self._collect(engine.pop_deltas())
             now = time.monotonic()
-            if self._outbox and (now >= self._next_post or not self._seq_of):
+            wait = min(next_stats - now, self._idle_wait)
+            if self._outbox:
+                wait = min(wait, self._next_post - now)
+            want_stats = False
+            for item in self._drain(max(0.0, wait)):
+                if isinstance(item, RequestOutput):
+                    self._collect(item)
+                elif isinstance(item, _Quit):
+                    for req in list(self._live):
+                        client.abort(str(req))
+                    return
+                elif isinstance(item, _Submit):
+                    self._live.add(item.request_id)
+                    kwargs = {}
+                    if item.enable_thinking is not None:
+                        kwargs["enable_thinking"] = item.enable_thinking
+                    client.add_request(
+                        GenerateRequest(str(item.request_id), item.params,
+                                        messages=item.messages, chat_template_kwargs=kwargs),
+                        self._commands.put,
+                    )
+                elif isinstance(item, _Abort):
+                    if item.request_id in self._live:
+                        client.abort(str(item.request_id))
+                elif isinstance(item, _Stats):
+                    want_stats = True
+            now = time.monotonic()
+            if self._outbox and (now >= self._next_post or not self._live):
                 self._flush_outbox(now)
+            if client.error is not None:
+                # Outputs sent before the engine stopped still belong to their panes.
+                for item in self._drain(0.0):
+                    if isinstance(item, RequestOutput):
+                        self._collect(item)
+                self._flush_outbox(time.monotonic())
+                self.died = client.error
+                self._post(EngineDied(client.error))
+                return
             if want_stats or now >= next_stats:
-                self._post_stats(now)
+                self._post_stats(client, now)
                 next_stats = now + self._stats_interval
 
     def _drain(self, wait: float) -> list[Any]:
-        commands: list[Any] = []
+        items: list[Any] = []
         try:
             if wait > 0:
-                commands.append(self._commands.get(timeout=wait))
+                items.append(self._commands.get(timeout=wait))
             while True:
-                commands.append(self._commands.get_nowait())
+                items.append(self._commands.get_nowait())
         except queue.Empty:
             pass
-        return commands
+        return items
 
-    def _handle_submit(self, cmd: _Submit) -> None:
-        engine = self.engine
-        try:
-            prompt = render_prompt(engine.tokenizer, cmd.messages, cmd.enable_thinking)
-            seq = engine.add_prompt(prompt, cmd.params)
-        except Exception as exc:  # noqa: BLE001 - bad input goes back to its pane
-            self._post(RequestFailed(cmd.request_id, _describe(exc)))
+    def _collect(self, out: RequestOutput) -> None:
+        req = int(out.request_id)
+        if req not in self._live:
             return
-        self._seq_of[cmd.request_id] = seq
-        self._req_of[seq] = cmd.request_id
-        self._no_tokens_yet.append(cmd.request_id)
-        opens = prompt.rstrip().endswith("<think>")
-        self._post(RequestAccepted(cmd.request_id, seq, opens))
-
-    def _collect(self, deltas: list[Any]) -> None:
-        now = time.monotonic()
-        finished = False
-        for d in deltas:
-            req = self._req_of.get(d.seq_id)
-            if req is None:
-                continue  # already failed and reported
-            if req in self._no_tokens_yet and (d.token_ids or d.text):
-                self._no_tokens_yet.remove(req)
-            old = self._outbox.get(req)
-            self._outbox[req] = RequestDelta(
-                req,
-                (old.text if old else "") + d.text,
-                (old.num_tokens if old else 0) + len(d.token_ids),
-                d.finished,
-                d.finish_reason,
-                getattr(d, "error", None),
-                first_at=old.first_at if old else now,
-                last_at=now,
-            )
-            if d.finished:
-                finished = True
-                self._forget(req)
-        if finished:
-            self._flush_outbox(now)
+        if out.rejected:
+            self._forget(req)
+            self._post(RequestFailed(req, out.error or "the request was refused"))
+            return
+        if out.accepted:
+            self._no_tokens_yet.append(req)
+            self._post(RequestAccepted(req, -1, out.opens_thinking))
+            if not (out.text or out.token_ids or out.finished):
+                return
+        if req in self._no_tokens_yet and (out.token_ids or out.text):
+            self._no_tokens_yet.remove(req)
+        old = self._outbox.get(req)
+        self._outbox[req] = RequestDelta(
+            req,
+            (old.text if old else "") + out.text,
+            (old.num_tokens if old else 0) + len(out.token_ids),
+            out.finished,
+            out.finish_reason,
+            out.error,
+            first_at=old.first_at if old else out.at,
+            last_at=out.at,
+        )
+        if out.finished:
+            self._forget(req)
+            self._flush_outbox(time.monotonic())
 
     def _flush_outbox(self, now: float) -> None:
         if self._outbox:
@@ -282,44 +296,16 @@ class EngineWorker:
             self._outbox = {}
         self._next_post = now + self._delta_interval
 
-    def _post_stats(self, now: float) -> None:
-        stats = self.engine.stats()
+    def _post_stats(self, client: EngineClient, now: float) -> None:
+        stats = client.stats()
+        if stats is None:
+            return
         waiting = min(stats.num_waiting, len(self._no_tokens_yet))
         # FCFS: the newest accepted requests without output are the ones still waiting.
         queued = frozenset(self._no_tokens_yet[len(self._no_tokens_yet) - waiting:])
         self._post(StatsSnapshot(stats, now, queued))
 
     def _forget(self, req: int) -> None:
-        seq = self._seq_of.pop(req, None)
-        if seq is not None:
-            self._req_of.pop(seq, None)
+        self._live.discard(req)
         if req in self._no_tokens_yet:
             self._no_tokens_yet.remove(req)
-
-    def _fail_live(self, error: str) -> None:
-        """A step raised: the live requests fail (their panes say why); free their blocks."""
-        # Deltas produced before the failure still belong to their panes.
-        try:
-            self._collect(self.engine.pop_deltas())
-            self._flush_outbox(time.monotonic())
-        except Exception:  # noqa: BLE001
-            pass
-        for req, seq in list(self._seq_of.items()):
-            try:
-                self.engine.abort(seq)
-            except Exception:  # noqa: BLE001 - the engine may be past caring
-                pass
-            self._forget(req)
-            self._post(RequestFailed(req, f"engine step failed: {error}"))
-        try:
-            self.engine.pop_deltas()  # drop the abort deltas of the failed requests
-        except Exception:  # noqa: BLE001
-            pass
-
-    def _abort_all(self) -> None:
-        for req, seq in list(self._seq_of.items()):
-            try:
-                self.engine.abort(seq)
-            except Exception:  # noqa: BLE001
-                pass
-            self._forget(req)

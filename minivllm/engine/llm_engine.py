@@ -15,12 +15,12 @@ from typing import Any, TypeVar
 import torch
 
 from ..config import EngineConfig
-from ..detokenizer import IncrementalDetokenizer
 from ..outputs import Delta, EngineStats
 from ..sampling_params import SamplingParams
 from .batch import ForwardBatch, build_forward_batch
 from .block_manager import BlockManager
 from .model_runner import ModelRunner, StepHandle
+from .output_processor import OutputProcessor
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
 from .worker import (
@@ -118,6 +118,8 @@ class LLMEngine:
         self.eos_token_ids = frozenset(config.eos_token_ids)
         self._next_seq_id = 0
         self._seqs: dict[int, Sequence] = {}  # unfinished, or finished and not yet reported
+        self._collecting: set[int] = set()  # ids that generate() will read when finished
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._streaming = False
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
@@ -172,11 +174,15 @@ class LLMEngine:
                 )
         seq = Sequence(self._next_seq_id, token_ids, params, max_len)
         self._next_seq_id += 1
-        if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids)
+        self.output_processor.add(seq)
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
+
+    def num_prompt_tokens(self, seq_id: int) -> int:
+        """The prompt length of a request not yet reported as finished (0 if unknown)."""
+        seq = self._seqs.get(seq_id)
+        return seq.num_prompt_tokens if seq is not None else 0
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -340,29 +346,11 @@ class LLMEngine:
             return "stop"
         if token in params.stop_token_ids:
             return "stop"
-        if params.stop and self._hit_stop_string(seq):
+        if params.stop and self.output_processor.hit_stop_string(seq):
             return "stop"
         if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= seq.max_len:
             return "length"
         return None
-
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        detok = seq.detokenizer
-        if detok is None:
-            return False
-        before = len(detok.text)
-        detok.push(seq.token_ids[seq.num_prompt_tokens + seq.num_detokenized :])
-        seq.num_detokenized = seq.num_completion_tokens
-        longest = max(len(s) for s in seq.params.stop)
-        search_from = max(0, before - longest + 1)
-        cut = min(
-            (i for s in seq.params.stop if (i := detok.text.find(s, search_from)) != -1),
-            default=-1,
-        )
-        if cut == -1:
-            return False
-        seq.stop_text_len = cut
-        return True
 
     def _record_step(self, start: float, now: float, prompt: int, generated: int, size: int):
         self._num_steps += 1
@@ -375,8 +363,12 @@ class LLMEngine:
             self._recent.popleft()
 
     def _forget_if_unstreamed(self, seq: Sequence) -> None:
-        if not self._streaming:
-            self._seqs.pop(seq.seq_id, None)
+        if not self._streaming and seq.seq_id not in self._collecting:
+            self._forget(seq.seq_id)
+
+    def _forget(self, seq_id: int) -> Sequence | None:
+        self.output_processor.remove(seq_id)
+        return self._seqs.pop(seq_id, None)
 
     def _check_alive(self) -> None:
         if self._closed:
@@ -391,37 +383,15 @@ class LLMEngine:
         self._streaming = True
         deltas = []
         for seq in list(self._seqs.values()):
-            new_ids = seq.completion_token_ids[seq.num_reported_tokens :]
-            text = self._new_text(seq)
-            if not new_ids and not text and not seq.is_finished:
+            if seq.seq_id in self._collecting:
+                continue  # generate() reads these itself
+            delta = self.output_processor.delta(seq)
+            if delta is None:
                 continue
-            seq.num_reported_tokens += len(new_ids)
-            deltas.append(
-                Delta(seq.seq_id, new_ids, text, seq.is_finished, seq.finish_reason, seq.error)
-            )
+            deltas.append(delta)
             if seq.is_finished:
-                del self._seqs[seq.seq_id]
+                self._forget(seq.seq_id)
         return deltas
-
-    def _new_text(self, seq: Sequence) -> str:
-        detok = seq.detokenizer
-        if detok is None:
-            return ""
-        detok.push(seq.token_ids[seq.num_prompt_tokens + seq.num_detokenized :])
-        seq.num_detokenized = seq.num_completion_tokens
-        if seq.is_finished:
-            if seq.stop_text_len is None:
-                detok.flush()
-            end = seq.stop_text_len if seq.stop_text_len is not None else len(detok.text)
-        else:
-            # A stop string may be forming: hold back as many characters as could start one.
-            hold = max((len(s) - 1 for s in seq.params.stop), default=0)
-            end = len(detok.text) - hold
-        if end <= seq.num_reported_chars:
-            return ""
-        text = detok.text[seq.num_reported_chars : end]
-        seq.num_reported_chars = end
-        return text
 
     # -- batch API -----------------------------------------------------------------------
 
@@ -444,9 +414,12 @@ class LLMEngine:
         try:
             for prompt, p in zip(prompts, params, strict=False):
                 ids.append(self.add_prompt(prompt, p))
+                self._collecting.add(ids[-1])
         except Exception:
             for seq_id in ids:
                 self.abort(seq_id)
+                self._collecting.discard(seq_id)
+                self._forget(seq_id)
             raise
         wanted = set(ids)
         results: dict[int, list[int]] = {}
@@ -466,29 +439,29 @@ class LLMEngine:
         except BaseException:
             for seq_id in wanted - results.keys():
                 self.abort(seq_id)
+            for seq_id in ids:
+                self._forget(seq_id)
             raise
         finally:
             if bar is not None:
                 bar.close()
+            self._collecting -= wanted
         token_lists = [results[i] for i in ids]
         texts = [self._final_text(i, results[i]) for i in ids]
+        errors = []
         for seq_id in ids:
-            seq = self._seqs.pop(seq_id, None)
+            seq = self._forget(seq_id)
             if seq is not None and seq.error:
-                raise RuntimeError(f"sequence {seq_id} failed: {seq.error}")
+                errors.append(f"sequence {seq_id} failed: {seq.error}")
+        if errors:
+            raise RuntimeError(errors[0])
         return {"text": texts, "token_ids": token_lists}
 
     def _final_text(self, seq_id: int, token_ids: list[int]) -> str:
         seq = self._seqs.get(seq_id)
-        if seq is not None and seq.detokenizer is not None:
-            self._new_text(seq)  # brings detokenizer.text up to date, cut at a stop string
-            end = seq.stop_text_len
-            return seq.detokenizer.text if end is None else seq.detokenizer.text[:end]
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(
-            token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
+        if seq is not None:
+            return self.output_processor.final_text(seq)
+        return self.output_processor.decode(token_ids)
 
     # -- introspection -------------------------------------------------------------------
 

@@ -53,12 +53,6 @@ class Sequence:
         self.sample_row = -1  # row of the in-flight step that samples the placeholder
         self.num_synced_blocks = 0  # block-table entries the tensor-parallel workers hold
         self.first_token_time: float | None = None
-        self.stop_text_len: int | None = None  # where a stop string cut the text
-        # Streaming bookkeeping (the engine's): the detokenizer and what was reported.
-        self.detokenizer = None
-        self.num_detokenized = 0  # completion tokens pushed into the detokenizer
-        self.num_reported_tokens = 0
-        self.num_reported_chars = 0
 
     def __repr__(self) -> str:
         return (

@@ -1,0 +1,457 @@
+"""`EngineFrontend`: an engine in this process, owned by one thread, as an `EngineClient`.
+
+The engine is not thread-safe, so only the front end's thread calls `add_prompt`, `step`,
+`pop_deltas`, `abort` and `stats`. Callers on any thread queue commands; the thread
+drains them, steps while any request is live, turns the engine's deltas into
+per-request `RequestOutput`s (calling each request's callback) and publishes a stats
+snapshot a few times a second.
+
+Failure policy: a bad request (add_prompt raises) is rejected alone; an exception from
+`step()` fails the requests that were live and the loop keeps serving; if the loop itself
+dies, every live request gets an error output and `error` says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..outputs import EngineStats
+from .protocol import (
+    EngineInfo,
+    GenerateRequest,
+    OutputCallback,
+    ProgressFn,
+    RequestOutput,
+    render_chat_prompt,
+)
+
+EngineFactory = Callable[[ProgressFn], Any]
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def engine_info(engine: Any) -> EngineInfo:
+    """What a header shows. Call where the engine may be touched (it calls `stats()`)."""
+    cfg = engine.config
+    stats = engine.stats()
+    return EngineInfo(
+        model=str(getattr(cfg, "model_name_or_path", "?")),
+        device=str(getattr(engine, "device", getattr(cfg, "device", "?"))),
+        dtype=str(getattr(engine, "dtype", "?")).replace("torch.", ""),
+        world_size=int(getattr(cfg, "world_size", 1)),
+        block_size=int(stats.block_size),
+        num_blocks=int(stats.num_blocks),
+        max_len=int(getattr(cfg, "max_len", 0) or 0),
+    )
+
+
+@dataclass(frozen=True)
+class _Add:
+    request: GenerateRequest
+    on_output: OutputCallback
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class _Quit:
+    pass
+
+
+class _AbortAll:
+    pass
+
+
+@dataclass
+class _Live:
+    request: GenerateRequest
+    on_output: OutputCallback
+    seq_id: int
+    num_prompt_tokens: int
+    num_generated_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class PrefixCacheCounters:
+    queries: int  # prompt tokens looked up in the prefix cache
+    hits: int  # ... and found there
+
+
+class AsyncOutputs:
+    """A request's outputs handed from any thread to one asyncio loop.
+
+    `put` is thread-safe and wakes the loop at most once per batch, so a consumer that
+    falls behind gets several outputs at once (and merges them) instead of one wake-up
+    per token.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: deque[RequestOutput] = deque()
+        self._lock = threading.Lock()
+        self._event = asyncio.Event()
+        self._wake_pending = False
+
+    def put(self, output: RequestOutput) -> None:
+        with self._lock:
+            self._items.append(output)
+            if self._wake_pending:
+                return
+            self._wake_pending = True
+        try:
+            self._loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening
+            pass
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._wake_pending = False
+        self._event.set()
+
+    async def get_batch(self) -> list[RequestOutput]:
+        while True:
+            with self._lock:
+                if self._items:
+                    batch = list(self._items)
+                    self._items.clear()
+                    return batch
+                self._event.clear()
+            await self._event.wait()
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive outputs of one request as one (text and tokens joined, last state)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    return RequestOutput(
+        request_id=last.request_id,
+        text="".join(o.text for o in outputs),
+        token_ids=[t for o in outputs for t in o.token_ids],
+        finished=last.finished,
+        finish_reason=last.finish_reason,
+        error=last.error,
+        num_prompt_tokens=last.num_prompt_tokens,
+        num_generated_tokens=last.num_generated_tokens,
+        accepted=any(o.accepted for o in outputs),
+        rejected=last.rejected,
+        opens_thinking=any(o.opens_thinking for o in outputs),
+        at=last.at,
+    )
+
+
+async def stream_outputs(
+    client: Any, request: GenerateRequest
+) -> AsyncIterator[RequestOutput]:
+    """`EngineClient.generate` for any client with `add_request`/`abort`: outputs as they
+    come (the acceptance alone, then merged batches); leaving early aborts the request."""
+    outputs = AsyncOutputs(asyncio.get_running_loop())
+    client.add_request(request, outputs.put)
+    finished = False
+    try:
+        while not finished:
+            batch = await outputs.get_batch()
+            finished = batch[-1].finished
+            if batch[0].accepted and len(batch) > 1 and not batch[0].finished:
+                yield batch[0]
+                batch = batch[1:]
+            yield merge_outputs(batch)
+    finally:
+        if not finished:
+            client.abort(request.request_id)
+
+
+class EngineFrontend:
+    """An `EngineClient` for an engine in this process.
+
+    Give a built `engine`, or an `engine_factory(on_progress)` that `start()` calls on
+    the caller's thread (so a UI can show progress and Ctrl-C lands where expected).
+    `owns_engine` decides whether `close()` calls `engine.exit()` (default: when the
+    front end built it).
+    """
+
+    def __init__(
+        self,
+        engine: Any = None,
+        *,
+        engine_factory: EngineFactory | None = None,
+        owns_engine: bool | None = None,
+        stats_interval: float = 0.1,
+        idle_wait: float = 0.05,
+    ) -> None:
+        if (engine is None) == (engine_factory is None):
+            raise ValueError("give exactly one of engine and engine_factory")
+        self.engine = engine
+        self._factory = engine_factory
+        self._owns = owns_engine if owns_engine is not None else engine is None
+        self._stats_interval = stats_interval
+        self._idle_wait = idle_wait
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._info: EngineInfo | None = None
+        self._stats: EngineStats | None = None
+        self._prefix_counters = PrefixCacheCounters(0, 0)
+        self._error: str | None = None
+        self._refusing: str | None = None
+        self._closed = False
+        self._close_lock = threading.Lock()
+        # Engine-thread state.
+        self._live: dict[str, _Live] = {}
+        self._by_seq: dict[int, _Live] = {}
+
+    # -- any thread ------------------------------------------------------------------------
+
+    @property
+    def info(self) -> EngineInfo | None:
+        return self._info
+
+    @property
+    def error(self) -> str | None:
+        return self._error
+
+    @property
+    def tokenizer(self) -> Any:
+        return getattr(self.engine, "tokenizer", None)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, on_progress: ProgressFn | None = None) -> EngineInfo:
+        if self._thread is not None:
+            raise RuntimeError("EngineFrontend.start() was already called")
+        if self.engine is None:
+            assert self._factory is not None
+            self.engine = self._factory(on_progress or (lambda stage, fraction: None))
+        self._info = engine_info(self.engine)
+        self._publish_stats()
+        self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
+        self._thread.start()
+        return self._info
+
+    def add_request(self, request: GenerateRequest, on_output: OutputCallback) -> None:
+        refusal = self._error or self._refusing or ("the engine is closed" if self._closed
+                                                     else None)
+        if refusal is not None:
+            on_output(self._refusal(request.request_id, refusal))
+            return
+        self._commands.put(_Add(request, on_output))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def abort_all(self, refuse_new: bool = False) -> None:
+        """Abort every live request (each ends with "abort"); with `refuse_new`, later
+        requests are refused (a server that is shutting down)."""
+        if refuse_new:
+            self._refusing = "the server is shutting down"
+        self._commands.put(_AbortAll())
+
+    def stats(self) -> EngineStats | None:
+        return self._stats
+
+    def prefix_cache_counters(self) -> PrefixCacheCounters:
+        return self._prefix_counters
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        return stream_outputs(self, request)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Abort every live request, stop the thread, then `exit()` an owned engine."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._commands.put(_Quit())
+        thread = self._thread
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            thread.join(timeout)
+        if self._owns and self.engine is not None:
+            try:
+                self.engine.exit()
+            except Exception:  # noqa: BLE001 - already shutting down
+                pass
+
+    # -- engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - every caller must hear about it
+            error = describe(exc)
+            # The live requests hear first, then `error` is set: a client that sees it can
+            # rely on having every output of the requests that were live.
+            self._fail(list(self._live.values()), f"the engine stopped: {error}")
+            self._error = error
+            # Requests queued after the failure are refused too.
+            for cmd in self._drain(0.0):
+                if isinstance(cmd, _Add):
+                    cmd.on_output(self._refusal(cmd.request.request_id, error))
+
+    def _serve(self) -> None:
+        engine = self.engine
+        next_stats = 0.0
+        while True:
+            now = time.monotonic()
+            wait = 0.0 if self._live else max(0.0, min(self._idle_wait, next_stats - now))
+            commands = self._drain(wait)
+            for cmd in commands:
+                if isinstance(cmd, _Quit):
+                    self._abort_all()
+                    return
+                if isinstance(cmd, _AbortAll):
+                    self._abort_all()
+                elif isinstance(cmd, _Add):
+                    self._handle_add(cmd)
+                elif isinstance(cmd, _Abort):
+                    live = self._live.get(cmd.request_id)
+                    if live is not None:
+                        engine.abort(live.seq_id)
+            if self._live:
+                try:
+                    engine.step()
+                except Exception as exc:  # noqa: BLE001 - fail the live requests, keep serving
+                    self._fail_live(describe(exc))
+            if self._live or commands:
+                self._dispatch(engine.pop_deltas())
+            now = time.monotonic()
+            if now >= next_stats:
+                self._publish_stats()
+                next_stats = now + self._stats_interval
+
+    def _drain(self, wait: float) -> list[Any]:
+        commands: list[Any] = []
+        try:
+            if wait > 0:
+                commands.append(self._commands.get(timeout=wait))
+            while True:
+                commands.append(self._commands.get_nowait())
+        except queue.Empty:
+            pass
+        return commands
+
+    def _refusal(self, request_id: str, error: str) -> RequestOutput:
+        return RequestOutput(request_id, finished=True, finish_reason="error", error=error,
+                             rejected=True, at=time.monotonic())
+
+    def _handle_add(self, cmd: _Add) -> None:
+        request = cmd.request
+        if request.request_id in self._live:
+            cmd.on_output(self._refusal(
+                request.request_id, f"request_id: {request.request_id!r} is already in use"))
+            return
+        engine = self.engine
+        try:
+            prompt = request.prompt
+            if request.messages is not None:
+                prompt = render_chat_prompt(
+                    engine.tokenizer, request.messages, **request.chat_template_kwargs
+                )
+            seq_id = engine.add_prompt(prompt, request.params)
+        except Exception as exc:  # noqa: BLE001 - bad input goes back to its caller
+            cmd.on_output(self._refusal(request.request_id, str(exc) or describe(exc)))
+            return
+        num_prompt = _num_prompt_tokens(engine, seq_id)
+        live = _Live(request, cmd.on_output, seq_id, num_prompt)
+        self._live[request.request_id] = live
+        self._by_seq[seq_id] = live
+        opens = isinstance(prompt, str) and prompt.rstrip().endswith("<think>")
+        self._emit(live, RequestOutput(request.request_id, num_prompt_tokens=num_prompt,
+                                       accepted=True, opens_thinking=opens,
+                                       at=time.monotonic()))
+
+    def _emit(self, live: _Live, output: RequestOutput) -> None:
+        try:
+            live.on_output(output)
+        except Exception:  # noqa: BLE001 - a broken consumer loses its request, not the engine
+            traceback.print_exc()
+            if not output.finished:
+                self.engine.abort(live.seq_id)
+
+    def _dispatch(self, deltas: list[Any]) -> None:
+        now = time.monotonic()
+        for d in deltas:
+            live = self._by_seq.get(d.seq_id)
+            if live is None:
+                continue  # already failed and reported
+            live.num_generated_tokens += len(d.token_ids)
+            if d.finished:
+                self._forget(live)
+            self._emit(live, RequestOutput(
+                live.request.request_id, d.text, list(d.token_ids), d.finished,
+                d.finish_reason, getattr(d, "error", None), live.num_prompt_tokens,
+                live.num_generated_tokens, at=now,
+            ))
+
+    def _forget(self, live: _Live) -> None:
+        self._live.pop(live.request.request_id, None)
+        self._by_seq.pop(live.seq_id, None)
+
+    def _fail(self, lives: list[_Live], error: str) -> None:
+        for live in lives:
+            self._forget(live)
+            try:
+                live.on_output(RequestOutput(
+                    live.request.request_id, finished=True, finish_reason="error",
+                    error=error, num_prompt_tokens=live.num_prompt_tokens,
+                    num_generated_tokens=live.num_generated_tokens, at=time.monotonic()))
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _fail_live(self, error: str) -> None:
+        """A step raised: the live requests fail (callers hear why); free their blocks."""
+        engine = self.engine
+        try:  # outputs produced before the failure still belong to their requests
+            self._dispatch(engine.pop_deltas())
+        except Exception:  # noqa: BLE001
+            pass
+        lives = list(self._live.values())
+        for live in lives:
+            try:
+                engine.abort(live.seq_id)
+            except Exception:  # noqa: BLE001 - the engine may be past caring
+                pass
+        self._fail(lives, f"engine step failed: {error}")
+        try:
+            engine.pop_deltas()  # drop the abort deltas of the failed requests
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _abort_all(self) -> None:
+        engine = self.engine
+        for live in list(self._live.values()):
+            try:
+                engine.abort(live.seq_id)
+            except Exception:  # noqa: BLE001
+                pass
+        try:
+            self._dispatch(engine.pop_deltas())  # each request's last output: "abort"
+        except Exception:  # noqa: BLE001
+            self._fail(list(self._live.values()), "the engine is shutting down")
+        self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        engine = self.engine
+        self._stats = engine.stats()
+        bm = getattr(engine, "block_manager", None)
+        if bm is not None:
+            self._prefix_counters = PrefixCacheCounters(
+                int(getattr(bm, "num_query_tokens", 0)), int(getattr(bm, "num_hit_tokens", 0))
+            )
+
+
+def _num_prompt_tokens(engine: Any, seq_id: int) -> int:
+    count = getattr(engine, "num_prompt_tokens", None)  # a scripted test engine may lack it
+    return int(count(seq_id)) if count is not None else 0

@@ -1,0 +1,1 @@
+"""`minivllm serve`: an OpenAI-compatible HTTP server over the shared front end."""

@@ -1,0 +1,311 @@
+"""The OpenAI-compatible HTTP face of an `EngineClient` (FastAPI).
+
+Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions,
+POST /v1/chat/completions (non-streaming, or SSE chunks ending in `data: [DONE]`).
+Every error is OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}`
+with its HTTP status; a request that fails never stops the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..frontend import GenerateRequest, RequestOutput
+from .metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
+from .protocol import BadField, ChatCompletionRequest, CompletionRequest
+
+# The engine's reasons in OpenAI's vocabulary ("abort": the server stopped the request).
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type_, param, code)
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error",
+                   param: str | None = None, code: str | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {_dumps(payload)}\n\n"
+
+
+class _Chunks:
+    """The SSE events of one streamed response, in OpenAI's chunk format.
+
+    NOTE: the per-token event is glued from preformatted halves around the new text: a
+    `json.dumps` of the nested chunk per token costs the event loop (and, through the
+    GIL, the engine thread) several times more.
+    """
+
+    def __init__(self, chat: bool, head: dict[str, Any], include_usage: bool,
+                 with_ids: bool) -> None:
+        self.chat, self.head = chat, head
+        self.include_usage, self.with_ids = include_usage, with_ids
+        open_ = _dumps(head)[:-1]  # '{"id":...,"model":"..."' without its closing brace
+        if chat:
+            self._pre = open_ + ',"choices":[{"index":0,"delta":{"content":'
+            self._mid = '},"logprobs":null,"finish_reason":null'
+        else:
+            self._pre = open_ + ',"choices":[{"index":0,"text":'
+            self._mid = ',"logprobs":null,"finish_reason":null'
+        self._post = "}]" + (',"usage":null' if include_usage else "") + "}\n\n"
+
+    def text(self, text: str, token_ids: list[int]) -> str:
+        ids = f',"token_ids":{_dumps(token_ids)}' if self.with_ids else ""
+        return "data: " + self._pre + _dumps(text) + self._mid + ids + self._post
+
+    def _event(self, choice: dict[str, Any]) -> str:
+        payload = {**self.head, "choices": [choice]}
+        if self.include_usage:
+            payload["usage"] = None
+        return _sse(payload)
+
+    def opening(self) -> str:
+        if not self.chat:
+            return ""
+        return self._event({"index": 0, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None})
+
+    def finish(self, reason: str) -> str:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
+        if self.chat:
+            choice["delta"] = {}
+        else:
+            choice["text"] = ""
+        if self.with_ids:
+            choice["token_ids"] = []
+        return self._event(choice)
+
+    def usage(self, usage: dict[str, int]) -> str:
+        return _sse({**self.head, "choices": [], "usage": usage})
+
+
+def build_app(client: Any, *, model_name: str, api_key: str | None = None,
+              max_model_len: int | None = None) -> FastAPI:
+    """The app around a started client (`EngineFrontend`); `model_name` is what
+    requests must name in `model` and what /v1/models lists."""
+    app = FastAPI(title="minivllm", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = ServerMetrics(client, model_name)
+    info = client.info
+    max_len = max_model_len or (info.max_len if info is not None else 4096)
+    created = int(time.time())
+    app.state.client = client
+    app.state.metrics = metrics
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next: Any) -> Response:
+        if api_key is not None and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                return error_response(401, "invalid or missing API key: send the header "
+                                      "'Authorization: Bearer KEY'", "authentication_error",
+                                      code="invalid_api_key")
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"malformed JSON body: {first.get('msg', '')}")
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        what = first.get("msg", "invalid value")
+        if first.get("type") == "missing":
+            message = f"{param}: field required"
+        else:
+            message = f"{param}: {what} (got {first.get('input')!r})"
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return error_response(exc.status_code, str(exc.detail), type_)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if client.error is not None:
+            return error_response(503, f"the engine stopped: {client.error}", "server_error")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": model_name, "object": "model", "created": created,
+                "owned_by": "minivllm", "root": info.model if info else model_name,
+                "max_model_len": max_len}
+        return {"object": "list", "data": [card]}
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise ApiError(404, f"The model `{name}` does not exist (this server serves "
+                           f"`{model_name}`).", "not_found_error", "model", "model_not_found")
+
+    async def start(request: GenerateRequest, prompt_field: str
+                    ) -> tuple[AsyncIterator[RequestOutput], RequestOutput, RequestTimer]:
+        """Submit; wait until the engine accepted (or refused) the request."""
+        timer = metrics.request()
+        timer.begin(time.monotonic())
+        stream = client.generate(request)
+        first = await stream.__anext__()
+        if first.rejected:
+            await stream.aclose()
+            if client.error is not None:
+                raise ApiError(503, f"the engine stopped: {client.error}", "server_error")
+            message = first.error or "the request was refused"
+            param = prompt_field if message.startswith("prompt") else None
+            raise ApiError(400, message, param=param)
+        return stream, first, timer
+
+    def params_of(body: Any) -> Any:
+        try:
+            return body.sampling_params(max_len)
+        except BadField as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+
+    async def collect(stream: AsyncIterator[RequestOutput], first: RequestOutput,
+                      timer: RequestTimer) -> tuple[str, RequestOutput]:
+        texts = [first.text]
+        last = first
+        try:
+            async for out in stream:
+                timer.output(out.at, len(out.token_ids))
+                texts.append(out.text)
+                last = out
+        finally:
+            await stream.aclose()
+        timer.finish(time.monotonic(), last.num_prompt_tokens, last.finish_reason)
+        if last.finish_reason == "error":
+            raise ApiError(500, f"generation failed: {last.error}", "server_error")
+        return "".join(texts), last
+
+    async def until_disconnect(http: Request, work: Any) -> Any:
+        """Await `work`, cancelling it (which aborts its request) if the client leaves."""
+        task = asyncio.ensure_future(work)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await http.is_disconnected():
+                task.cancel()
+                raise ApiError(499, "the client closed the connection")
+
+    def usage(out: RequestOutput) -> dict[str, int]:
+        return {"prompt_tokens": out.num_prompt_tokens,
+                "completion_tokens": out.num_generated_tokens,
+                "total_tokens": out.num_prompt_tokens + out.num_generated_tokens}
+
+    async def sse(stream: AsyncIterator[RequestOutput], first: RequestOutput,
+                  timer: RequestTimer, chunks: _Chunks) -> AsyncIterator[str]:
+        """The SSE body. Cancelled when the client goes away: closing `stream` then aborts
+        the request in the engine (its blocks are freed on the next step)."""
+        last = first
+        try:
+            opening = chunks.opening()
+            if opening:
+                yield opening
+            async for out in stream:
+                last = out
+                timer.output(out.at, len(out.token_ids))
+                if out.finish_reason == "error":
+                    yield _sse({"error": {"message": f"generation failed: {out.error}",
+                                          "type": "server_error", "param": None,
+                                          "code": None}})
+                    break
+                if out.text or (chunks.with_ids and out.token_ids):
+                    yield chunks.text(out.text, out.token_ids)
+                if out.finished:
+                    yield chunks.finish(FINISH_REASONS.get(out.finish_reason or "", "stop"))
+            if chunks.include_usage:
+                yield chunks.usage(usage(last))
+            yield "data: [DONE]\n\n"
+        finally:
+            await stream.aclose()
+            timer.finish(time.monotonic(), last.num_prompt_tokens,
+                         last.finish_reason if last.finished else "abort")
+
+    def streaming_response(body: Any, chat: bool, request_id: str, created: int,
+                           stream: AsyncIterator[RequestOutput], first: RequestOutput,
+                           timer: RequestTimer) -> StreamingResponse:
+        head = {"id": request_id,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created, "model": model_name}
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = _Chunks(chat, head, include_usage, body.return_token_ids)
+        return StreamingResponse(sse(stream, first, timer, chunks),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: Request) -> Any:
+        check_model(body.model)
+        params = params_of(body)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request = GenerateRequest(request_id, params, messages=body.template_messages(),
+                                  chat_template_kwargs=dict(body.chat_template_kwargs or {}))
+        stream, first, timer = await start(request, "messages")
+        now = int(time.time())
+        if not body.stream:
+            text, last = await until_disconnect(http, collect(stream, first, timer))
+            return {
+                "id": request_id, "object": "chat.completion", "created": now,
+                "model": model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                             "logprobs": None,
+                             "finish_reason": FINISH_REASONS.get(last.finish_reason or "",
+                                                                 "stop")}],
+                "usage": usage(last),
+            }
+        return streaming_response(body, True, request_id, now, stream, first, timer)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: Request) -> Any:
+        check_model(body.model)
+        params = params_of(body)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request = GenerateRequest(request_id, params, prompt=body.prompt)
+        stream, first, timer = await start(request, "prompt")
+        now = int(time.time())
+        if not body.stream:
+            text, last = await until_disconnect(http, collect(stream, first, timer))
+            return {
+                "id": request_id, "object": "text_completion", "created": now,
+                "model": model_name,
+                "choices": [{"index": 0, "text": text, "logprobs": None,
+                             "finish_reason": FINISH_REASONS.get(last.finish_reason or "",
+                                                                 "stop")}],
+                "usage": usage(last),
+            }
+        return streaming_response(body, False, request_id, now, stream, first, timer)
+
+    return app

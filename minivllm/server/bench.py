@@ -1,0 +1,289 @@
+"""`minivllm bench serve`: N concurrent streaming clients against `minivllm serve`, and
+the same load in-process, in one run.
+
+For each concurrency N: N requests start together, each a random token-id prompt of
+`--prompt-len` tokens and `--output-len` new tokens (`ignore_eos`, greedy). Reported per
+mode: output tok/s (all tokens / wall time from the first request sent to the last token),
+time to first token and inter-token latency percentiles. Modes: `server` (HTTP + SSE
+through a `minivllm serve` subprocess), `frontend` (the same requests through an
+in-process `EngineFrontend`, what the app uses), `engine` (the bare add_prompt / step /
+pop_deltas loop). The server runs first and is stopped before the in-process engine is
+built (one KV pool fits the GPU at a time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .cli import add_engine_arguments, engine_config
+
+
+@dataclass
+class Trace:
+    """One request as its client saw it: when it was sent, and when tokens arrived."""
+
+    sent: float
+    arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, new tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.arrivals)
+
+    def ttft(self) -> float:
+        return self.arrivals[0][0] - self.sent
+
+    def itls(self) -> list[float]:
+        out = []
+        for (t0, _), (t1, n) in zip(self.arrivals, self.arrivals[1:], strict=False):
+            out.extend([(t1 - t0) / n] * n)
+        return out
+
+
+@dataclass
+class Result:
+    mode: str
+    concurrency: int
+    wall_s: float
+    traces: list[Trace]
+
+    @property
+    def tokens(self) -> int:
+        return sum(t.num_tokens for t in self.traces)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall_s
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def workload(n: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randint(100, min(vocab, 10000) - 1) for _ in range(prompt_len)]
+            for _ in range(n)]
+
+
+# -- server -----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace, argv: list[str]) -> tuple[subprocess.Popen, str]:
+    import httpx
+
+    port = free_port()
+    cmd = [sys.executable, "-c", "from minivllm.cli import main; main()", "serve",
+           "--port", str(port), "--served-model-name", "bench", *argv]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + args.start_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    proc.kill()
+    raise RuntimeError("the server did not start in time")
+
+
+async def _http_request(client: Any, prompt: list[int], max_tokens: int) -> Trace:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
+    trace = Trace(time.perf_counter())
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            for choice in json.loads(line[6:]).get("choices", ()):
+                n = len(choice.get("token_ids") or ())
+                if n:
+                    trace.arrivals.append((now, n))
+    return trace
+
+
+async def run_http(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(prompts))
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+        start = time.perf_counter()
+        traces = await asyncio.gather(*(_http_request(client, p, max_tokens) for p in prompts))
+    end = max(t.arrivals[-1][0] for t in traces)
+    return end - start, list(traces)
+
+
+# -- in process -------------------------------------------------------------------------------
+
+
+async def run_frontend(frontend: Any, prompts: list[list[int]], max_tokens: int
+                       ) -> tuple[float, list]:
+    from minivllm import SamplingParams
+    from minivllm.frontend import GenerateRequest
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+    async def one(i: int, prompt: list[int]) -> Trace:
+        trace = Trace(time.perf_counter())
+        request = GenerateRequest(f"bench-{time.monotonic_ns()}-{i}", params, prompt=prompt)
+        async for out in frontend.generate(request):
+            if out.token_ids:
+                trace.arrivals.append((time.perf_counter(), len(out.token_ids)))
+        return trace
+
+    start = time.perf_counter()
+    traces = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    end = max(t.arrivals[-1][0] for t in traces)
+    return end - start, list(traces)
+
+
+def run_engine(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
+    from minivllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    traces = {llm.add_prompt(p, params): Trace(start) for p in prompts}
+    left = len(traces)
+    while left:
+        llm.step()
+        now = time.perf_counter()
+        for d in llm.pop_deltas():
+            if d.seq_id in traces:
+                if d.token_ids:
+                    traces[d.seq_id].arrivals.append((now, len(d.token_ids)))
+                left -= d.finished
+    end = max(t.arrivals[-1][0] for t in traces.values())
+    return end - start, list(traces.values())
+
+
+# -- main -------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="minivllm bench serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--modes", nargs="+", default=["server", "frontend", "engine"],
+                   choices=["server", "frontend", "engine"])
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    add_engine_arguments(p)
+    return p
+
+
+def _engine_argv(argv: list[str]) -> list[str]:
+    """The engine flags of our command line, passed on to `minivllm serve` as given."""
+    own = {"--concurrency", "--prompt-len", "--output-len", "--modes", "--start-timeout"}
+    out, skip = [], False
+    for arg in argv:
+        if arg.startswith("--"):
+            skip = arg.split("=", 1)[0] in own
+        if not skip:
+            out.append(arg)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    results: list[Result] = []
+    vocab = 10000
+    prompts = {n: workload(n, args.prompt_len, vocab, seed=n) for n in args.concurrency}
+    warm = workload(2, args.prompt_len, vocab, seed=12345)
+    if "server" in args.modes:
+        proc, url = start_server(args, _engine_argv(argv))
+        try:
+            asyncio.run(run_http(url, warm, 4))
+            for n in args.concurrency:
+                wall, traces = asyncio.run(run_http(url, prompts[n], args.output_len))
+                results.append(Result("server", n, wall, traces))
+                print_row(results[-1], results)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+    if "frontend" in args.modes or "engine" in args.modes:
+        from minivllm import LLMEngine
+        from minivllm.frontend import EngineFrontend
+
+        llm = LLMEngine(engine_config(args))
+        try:
+            run_engine(llm, warm, 4)
+            for n in args.concurrency:
+                if "engine" in args.modes:
+                    wall, traces = run_engine(llm, prompts[n], args.output_len)
+                    results.append(Result("engine", n, wall, traces))
+                    print_row(results[-1], results)
+                if "frontend" in args.modes:
+                    frontend = EngineFrontend(llm, owns_engine=False)
+                    frontend.start()
+                    try:
+                        wall, traces = asyncio.run(run_frontend(frontend, prompts[n],
+                                                                args.output_len))
+                    finally:
+                        frontend.close()
+                    results.append(Result("frontend", n, wall, traces))
+                    print_row(results[-1], results)
+        finally:
+            llm.exit()
+    print_table(results)
+    return 0
+
+
+HEADER = (f"{'mode':<9} {'N':>3} {'out tok/s':>10} {'vs engine':>9} {'TTFT p50':>9} "
+          f"{'p90':>8} {'p99':>8} {'ITL p50':>8} {'p90':>8} {'p99':>8}  (ms)")
+
+
+def _fmt(r: Result, results: list[Result]) -> str:
+    base = next((b for b in results if b.mode == "engine" and b.concurrency == r.concurrency),
+                None)
+    ratio = f"{r.tok_s / base.tok_s:8.0%}" if base is not None else f"{'':>8}"
+    ttft = [t.ttft() * 1e3 for t in r.traces]
+    itl = [x * 1e3 for t in r.traces for x in t.itls()]
+    return (f"{r.mode:<9} {r.concurrency:>3} {r.tok_s:>10.1f} {ratio:>9} "
+            f"{pct(ttft, 50):>9.1f} {pct(ttft, 90):>8.1f} {pct(ttft, 99):>8.1f} "
+            f"{pct(itl, 50):>8.1f} {pct(itl, 90):>8.1f} {pct(itl, 99):>8.1f}")
+
+
+def print_row(r: Result, results: list[Result]) -> None:
+    print(_fmt(r, results), file=sys.stderr, flush=True)
+
+
+def print_table(results: list[Result]) -> None:
+    print("\nbench serve: output tok/s, TTFT and inter-token latency (ms) per concurrency")
+    print(HEADER)
+    for n in sorted({r.concurrency for r in results}):
+        for r in results:
+            if r.concurrency == n:
+                print(_fmt(r, results))
+    for n in sorted({r.concurrency for r in results}):
+        s = [r for r in results if r.mode == "server" and r.concurrency == n]
+        for mode in ("frontend", "engine"):
+            b = [r for r in results if r.mode == mode and r.concurrency == n]
+            if s and b:
+                print(f"server / in-process {mode} at N={n}: {s[0].tok_s / b[0].tok_s:.0%}")
