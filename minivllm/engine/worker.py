@@ -480,11 +480,15 @@ class _WorkerLoop:
             if isinstance(command, StepInput):
                 try:
                     self.run_step(command)
-                except Exception:
+                except Exception as e:
                     # Nobody waits for a reply: report, then leave so that rank 0's
-                    # collectives fail at once instead of waiting for us.
-                    self.conn.send(Reply(error=traceback.format_exc()))
-                    raise
+                    # collectives fail at once instead of waiting for us. (If rank 0 is
+                    # gone, which is often why the step failed, there is no one to tell.)
+                    try:
+                        self.conn.send(Reply(error=traceback.format_exc()))
+                    except OSError:
+                        pass
+                    raise _StepFailed from e
                 continue
             try:
                 value = self.handle(command)
@@ -531,6 +535,10 @@ class _WorkerLoop:
         return None
 
 
+class _StepFailed(Exception):
+    """A step failed; its traceback went to rank 0 and the worker exits quietly."""
+
+
 def _exit_when_orphaned(parent_pid: int) -> None:
     # If rank 0 dies mid-collective, the main thread may never see EOF.
     while os.getppid() == parent_pid:
@@ -548,6 +556,8 @@ def worker_main() -> None:
         _WorkerLoop(Connection(fd)).serve()
     except (EOFError, OSError):
         pass  # rank 0 closed the connection or is gone: nothing to report to anyone
+    except _StepFailed:
+        code = 1  # already reported to rank 0 (or rank 0 is gone)
     except BaseException:
         traceback.print_exc()  # a bug in the loop itself; rank 0 sees the exit code
         code = 1
