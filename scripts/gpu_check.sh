@@ -16,10 +16,10 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 
 # Tests run from outside the repo so `kernels` can never resolve to its folder.
 (cd /tmp && $PY -m pytest "$REPO/tests/test_kernels_gpu.py" "$REPO/tests/test_gpu_engine.py" \
-  "$REPO/tests/test_gpu_graphs.py" -m gpu -q -p no:cacheprovider 2>&1 \
-  | tee "$OUT/gpu-tests.log" | tail -40)
+  "$REPO/tests/test_gpu_graphs.py" "$REPO/tests/test_async.py" -m gpu -q -p no:cacheprovider \
+  2>&1 | tee "$OUT/gpu-tests.log" | tail -40)
 
-bench() { minivllm_bench "$@" 2>&1 | tee -a "$OUT/bench.log" | grep -v "it/s\]" | tail -8; }
+bench() { minivllm_bench "$@" 2>&1 | tee -a "$OUT/bench.log" | grep -v "it/s\]" | tail -12; }
 minivllm_bench() { $PY -m minivllm.cli bench "$@"; }
 
 if [ "${1:-}" = "profile" ] || [ "${1:-}" = "all" ]; then
@@ -27,7 +27,8 @@ if [ "${1:-}" = "profile" ] || [ "${1:-}" = "all" ]; then
 fi
 
 if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
-  bench throughput --compare hf --hf-num-seqs 16
+  # Overlapped vs synchronous scheduling, one engine: tok/s and host ms per step each.
+  bench throughput --compare hf --hf-num-seqs 16 --scheduling both
   bench latency --compare hf --batch-sizes 1 --repeats 3
   # The CPU path on this host's CPU, two cores as on a laptop (issue 10): the dtype it picks
   # (bf16 where the CPU has AVX-512 BF16 / AMX), its tests, and the side-by-side latency.
@@ -78,6 +79,6 @@ echo
 echo "== summary =="
 grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -2
 [ -f "$OUT/cpu-tests.log" ] && grep -E "passed|failed|error" "$OUT/cpu-tests.log" | tail -1
-grep -E "^  (throughput|decode|TTFT|transformers|ratio|minivllm|prefill|chat|cold)|^-- " \
+grep -E "^  (throughput|host ms|decode|TTFT|transformers|ratio|minivllm|prefill|chat|cold)|^-- " \
   "$OUT/bench.log" || true
 grep -E "^(server|frontend|engine) |^server / " "$OUT/bench-serve.log" 2>/dev/null || true
