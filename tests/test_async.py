@@ -333,6 +333,9 @@ def test_gpu_async_equals_sync(tiny_qwen3):
         SamplingParams(temperature=0, max_tokens=5 + 7 * i, ignore_eos=i % 2 == 0)
         for i in range(len(prompts))
     ]
+    # Requests the engine reads synchronously (penalties, logprobs) beside overlapped ones.
+    params[1] = SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.5)
+    params[2] = SamplingParams(temperature=0, max_tokens=20, logprobs=2, prompt_logprobs=1)
     llm = tiny_engine(
         tiny_qwen3,
         device="cuda",
