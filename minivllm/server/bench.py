@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,12 +94,16 @@ def start_server(args: argparse.Namespace, argv: list[str]) -> tuple[subprocess.
     port = free_port()
     cmd = [sys.executable, "-c", "from minivllm.cli import main; main()", "serve",
            "--port", str(port), "--served-model-name", "bench", *argv]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # NOTE: a file, not a pipe: nobody reads the server's output while it runs, and a full
+    # pipe would stall it.
+    log = tempfile.NamedTemporaryFile("w+", prefix="minivllm-bench-serve-", suffix=".log")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + args.start_timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {proc.stderr.read()[-2000:]}")
+            log.seek(0)
+            raise RuntimeError(f"the server exited: {log.read()[-2000:]}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return proc, url
