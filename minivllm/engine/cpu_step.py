@@ -144,7 +144,6 @@ def _skip_guards(skip: bool):
     return contextlib.nullcontext()
 
 
-
 def layer_weights(layer: torch.nn.Module) -> tuple:
     """A decoder layer's tensors in `decode_layer`'s order (None where the model has none)."""
     attn, mlp = layer.self_attn, layer.mlp
