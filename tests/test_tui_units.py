@@ -385,3 +385,16 @@ def test_export_markdown():
     assert md.startswith("# T\n")
     assert "## System\n\nsys" in md and "## User\n\nhi" in md
     assert "> plan" in md and "Hello" in md and "_[stopped]_" in md
+
+
+def test_bench_tokenizer_keeps_ids_in_the_vocabulary_and_decodes_every_id():
+    """The GPU bench runs a dummy model without tokenizer files through the app."""
+    from minivllm.tui.bench import BenchTokenizer
+    from minivllm.tui.engine_thread import render_prompt
+
+    tok = BenchTokenizer(vocab_size=1000)
+    text = render_prompt(tok, [{"role": "user", "content": "Write a story, please!"}], None)
+    ids = tok.encode(text)
+    assert ids and all(0 <= i < 1000 for i in ids)
+    assert tok.decode(list(range(1000)))  # any id the model may sample has text
+    assert tok.decode(tok.encode(" the keeper.")) == " the keeper."
