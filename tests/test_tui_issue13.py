@@ -195,6 +195,22 @@ async def test_a_long_conversation_drops_its_oldest_turns_with_a_marker(started,
     assert loaded.conversations[0].dropped == conv.dropped
 
 
+async def test_the_context_figure_fits_three_pane_titles_at_80_columns(started):
+    engine = FakeEngine({"max_model_length": 8192}, reply="a reply", step_delay=0.001)
+    async with started(engine, size=(80, 24), conversations=3) as (app, pilot):
+        await type_and_send(pilot, 0, "a question " * 150)
+        await wait_idle(pilot)
+        pane = app.panes[0]
+        width = pane.title_bar.content_region.width
+        assert 0 < width < 30
+        await wait_until(pilot, lambda: pane.title_text.endswith("/8.2k"))
+        assert pane.title_text.startswith("#1 idle ") and len(pane.title_text) <= width
+        assert pane.context_tokens > 300
+        await pilot.resize_terminal(160, 48)  # room again: the full title
+        await wait_until(pilot, lambda: "ctx " in pane.title_text)
+        assert pane.title_text.endswith(f"ctx {pane.context_tokens:,} / 8,192 tok")
+
+
 # -- 5: load failures ---------------------------------------------------------------------------
 
 

@@ -618,13 +618,14 @@ class ChatApp(App):
 
     async def on_delta_batch(self, msg: DeltaBatch) -> None:
         for d in msg.deltas:
-            pane = self._requests.get(d.request_id)
+            request_id = int(d.request_id)
+            pane = self._requests.get(request_id)
             if pane is None:
                 continue
-            pane.feed(d.text, d.num_tokens, d.first_at or msg.at, d.last_at or msg.at)
+            pane.feed(d.text, len(d.token_ids), d.at or msg.at)
             if d.finished:
                 status = FINISH_TO_STATUS.get(d.finish_reason, "done")
-                await self._finish(pane, d.request_id, status, d.error)
+                await self._finish(pane, request_id, status, d.error)
 
     async def _finish(self, pane: ConversationPane, request_id: int, status: Status,
                       error: str | None = None) -> None:
