@@ -461,13 +461,22 @@ async def test_stats_panel_shows_exactly_what_stats_gives(tmp_path):
 
 @pytest.mark.parametrize("stage", ["loading weights", "sizing KV cache"])
 async def test_loading_screen_then_chat(tmp_path, stage):
+    import threading
+
+    seen = threading.Event()
+
     def factory(on_progress):
-        return FakeEngine(on_progress=on_progress, load_delay=0.6)
+        for i, name in enumerate(("loading weights", "sizing KV cache")):
+            on_progress(name, (i + 1) / 3)
+            if name == stage:
+                seen.wait(30)  # the load goes on once the screen has shown this stage
+        return FakeEngine(on_progress=on_progress)
 
     app = create_app(engine_factory=factory, model="fake/model", data_root=tmp_path / "d")
     async with app.run_test(size=SIZE) as pilot:
         await wait_until(pilot, lambda: app.loading is not None
                          and stage in str(app.loading.stage.render()))
+        seen.set()
         await wait_ready(pilot)
         assert app.info.model == "fake/scripted-model"
 

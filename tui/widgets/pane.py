@@ -153,7 +153,7 @@ class ConversationPane(Vertical):
         title = fit_title(self._title_forms(), self.title_bar.content_region.width)
         if title != self.title_text:
             self.title_text = title
-            self.title_bar.update(title)
+            self.title_bar.update(title, layout=False)  # one line, whatever it says
         subtitle = self.conversation.settings.summary()
         if subtitle != str(self.border_subtitle or ""):
             self.border_subtitle = Content(subtitle)

@@ -9,6 +9,7 @@ from textual.widgets import Sparkline, Static
 from minivllm.outputs import EngineStats
 
 from ..stats import Rates, cache_line, compact_lines, kv_line, queue_line, throughput_line
+from .message import set_growing_text
 
 COMPACT_BELOW = 120  # columns: narrower, the panel condenses and the sparkline goes
 
@@ -49,7 +50,8 @@ class StatsPanel(Horizontal):
         else:
             self.lines = [kv_line(stats) + "   " + queue_line(stats), throughput_line(rates),
                           cache_line(stats)]
-        self.text.update("\n".join(self.lines))
+        set_growing_text(self.text, "\n".join(self.lines))  # no layout while it fits
         self.spark.data = spark or [0.0]
         peak = max(spark) if spark else 0.0
-        self.spark_label.update(f"Generation tok/s, last 60 s (peak {peak:,.1f})")
+        self.spark_label.update(f"Generation tok/s, last 60 s (peak {peak:,.1f})",
+                                layout=False)
