@@ -493,3 +493,30 @@ async def test_load_failure_is_shown_and_the_app_stays_up(tmp_path):
         assert app.is_running
         await pilot.press("ctrl+q")
     assert not app.is_running
+
+
+async def test_live_text_counts_its_wrapped_height_incrementally():
+    """The streaming block's line count (kept per finished line) equals Textual's own."""
+    import random
+
+    from minivllm.tui.widgets.message import LiveText
+    from textual.app import App
+    from textual.geometry import Size
+
+    live = LiveText(classes="live")
+
+    class One(App):
+        def compose(self):
+            yield live
+
+    rng = random.Random(0)
+    words = ["a", "lighthouse", "keeper", "\n", "\n\n", "supercalifragilistic", "-", " "]
+    async with One().run_test(size=(40, 20)) as pilot:
+        await pilot.pause()
+        text = ""
+        for _ in range(200):
+            text += rng.choice(words) + rng.choice([" ", ""])
+            for width in (7, 23):
+                live.update(text, layout=False)
+                assert live._height(text, width) == live.get_content_height(
+                    Size(width, 20), Size(width, 20), width), (width, text)

@@ -52,7 +52,7 @@ from .widgets.pane import ConversationPane
 from .widgets.settings_modal import SettingsModal
 
 MAX_PANES = 9
-FLUSH_HZ = 30
+FLUSH_HZ = 10  # streamed text is rendered this often (each render repaints the pane)
 HELP = (
     "Enter sends · ctrl+j newline · Esc or ctrl+c stops · alt+a or /all sends to every pane · "
     "ctrl+r regenerates · ctrl+n/ctrl+w new/close · ctrl+o reopens · alt+1..9 focus · "
@@ -86,7 +86,7 @@ class ChatApp(App):
         keymap: dict[str, str] | None = None,
         export_dir: Path | None = None,
         owns_engine: bool | None = None,
-        stats_interval: float = 0.25,
+        stats_interval: float = 0.5,
         save_sessions: bool = True,
     ) -> None:
         super().__init__()

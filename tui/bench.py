@@ -3,13 +3,14 @@
     minivllm-chat --bench [--model M] [--panes 4] [--max-tokens 128] [--rounds 2]
 
 One engine in one process; rounds alternate headless, app, headless, app, ..., headless,
-so a machine whose load drifts (a shared CI box) biases neither side. Headless loops
-`add_prompt` / `step` / `pop_deltas` on the main thread; an app round drives every pane
-of the real app through Textual's headless driver at 160x48, rendering as it streams,
-with the engine on the app's engine thread. Same greedy requests (the panes' templated
-prompts) after an untimed warm-up of each. Prints generation tok/s of every round and
-app / headless (the app rounds' mean over the headless rounds' mean), and the UI
-thread's CPU time per generated token (steadier than tok/s on a shared machine).
+so a machine whose load drifts (a shared CI box) biases neither side. A headless round
+sends the requests through the app's engine loop (`EngineFrontend`, its own thread) with
+no UI; an app round drives every pane of the real app through Textual's headless driver
+at 160x48, rendering as it streams, with the engine on the same kind of loop. Same
+greedy requests (the panes' templated prompts) after an untimed warm-up of each. Prints
+generation tok/s of every round and app / headless (the app rounds' mean over the
+headless rounds' mean), and the UI thread's CPU time per generated token (steadier than
+tok/s on a shared machine).
 
 A model without tokenizer files (`--load-format dummy` on a known config such as
 Qwen/Qwen3-0.6B, as on the GPU machine) gets `BenchTokenizer`: the app needs text, and
@@ -22,6 +23,7 @@ import argparse
 import asyncio
 import re
 import statistics
+import threading
 import time
 import zlib
 from typing import Any
@@ -102,17 +104,40 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_headless(engine: Any, texts: list[str], max_tokens: int) -> tuple[int, float]:
+    """The same requests through the app's engine loop (`EngineFrontend`, on its own
+    thread as in the app), with no UI: what the engine does without the app.
+
+    NOTE: not a `step()` loop on the main thread: on a busy 2-core machine torch ran the
+    same steps ~15x slower on the main thread than on a worker thread (measured 2 vs 30
+    tok/s), which made the ratio meaningless.
+    """
+    from minivllm.frontend import EngineFrontend, GenerateRequest
+
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    start = time.perf_counter()
-    for text in texts:
-        engine.add_prompt(text, params)
-    tokens, live = 0, len(texts)
-    while live:
-        engine.step()
-        for d in engine.pop_deltas():
-            tokens += len(d.token_ids)
-            live -= d.finished
-    return tokens, time.perf_counter() - start
+    frontend = EngineFrontend(engine, owns_engine=False)
+    frontend.start()
+    lock = threading.Lock()
+    done = threading.Event()
+    counts = {"tokens": 0, "live": len(texts)}
+    end = [0.0]
+
+    def on_output(out: Any) -> None:
+        with lock:
+            counts["tokens"] += len(out.token_ids)
+            if out.finished:
+                counts["live"] -= 1
+                if counts["live"] == 0:
+                    end[0] = time.perf_counter()
+                    done.set()
+
+    try:
+        start = time.perf_counter()
+        for i, text in enumerate(texts):
+            frontend.add_request(GenerateRequest(f"bench-{i}", params, prompt=text), on_output)
+        done.wait()
+    finally:
+        frontend.close()
+    return counts["tokens"], end[0] - start
 
 
 async def run_app(engine: Any, users: list[str], max_tokens: int,

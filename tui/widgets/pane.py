@@ -19,7 +19,7 @@ from .chat_input import ChatInput
 from .message import AssistantMessage, UserMessage
 
 BUSY_STATES = ("queued", "prefill", "streaming")
-TITLE_PERIOD = 0.25
+TITLE_PERIOD = 0.5  # seconds between title redraws while streaming
 
 
 def _k(n: int) -> str:
@@ -139,7 +139,7 @@ class ConversationPane(Vertical):
 
     def refresh_title(self, force: bool = False) -> None:
         """Update the title line: at once when `force`d (a state change), else at most
-        4 times a second.
+        twice a second.
 
         NOTE: the title is a one-line widget, not the border title: setting a border
         title repaints the whole pane, which with a few panes streaming cost the engine
@@ -240,7 +240,7 @@ class ConversationPane(Vertical):
             self.set_state("queued" if queued else "prefill")
 
     def feed(self, text: str, num_tokens: int, at: float) -> None:
-        """Buffer streamed text; `flush()` renders it (at most ~30 times a second)."""
+        """Buffer streamed text; `flush()` renders it (FLUSH_HZ times a second at most)."""
         if self._reply is None:
             return
         if num_tokens or text:

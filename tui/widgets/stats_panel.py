@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Sparkline, Static
@@ -11,6 +13,7 @@ from minivllm.outputs import EngineStats
 from ..stats import Rates, cache_line, compact_lines, kv_line, queue_line, throughput_line
 from .message import set_growing_text
 
+SPARK_PERIOD = 1.0  # seconds between sparkline redraws
 COMPACT_BELOW = 120  # columns: narrower, the panel condenses and the sparkline goes
 
 
@@ -25,6 +28,7 @@ class StatsPanel(Horizontal):
         self.spark_label = Static("", markup=False, id="stats-spark-label")
         self.lines: list[str] = []
         self._last: tuple[EngineStats, Rates, list[float]] | None = None
+        self._spark_at = 0.0
 
     def compose(self) -> ComposeResult:
         yield self.text
@@ -51,7 +55,14 @@ class StatsPanel(Horizontal):
             self.lines = [kv_line(stats) + "   " + queue_line(stats), throughput_line(rates),
                           cache_line(stats)]
         set_growing_text(self.text, "\n".join(self.lines))  # no layout while it fits
-        self.spark.data = spark or [0.0]
-        peak = max(spark) if spark else 0.0
-        self.spark_label.update(f"Generation tok/s, last 60 s (peak {peak:,.1f})",
-                                layout=False)
+        # NOTE: the sparkline is the panel's dearest widget to render: once a second is
+        # enough for a minute of history.
+        now = time.monotonic()
+        if now - self._spark_at >= SPARK_PERIOD or not self.spark.data:
+            self._spark_at = now
+            data = spark or [0.0]
+            if list(self.spark.data or ()) != data:
+                self.spark.data = data
+            peak = max(spark) if spark else 0.0
+            self.spark_label.update(f"Generation tok/s, last 60 s (peak {peak:,.1f})",
+                                    layout=False)
