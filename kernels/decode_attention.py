@@ -81,7 +81,9 @@ MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial w
 MAX_SPLITS = 32
 
 
-@triton.jit
+# NOTE: the block table's row stride is the step's widest table; not specialised on, so
+# a new width never compiles a new variant mid-run.
+@triton.jit(do_not_specialize=["bt_stride_s"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -254,31 +256,37 @@ def decode_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     tile_config: dict | None = None,
+    check: bool = True,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Triton version of `decode_attention_ref`; no host sync.
 
     The split count comes from the batch size and `max_seq_len` (default: the block
     table's capacity, block_tables.shape[1] * block_size), never from `seq_lens`' values,
     so the launch is graph-capturable. `num_splits` (a power of two) and `tile_config`
-    override the choices (tests, benchmarks).
+    override the choices (tests, benchmarks); `check=False` skips the input checks (an
+    engine checks each kernel's first launch).
     """
-    require_triton()
-    block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
     device = k_cache.device
-    check_tensor("q", q, 3, device=device)
-    check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES, device=device)
-    check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, device=device)
+    if check:
+        require_triton()
+        check_kv_cache(k_cache, v_cache)
+        check_tensor("q", q, 3, device=device)
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_seqs, num_heads, _ = q.shape
-    if q.shape[2] != head_dim:
-        raise ValueError(f"q has head_dim {q.shape[2]}, the cache {head_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if seq_lens.shape[0] != num_seqs or block_tables.shape[0] != num_seqs:
-        raise ValueError(
-            f"seq_lens {tuple(seq_lens.shape)} and block_tables "
-            f"{tuple(block_tables.shape)} must have one row per sequence "
-            f"({num_seqs})"
-        )
+    if check:
+        check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES, device=device)
+        check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, device=device)
+        if q.shape[2] != head_dim:
+            raise ValueError(f"q has head_dim {q.shape[2]}, the cache {head_dim}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
+                             f"{num_kv_heads}")
+        if seq_lens.shape[0] != num_seqs or block_tables.shape[0] != num_seqs:
+            raise ValueError(
+                f"seq_lens {tuple(seq_lens.shape)} and block_tables "
+                f"{tuple(block_tables.shape)} must have one row per sequence "
+                f"({num_seqs})"
+            )
     group = num_heads // num_kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
     if num_seqs == 0:

@@ -317,10 +317,13 @@ def gemv(
     bias: torch.Tensor | None = None,  # [N]
     *,
     config: dict | None = None,
+    check: bool = True,
 ) -> torch.Tensor:  # [M, N]
-    """Triton version of `gemv_ref` (fp32 accumulation); `config` overrides the tiles."""
-    require_triton()
-    _check(x, weight, bias)
+    """Triton version of `gemv_ref` (fp32 accumulation); `config` overrides the tiles.
+    `check=False` skips the input checks (an engine checks each kernel's first launch)."""
+    if check:
+        require_triton()
+        _check(x, weight, bias)
     n = weight.shape[0]
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     _launch(x, None, None, weight, bias, out, None, n, 0.0, config, norm=False, silu_mul=False)
@@ -337,23 +340,30 @@ def rms_norm_gemv(
     *,
     silu_mul: bool = False,
     config: dict | None = None,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (out, new residual)
     """Triton version of `rms_norm_gemv_ref`: one launch for add + RMSNorm + projection
-    (+ SiLU-and-mul). The new residual is a new tensor (x when residual is None)."""
-    require_triton()
-    _check(x, weight, bias)
+    (+ SiLU-and-mul). The new residual is a new tensor (x when residual is None).
+    `check=False` skips the input checks (an engine checks each kernel's first launch)."""
     m, k = x.shape
-    check_tensor("norm_weight", norm_weight, 1, device=x.device)
-    if norm_weight.shape[0] != k:
-        raise ValueError(f"norm_weight has {norm_weight.shape[0]} elements for hidden size {k}")
-    if residual is not None:
-        check_tensor("residual", residual, 2, (x.dtype,), device=x.device)
-        if residual.shape != x.shape:
-            raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
     n = weight.shape[0]
-    if silu_mul:
-        if n % 2:
+    if check:
+        require_triton()
+        _check(x, weight, bias)
+        check_tensor("norm_weight", norm_weight, 1, device=x.device)
+        if norm_weight.shape[0] != k:
+            raise ValueError(
+                f"norm_weight has {norm_weight.shape[0]} elements for hidden size {k}"
+            )
+        if residual is not None:
+            check_tensor("residual", residual, 2, (x.dtype,), device=x.device)
+            if residual.shape != x.shape:
+                raise ValueError(
+                    f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}"
+                )
+        if silu_mul and n % 2:
             raise ValueError(f"silu_mul needs an even number of outputs (gate, up), got {n}")
+    if silu_mul:
         n //= 2
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     residual_out = None if residual is None else torch.empty((m, k), dtype=x.dtype, device=x.device)

@@ -89,7 +89,9 @@ def _find_seq(cu_seqlens_ptr, num_seqs, tile, BLOCK_M: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# NOTE: the block table's row stride and the sequence count change every step; not
+# specialised on, so a new batch shape never compiles a new variant mid-run.
+@triton.jit(do_not_specialize=["bt_stride_s", "num_seqs"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -187,28 +189,34 @@ def prefill_attention(
     scale: float,
     *,
     tile_config: dict | None = None,
+    check: bool = True,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Triton version of `prefill_attention_ref`; no host sync. The caller guarantees
-    cu_seqlens_q[-1] == num_tokens and q_len <= seq_len for every sequence (values on
-    the device are not checked). `tile_config` overrides the tiles (tests, benchmarks)."""
-    require_triton()
-    block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    cu_seqlens_q[-1] <= num_tokens (rows past it, CUDA graph padding, are left unwritten)
+    and q_len <= seq_len for every sequence (values on the device are not checked).
+    `tile_config` overrides the tiles (tests, benchmarks); `check=False` skips the input
+    checks (an engine checks each kernel's first launch)."""
     device = k_cache.device
-    check_tensor("q", q, 3, device=device)
-    check_tensor("cu_seqlens_q", cu_seqlens_q, 1, INDEX_DTYPES, device=device)
-    check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES, device=device)
-    check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, device=device)
+    if check:
+        require_triton()
+        check_kv_cache(k_cache, v_cache)
+        check_tensor("q", q, 3, device=device)
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_tokens, num_heads, _ = q.shape
     num_seqs = seq_lens.shape[0]
-    if q.shape[2] != head_dim:
-        raise ValueError(f"q has head_dim {q.shape[2]}, the cache {head_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
-                         f"{num_kv_heads}")
-    if cu_seqlens_q.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} needs num_seqs + 1 "
-                         f"entries and block_tables {tuple(block_tables.shape)} one row per "
-                         f"sequence; seq_lens has {num_seqs}")
+    if check:
+        check_tensor("cu_seqlens_q", cu_seqlens_q, 1, INDEX_DTYPES, device=device)
+        check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES, device=device)
+        check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, device=device)
+        if q.shape[2] != head_dim:
+            raise ValueError(f"q has head_dim {q.shape[2]}, the cache {head_dim}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
+                             f"{num_kv_heads}")
+        if cu_seqlens_q.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
+            raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} needs num_seqs + 1 "
+                             f"entries and block_tables {tuple(block_tables.shape)} one row "
+                             f"per sequence; seq_lens has {num_seqs}")
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
     if num_tokens == 0 or num_seqs == 0:
         return out

@@ -124,27 +124,15 @@ def _qkv_rotary_store_kernel(
         tl.store(v_cache_ptr + cache_offset + v_dims, v.to(cache_dtype), mask=v_mask)
 
 
-def qkv_rotary_store(
-    positions: torch.Tensor,  # [num_tokens]
-    qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
-    num_heads: int,
-    cos_sin_cache: torch.Tensor,  # [max_position, head_dim], contiguous
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_tokens]; -1 skips the token's store
-    q_norm_weight: torch.Tensor | None = None,  # [head_dim]
-    k_norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-) -> torch.Tensor:  # q: [num_tokens, num_heads, head_dim], a new tensor
-    """Triton version of `qkv_rotary_store_ref`. Positions are not range-checked (that
-    would need a host sync); they must be < max_position."""
+def _check_inputs(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache, slot_mapping,
+                  q_norm_weight, k_norm_weight) -> None:
+    device = k_cache.device
+    num_tokens, width = qkv.shape
     require_triton()
     _, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
-    device = k_cache.device
     check_tensor("qkv", qkv, 2, device=device)
     check_tensor("positions", positions, 1, INDEX_DTYPES, device=device)
     check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES, device=device)
-    num_tokens, width = qkv.shape
     if width != (num_heads + 2 * num_kv_heads) * head_dim:
         raise ValueError(
             f"qkv has {width} columns; {num_heads} q + 2 x {num_kv_heads} kv heads of "
@@ -169,6 +157,31 @@ def qkv_rotary_store(
             check_tensor(name, w, 1, device=device)
             if w.shape[0] != head_dim:
                 raise ValueError(f"{name} has {w.shape[0]} elements for head_dim {head_dim}")
+
+
+def qkv_rotary_store(
+    positions: torch.Tensor,  # [num_tokens]
+    qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+    num_heads: int,
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim], contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_tokens]; -1 skips the token's store
+    q_norm_weight: torch.Tensor | None = None,  # [head_dim]
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    check: bool = True,
+) -> torch.Tensor:  # q: [num_tokens, num_heads, head_dim], a new tensor
+    """Triton version of `qkv_rotary_store_ref`. Positions are not range-checked (that
+    would need a host sync); they must be < max_position. `check=False` skips the input
+    checks (an engine checks each kernel's first launch)."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    device = k_cache.device
+    num_tokens = qkv.shape[0]
+    if check:
+        _check_inputs(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache,
+                      slot_mapping, q_norm_weight, k_norm_weight)
     q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=device)
     if num_tokens == 0:
         return q

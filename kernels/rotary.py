@@ -117,28 +117,34 @@ def rotary(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     cos_sin_cache: torch.Tensor,  # [max_position, head_dim]: cos in the first half, sin after
+    *,
+    check: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton version of `rotary_ref`. NOTE: rotates q and k IN PLACE (they may be strided
     views of a fused QKV output) and returns them. Positions are not range-checked (that
-    would need a host sync); they must be < max_position."""
-    require_triton()
-    check_tensor("q", q, 3)
-    check_tensor("k", k, 3, (q.dtype,), device=q.device)
-    check_tensor("positions", positions, 1, INDEX_DTYPES, device=q.device)
-    check_tensor("cos_sin_cache", cos_sin_cache, 2, device=q.device)
+    would need a host sync); they must be < max_position. `check=False` skips the input
+    checks (an engine checks each kernel's first launch)."""
+    if check:
+        require_triton()
+        check_tensor("q", q, 3)
     num_tokens, num_heads, head_dim = q.shape
-    if k.shape[0] != num_tokens or k.shape[2] != head_dim or positions.shape[0] != num_tokens:
-        raise ValueError(
-            f"q {tuple(q.shape)}, k {tuple(k.shape)} and positions "
-            f"{tuple(positions.shape)} disagree on num_tokens or head_dim"
-        )
-    if cos_sin_cache.shape[1] != head_dim or not cos_sin_cache.is_contiguous():
-        raise ValueError(
-            f"cos_sin_cache must be a contiguous [max_position, {head_dim}] "
-            f"tensor, got shape {tuple(cos_sin_cache.shape)}"
-        )
-    if head_dim % 2 or triton.next_power_of_2(head_dim) != head_dim:
-        raise ValueError(f"head_dim must be a power of two, got {head_dim}")
+    if check:
+        check_tensor("k", k, 3, (q.dtype,), device=q.device)
+        check_tensor("positions", positions, 1, INDEX_DTYPES, device=q.device)
+        check_tensor("cos_sin_cache", cos_sin_cache, 2, device=q.device)
+        if (k.shape[0] != num_tokens or k.shape[2] != head_dim
+                or positions.shape[0] != num_tokens):
+            raise ValueError(
+                f"q {tuple(q.shape)}, k {tuple(k.shape)} and positions "
+                f"{tuple(positions.shape)} disagree on num_tokens or head_dim"
+            )
+        if cos_sin_cache.shape[1] != head_dim or not cos_sin_cache.is_contiguous():
+            raise ValueError(
+                f"cos_sin_cache must be a contiguous [max_position, {head_dim}] "
+                f"tensor, got shape {tuple(cos_sin_cache.shape)}"
+            )
+        if head_dim % 2 or triton.next_power_of_2(head_dim) != head_dim:
+            raise ValueError(f"head_dim must be a power of two, got {head_dim}")
     if num_tokens == 0:
         return q, k
     _rotary_kernel[(num_tokens,)](

@@ -67,25 +67,31 @@ def store_kvcache(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens]; -1 skips the token
+    *,
+    check: bool = True,
 ) -> None:
     """Triton version of `store_kvcache_ref`. key/value may be strided views (e.g. slices
-    of a fused QKV output) as long as head_dim is contiguous."""
-    require_triton()
-    _, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
-    check_tensor("key", key, 3, device=k_cache.device)
-    check_tensor("value", value, 3, device=k_cache.device)
-    check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES, device=k_cache.device)
+    of a fused QKV output) as long as head_dim is contiguous. `check=False` skips the
+    input checks (an engine checks each kernel's first launch)."""
+    if check:
+        require_triton()
+        check_kv_cache(k_cache, v_cache)
     num_tokens = key.shape[0]
-    expected = (num_tokens, num_kv_heads, head_dim)
-    if tuple(key.shape) != expected or tuple(value.shape) != expected:
-        raise ValueError(
-            f"key {tuple(key.shape)} and value {tuple(value.shape)} must be "
-            f"{expected} to match the cache"
-        )
-    if slot_mapping.shape[0] != num_tokens:
-        raise ValueError(
-            f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens"
-        )
+    _, _, num_kv_heads, head_dim = k_cache.shape
+    if check:
+        check_tensor("key", key, 3, device=k_cache.device)
+        check_tensor("value", value, 3, device=k_cache.device)
+        check_tensor("slot_mapping", slot_mapping, 1, INDEX_DTYPES, device=k_cache.device)
+        expected = (num_tokens, num_kv_heads, head_dim)
+        if tuple(key.shape) != expected or tuple(value.shape) != expected:
+            raise ValueError(
+                f"key {tuple(key.shape)} and value {tuple(value.shape)} must be "
+                f"{expected} to match the cache"
+            )
+        if slot_mapping.shape[0] != num_tokens:
+            raise ValueError(
+                f"slot_mapping has {slot_mapping.shape[0]} entries for {num_tokens} tokens"
+            )
     if num_tokens == 0:
         return
     _store_kvcache_kernel[(num_tokens,)](

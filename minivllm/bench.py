@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -81,25 +86,46 @@ def bench_throughput(args: argparse.Namespace) -> list[Row]:
     vocab = llm.config.model.vocab_size
     prompts = [[t % vocab for t in p] for p in prompts]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in outs]
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))  # warm-up, untimed
-    sync(llm)
-    start = time.perf_counter()
-    out = llm.generate(prompts, params, use_tqdm=args.progress)
-    sync(llm)
-    elapsed = time.perf_counter() - start
-    generated = sum(len(t) for t in out["token_ids"])
-    assert generated == sum(outs)
-    stats = llm.stats()
-    rows = [
-        Row(
-            "throughput",
-            generated / elapsed,
-            "output tok/s",
-            f"{len(prompts)} seqs, {sum(map(len, prompts))} prompt + {generated} output tokens "
-            f"in {elapsed:.2f} s; {stats.num_preemptions} preemptions, "
-            f"{stats.num_blocks} KV blocks",
-        ),
-    ]
+    modes = {"default": [None], "both": [True, False], "async": [True], "sync": [False]}
+    rows = []
+    for mode in modes[args.scheduling]:
+        if mode is not None:
+            llm.async_scheduling = mode  # switched while idle: the same engine runs both
+        suffix = "" if mode is None else (" (async)" if mode else " (sync)")
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))  # warm-up, untimed
+        sync(llm)
+        steps_before = llm.stats().num_steps
+        times = _time_host_work(llm)
+        start = time.perf_counter()
+        out = llm.generate(prompts, params, use_tqdm=args.progress)
+        sync(llm)
+        elapsed = time.perf_counter() - start
+        _untime_host_work(llm)
+        generated = sum(len(t) for t in out["token_ids"])
+        assert generated == sum(outs)
+        stats = llm.stats()
+        steps = max(1, stats.num_steps - steps_before)
+        rows.append(
+            Row(
+                "throughput" + suffix,
+                generated / elapsed,
+                "output tok/s",
+                f"{len(prompts)} seqs, {sum(map(len, prompts))} prompt + {generated} output "
+                f"tokens in {elapsed:.2f} s; {stats.num_preemptions} preemptions, "
+                f"{stats.num_blocks} KV blocks",
+            )
+        )
+        per_step = {k: v / steps * 1e3 for k, v in times.items()}
+        rows.append(
+            Row(
+                "host ms/step" + suffix,
+                elapsed / steps * 1e3 - per_step["wait"],
+                "ms",
+                f"{steps} steps of {elapsed / steps * 1e3:.2f} ms; not waiting for the device: "
+                f"schedule {per_step['schedule']:.2f}, prepare {per_step['prepare']:.2f}, "
+                f"apply {per_step['apply']:.2f}; waiting {per_step['wait']:.2f}",
+            )
+        )
     llm.exit()
     if args.compare == "hf":
         rows.append(hf_throughput(args, prompts, outs, vocab))
@@ -108,6 +134,36 @@ def bench_throughput(args: argparse.Namespace) -> list[Row]:
                 Row("ratio", rows[0].value / rows[-1].value, "x", "minivllm / transformers")
             )
     return rows
+
+
+def _time_host_work(llm: LLMEngine) -> dict[str, float]:
+    """Wrap the engine's per-step stages with timers (instance attributes, removed by
+    `_untime_host_work`): where the host's time goes, and how long it waits."""
+    times = {"schedule": 0.0, "prepare": 0.0, "apply": 0.0, "wait": 0.0}
+    targets = [
+        (llm.scheduler, "schedule", "schedule"),
+        (llm.runner, "prepare", "prepare"),
+        (llm.scheduler, "update_from_output", "apply"),
+        (llm.runner, "collect", "wait"),
+    ]
+    for obj, name, key in targets:
+        fn = getattr(obj, name)
+
+        def timed(*a, _fn=fn, _key=key, **kw):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                times[_key] += time.perf_counter() - t
+
+        setattr(obj, name, timed)
+    llm._timed_stages = targets  # type: ignore[attr-defined]
+    return times
+
+
+def _untime_host_work(llm: LLMEngine) -> None:
+    for obj, name, _ in llm._timed_stages:  # type: ignore[attr-defined]
+        delattr(obj, name)
 
 
 # -- latency --------------------------------------------------------------------------------
@@ -214,6 +270,210 @@ def timed_run(llm: LLMEngine, prompts, params) -> tuple[float, float]:
     sync(llm)
     end = time.perf_counter()
     return end - start, end - (first or start)
+
+
+# -- prefill-only requests and TTFT ------------------------------------------------------
+
+
+def one_token(llm: LLMEngine, prompt: list[int]) -> float:
+    """Seconds from add_prompt to the first token of a lone request (idle engine)."""
+    sync(llm)
+    start = time.perf_counter()
+    llm.add_prompt(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    while not llm.scheduler.is_finished():
+        llm.step()
+    sync(llm)
+    return time.perf_counter() - start
+
+
+def bench_prefill(args: argparse.Namespace) -> list[Row]:
+    """A lone prefill-only request per length (fresh tokens: no prefix hit): TTFT."""
+    llm = build_engine(args)
+    vocab = llm.config.model.vocab_size
+    rng = random.Random(0)
+    rows = []
+    limit = min(llm.config.max_len - 1, llm.config.max_num_batched_tokens)
+    lengths = [n for n in args.prefill_lens if n <= limit]
+    for n in lengths:
+        times = []
+        for i in range(args.repeats + 1):
+            t = one_token(llm, [rng.randrange(vocab) for _ in range(n)])
+            if i > 0:  # the first one warms this shape up
+                times.append(t)
+        name = "TTFT, 1024-token prompt" if n == 1024 else f"prefill {n} tokens"
+        rows.append(Row(name, statistics.median(times) * 1e3, "ms",
+                        f"lone request, 1 output token, median of {len(times)}"))
+    llm.exit()
+    return rows
+
+
+# -- the chat workload --------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_turn(llm: LLMEngine, prompts: list[list[int]], max_tokens: list[int]):
+    """Submit every prompt at once; (TTFT seconds of each, completions)."""
+    start = {}
+    ids = []
+    for p, n in zip(prompts, max_tokens, strict=True):
+        sync(llm)
+        seq_id = llm.add_prompt(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        start[seq_id] = time.perf_counter()
+        ids.append(seq_id)
+    ttft: dict[int, float] = {}
+    completions: dict[int, list[int]] = {i: [] for i in ids}
+    while not llm.scheduler.is_finished():
+        llm.step()
+        deltas = llm.pop_deltas()
+        now = time.perf_counter()
+        for d in deltas:
+            if d.token_ids and d.seq_id not in ttft:
+                ttft[d.seq_id] = now - start[d.seq_id]
+            completions[d.seq_id].extend(d.token_ids)
+    return [ttft[i] for i in ids], [completions[i] for i in ids]
+
+
+def bench_chat(args: argparse.Namespace) -> list[Row]:
+    """PERF.md's chat workload: conversations of a system prompt and growing turns, every
+    conversation's next turn submitted at once; then a lone follow-up on an idle engine."""
+    llm = build_engine(args)
+    vocab = llm.config.model.vocab_size
+    rng = random.Random(0)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(vocab) for _ in range(n)]
+
+    system = tokens(args.system_len)
+    histories = [list(system) for _ in range(args.conversations)]
+    one_token(llm, tokens(16))  # warm-up, untimed
+    first, follow = [], []
+    for turn in range(args.turns):
+        prompts = [h + tokens(rng.randint(*args.user_len)) for h in histories]
+        replies = [rng.randint(*args.reply_len) for _ in histories]
+        ttfts, completions = run_turn(llm, prompts, replies)
+        (first if turn == 0 else follow).extend(ttfts)
+        histories = [p + c for p, c in zip(prompts, completions, strict=True)]
+    hit_rate = llm.stats().prefix_cache_hit_rate
+    # A lone follow-up: a long conversation's history is cached, a short user turn new.
+    history = histories[0][: args.lone_cached]
+    history += tokens(args.lone_cached - len(history))
+    one_token(llm, history + tokens(args.lone_new))  # caches the history
+    lone = [one_token(llm, history + tokens(args.lone_new)) for _ in range(args.repeats)]
+    llm.exit()
+    setting = f"{args.conversations} conversations x {args.turns} turns"
+    rows = [
+        Row("chat first-turn TTFT median", statistics.median(first) * 1e3, "ms", setting),
+        Row("chat first-turn TTFT p90", percentile(first, 0.9) * 1e3, "ms", ""),
+    ]
+    if follow:
+        rows += [
+            Row("chat follow-up TTFT median", statistics.median(follow) * 1e3, "ms",
+                "turns 2.., all conversations submitted at once"),
+            Row("chat follow-up TTFT p90", percentile(follow, 0.9) * 1e3, "ms", ""),
+        ]
+    rows += [
+        Row("chat prefix hit rate", hit_rate * 100, "%", f"block size {args.block_size}"),
+        Row("chat lone follow-up TTFT", statistics.median(lone) * 1e3, "ms",
+            f"{args.lone_cached} cached + {args.lone_new} new tokens, idle engine, "
+            f"median of {len(lone)}"),
+    ]
+    return rows
+
+
+# -- cold start -----------------------------------------------------------------------------
+
+
+def bench_coldstart(args: argparse.Namespace) -> list[Row]:
+    """Start-up and the first requests' slowest step with an empty Triton cache: the
+    measurement runs in a child process whose TRITON_CACHE_DIR is a new empty folder."""
+    if args.child:
+        print(json.dumps(coldstart_child(args)))
+        return []
+    with tempfile.TemporaryDirectory(prefix="minivllm-triton-") as cache:
+        env = {**os.environ, "TRITON_CACHE_DIR": cache}
+        argv = [sys.executable, "-m", "minivllm.cli", "bench", "coldstart",
+                *_coldstart_argv(args), "--child"]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"the cold-start run failed: {done.stderr.strip()[-2000:]}")
+    result = json.loads(lines[-1])
+    rows = [
+        Row("cold start-up", result["startup_s"], "s", "LLMEngine(...) with an empty Triton cache"),
+        Row("cold slowest step", result["slowest_step_ms"], "ms",
+            f"over the first requests ({result['requests']})"),
+    ]
+    for name, ms in result["first_steps"]:
+        rows.append(Row(f"cold first step, {name}", ms, "ms", "slowest step of that request"))
+    return rows
+
+
+def _coldstart_argv(args: argparse.Namespace) -> list[str]:
+    out = ["--model", args.model, "--device", args.device,
+           "--max-model-length", str(args.max_model_length),
+           "--max-num-sequences", str(args.max_num_sequences),
+           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+           "--block-size", str(args.block_size),
+           "--cold-lens", *map(str, args.cold_lens),
+           "--cold-decoders", str(args.cold_decoders),
+           "--cold-arrival", str(args.cold_arrival)]
+    if args.load_format:
+        out += ["--load-format", args.load_format]
+    if args.dtype:
+        out += ["--dtype", args.dtype]
+    if args.enforce_eager:
+        out.append("--enforce-eager")
+    return out
+
+
+def coldstart_child(args: argparse.Namespace) -> dict:
+    start = time.perf_counter()
+    llm = build_engine(args)
+    sync(llm)
+    startup = time.perf_counter() - start
+    vocab = llm.config.model.vocab_size
+    rng = random.Random(0)
+    limit = min(llm.config.max_len - 1, llm.config.max_num_batched_tokens)
+    lens = [n for n in args.cold_lens if n <= limit]
+
+    def slowest_step(prompts: list[list[int]], max_tokens: int) -> float:
+        for p in prompts:
+            llm.add_prompt(p, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                             ignore_eos=True))
+        worst = 0.0
+        while not llm.scheduler.is_finished():
+            sync(llm)
+            t = time.perf_counter()
+            llm.step()
+            sync(llm)
+            worst = max(worst, time.perf_counter() - t)
+        return worst * 1e3
+
+    first_steps = []
+    for n in lens:  # lone requests of varied lengths
+        first_steps.append((f"{n} tokens", slowest_step([[rng.randrange(vocab)
+                                                          for _ in range(n)]], 4)))
+    # Mid-stream: sequences decoding while a long prompt arrives (a mixed step).
+    decoders = [[rng.randrange(vocab) for _ in range(rng.randint(20, 200))]
+                for _ in range(args.cold_decoders)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for p in decoders:
+        llm.add_prompt(p, params)
+    llm.step()  # their prefill
+    arriving = [rng.randrange(vocab) for _ in range(min(args.cold_arrival, limit))]
+    first_steps.append((f"{args.cold_decoders} decoding + {len(arriving)}-token arrival",
+                        slowest_step([arriving], 4)))
+    llm.exit()
+    return {
+        "startup_s": startup,
+        "slowest_step_ms": max(ms for _, ms in first_steps),
+        "first_steps": first_steps,
+        "requests": ", ".join(name for name, _ in first_steps),
+    }
 
 
 # -- transformers on the same weights -----------------------------------------------------
@@ -350,7 +610,7 @@ def print_rows(title: str, rows: list[Row]) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("workload", choices=["throughput", "latency"])
+    p.add_argument("workload", choices=list(WORKLOADS))
     p.add_argument(
         "--model", default=None, help=f"default: {DEFAULT_MODEL}; {CPU_MODEL} for latency on CPU"
     )
@@ -375,6 +635,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-input-len", type=int, default=1024)
     p.add_argument("--max-output-len", type=int, default=1024)
     p.add_argument("--hf-num-seqs", type=int, default=64)
+    p.add_argument(
+        "--scheduling",
+        choices=["default", "async", "sync", "both"],
+        default="default",
+        help="overlapped (async) or synchronous scheduling; both: one engine runs each",
+    )
     # latency
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=None, help="default: 256; 128 on CPU")
@@ -382,6 +648,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ttft-prompt-len", type=int, default=None, help="default: 1024; 512 on CPU")
     p.add_argument("--ttft-repeats", type=int, default=11)
+    # prefill
+    p.add_argument("--prefill-lens", type=int, nargs="+",
+                   default=[16, 128, 512, 1024, 2048, 4096, 8192])
+    # chat
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--system-len", type=int, default=300)
+    p.add_argument("--user-len", type=int, nargs=2, default=[50, 300], metavar=("MIN", "MAX"))
+    p.add_argument("--reply-len", type=int, nargs=2, default=[100, 400], metavar=("MIN", "MAX"))
+    p.add_argument("--lone-cached", type=int, default=2500)
+    p.add_argument("--lone-new", type=int, default=100)
+    # coldstart
+    p.add_argument("--cold-lens", type=int, nargs="+", default=[37, 300, 2000, 5000])
+    p.add_argument("--cold-decoders", type=int, default=32)
+    p.add_argument("--cold-arrival", type=int, default=8000, help="prompt arriving mid-stream")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+
+
+WORKLOADS: dict[str, Callable[[argparse.Namespace], list[Row]]] = {
+    "throughput": bench_throughput,
+    "latency": bench_latency,
+    "prefill": bench_prefill,
+    "chat": bench_chat,
+    "coldstart": bench_coldstart,
+}
 
 
 def main(args: argparse.Namespace) -> None:
@@ -392,8 +683,11 @@ def main(args: argparse.Namespace) -> None:
         args.new_tokens = 128 if cpu_latency else 256
     if args.ttft_prompt_len is None:
         args.ttft_prompt_len = 512 if cpu_latency else 1024
-    if args.workload == "throughput":
-        rows = bench_throughput(args)
-    else:
-        rows = bench_latency(args)
+    for name in ("user_len", "reply_len"):
+        low, high = getattr(args, name)
+        if not 1 <= low <= high:
+            raise ValueError(f"--{name.replace('_', '-')}: need 1 <= MIN <= MAX, got {low} {high}")
+    rows = WORKLOADS[args.workload](args)
+    if not rows:  # the cold-start child printed its result as JSON
+        return
     print_rows(f"minivllm bench {args.workload}: {args.model}", rows)

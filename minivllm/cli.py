@@ -122,7 +122,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from .bench import add_arguments
 
-    b = sub.add_parser("bench", help="PERF.md's workloads")
+    b = sub.add_parser(
+        "bench", help="PERF.md's workloads: throughput, latency, prefill, chat, coldstart"
+    )
     add_arguments(b)
 
     args = parser.parse_args(argv)

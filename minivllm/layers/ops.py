@@ -1,10 +1,18 @@
-"""Picks each kernel's implementation: Triton on CUDA, the pure-torch reference elsewhere."""
+"""The engine's kernel set, chosen once per engine: Triton on CUDA, the torch references
+elsewhere.
+
+`select_kernels(device)` makes the choice; the model runner binds the result to every
+layer that launches kernels (`bind_kernels`), so no layer asks which device it is on
+per call. The torch set is the default a freshly built layer holds.
+"""
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from minivllm.kernels.decode_attention import decode_attention_ref
 from minivllm.kernels.prefill_attention import prefill_attention_ref
@@ -14,82 +22,106 @@ from minivllm.kernels.silu_and_mul import silu_and_mul_ref
 from minivllm.kernels.store_kvcache import store_kvcache_ref
 
 
-def uses_triton(device: torch.device) -> bool:
-    """Whether kernels on `device` are the Triton ones (else the torch references)."""
-    return _triton_for(device.type)
+@dataclass(frozen=True)
+class Kernels:
+    """One implementation of each kernel the model launches (same signatures as the
+    `*_ref` functions in minivllm.kernels)."""
+
+    name: str
+    is_triton: bool
+    rms_norm: Callable
+    rotary: Callable
+    silu_and_mul: Callable
+    store_kvcache: Callable
+    prefill_attention: Callable
+    decode_attention: Callable
+    # The fused decode-path ops (kernels/gemv.py, kernels/qkv_rotary_store.py): Triton
+    # only; None in a set without them, where callers take the unfused path.
+    gemv: Callable | None = None
+    rms_norm_gemv: Callable | None = None
+    qkv_rotary_store: Callable | None = None
 
 
-
-@functools.cache
-def _triton_for(device_type: str) -> bool:
-    # NOTE: decided once per device type: this sits on every layer's hot path.
-    from minivllm.kernels.dispatch import use_triton
-
-    return use_triton(torch.device(device_type))
-
-
-def rms_norm(x, weight, eps, residual=None):
-    if uses_triton(x.device):
-        from minivllm.kernels.rms_norm import rms_norm as kernel
-
-        return kernel(x, weight, eps, residual)
-    return rms_norm_ref(x, weight, eps, residual)
-
-
-def rotary(positions, q, k, cos_sin_cache):
-    if uses_triton(q.device):
-        from minivllm.kernels.rotary import rotary as kernel
-
-        return kernel(positions, q, k, cos_sin_cache)
-    return rotary_ref(positions, q, k, cos_sin_cache)
-
-
-def silu_and_mul(x):
-    if uses_triton(x.device):
-        from minivllm.kernels.silu_and_mul import silu_and_mul as kernel
-
-        return kernel(x)
-    return silu_and_mul_ref(x)
-
-
-def store_kvcache(key, value, k_cache, v_cache, slot_mapping):
-    if uses_triton(key.device):
-        from minivllm.kernels.store_kvcache import store_kvcache as kernel
-
-        return kernel(key, value, k_cache, v_cache, slot_mapping)
-    return store_kvcache_ref(key, value, k_cache, v_cache, slot_mapping)
-
-
-def prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
-    if uses_triton(q.device):
-        from minivllm.kernels.prefill_attention import prefill_attention as kernel
-
-        return kernel(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
-    return prefill_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
-
-
-def decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits=None):
-    if uses_triton(q.device):
-        from minivllm.kernels.decode_attention import decode_attention as kernel
-
-        return kernel(q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits=num_splits)
+def _decode_attention_ref(q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits=None):
+    # The reference has no splits; accept the argument so both sets share one signature.
     return decode_attention_ref(q, k_cache, v_cache, seq_lens, block_tables, scale)
 
 
-# -- fused decode-path ops (Triton only: callers take them where `uses_triton` holds) -----
+TORCH_KERNELS = Kernels(
+    name="torch",
+    is_triton=False,
+    rms_norm=rms_norm_ref,
+    rotary=rotary_ref,
+    silu_and_mul=silu_and_mul_ref,
+    store_kvcache=store_kvcache_ref,
+    prefill_attention=prefill_attention_ref,
+    decode_attention=_decode_attention_ref,
+)
 
 
-def qkv_rotary_store(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                     q_norm_weight=None, k_norm_weight=None, eps=1e-6):
-    """q/k RMSNorm (optional) + rotary + KV store in one launch; returns q."""
-    from minivllm.kernels.qkv_rotary_store import qkv_rotary_store as kernel
+class CheckedFirst:
+    """A Triton wrapper whose input checks run on its first launch only.
 
-    return kernel(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache, slot_mapping,
-                  q_norm_weight, k_norm_weight, eps)
+    The wrappers' checks (ranks, dtypes, devices, strides) cost tens of microseconds a
+    call, several times the launch itself. An engine's shapes come from its own model
+    and batch code, so the first launch (the start-up compile pass) is checked and later
+    ones pass `check=False`.
+    """
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn = fn
+        self.checked = False
+
+    def __call__(self, *args, **kwargs):
+        if self.checked:
+            return self.fn(*args, check=False, **kwargs)
+        out = self.fn(*args, **kwargs)
+        self.checked = True
+        return out
 
 
-def rms_norm_gemv(x, residual, norm_weight, eps, weight, bias=None, silu_mul=False):
-    """Residual add + RMSNorm + few-row projection (+ SiLU-and-mul) in one launch."""
-    from minivllm.kernels.gemv import rms_norm_gemv as kernel
+def triton_kernels() -> Kernels:
+    from minivllm.kernels.decode_attention import decode_attention
+    from minivllm.kernels.gemv import gemv, rms_norm_gemv
+    from minivllm.kernels.prefill_attention import prefill_attention
+    from minivllm.kernels.qkv_rotary_store import qkv_rotary_store
+    from minivllm.kernels.rms_norm import rms_norm
+    from minivllm.kernels.rotary import rotary
+    from minivllm.kernels.silu_and_mul import silu_and_mul
+    from minivllm.kernels.store_kvcache import store_kvcache
 
-    return kernel(x, residual, norm_weight, eps, weight, bias, silu_mul=silu_mul)
+    return Kernels(
+        name="triton",
+        is_triton=True,
+        rms_norm=CheckedFirst(rms_norm),
+        rotary=CheckedFirst(rotary),
+        silu_and_mul=CheckedFirst(silu_and_mul),
+        store_kvcache=CheckedFirst(store_kvcache),
+        prefill_attention=CheckedFirst(prefill_attention),
+        decode_attention=CheckedFirst(decode_attention),
+        gemv=CheckedFirst(gemv),
+        rms_norm_gemv=CheckedFirst(rms_norm_gemv),
+        qkv_rotary_store=CheckedFirst(qkv_rotary_store),
+    )
+
+
+def select_kernels(device: torch.device) -> Kernels:
+    """Triton kernels on CUDA (or on the CPU under Triton's interpreter when asked for),
+    else the torch references. Called once when an engine starts."""
+    from minivllm.kernels.dispatch import use_triton
+
+    return triton_kernels() if use_triton(device) else TORCH_KERNELS
+
+
+def uses_triton(device: torch.device) -> bool:
+    """Whether kernels on `device` would be the Triton ones (for callers outside a model)."""
+    from minivllm.kernels.dispatch import use_triton
+
+    return use_triton(device)
+
+
+def bind_kernels(model: nn.Module, kernels: Kernels) -> None:
+    """Point every layer of `model` that launches kernels at `kernels`."""
+    for module in model.modules():
+        if hasattr(module, "kernels"):
+            module.kernels = kernels

@@ -43,12 +43,13 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_position, head_dim]
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
+        self.kernels = ops.TORCH_KERNELS  # the engine binds its own set (ops.bind_kernels)
         self._positions: torch.Tensor | None = None  # the step whose cos/sin are memoised
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        if ops.uses_triton(q.device):
-            return ops.rotary(positions, q, k, self.cos_sin_cache)
+        if self.kernels.is_triton:
+            return self.kernels.rotary(positions, q, k, self.cos_sin_cache)
         # NOTE: one module serves every layer, and a step's layers share one positions
         # tensor: look its cos/sin up once per step, not once per layer.
         if positions is not self._positions:

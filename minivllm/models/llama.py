@@ -5,6 +5,8 @@ Qwen3 is the same network plus an RMSNorm on each head of q and k (see qwen3.py)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -43,15 +45,17 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, config.attn_scale)
+        self.kernels = ops.TORCH_KERNELS  # the engine binds its own set (ops.bind_kernels)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(x))
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """Attention and the output projection, from the QKV projection's output."""
-        if self.attn.k_cache.numel() and ops.uses_triton(qkv.device):
-            # One launch for q/k norm + rotary + KV store (CUDA; the CPU path is below).
-            q = ops.qkv_rotary_store(
+        fused = self.kernels.qkv_rotary_store
+        if fused is not None and self.attn.k_cache.numel():
+            # One launch for q/k norm + rotary + KV store (Triton; the CPU path is below).
+            q = fused(
                 positions,
                 qkv,
                 self.num_heads,
@@ -100,9 +104,10 @@ class DecoderLayer(nn.Module):
         self.self_attn = DecoderAttention(config, rotary_emb)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.kernels = ops.TORCH_KERNELS  # the engine binds its own set (ops.bind_kernels)
 
     def forward(self, positions, x, residual):
-        if x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:
+        if self.kernels.rms_norm_gemv is not None and x.is_cuda and x.shape[0] <= GEMV_MAX_ROWS:
             return self._forward_few_rows(positions, x, residual)
         if residual is None:
             residual = x
@@ -117,25 +122,29 @@ class DecoderLayer(nn.Module):
         """Decode-sized batches on CUDA: each RMSNorm runs inside the projection after it,
         and SiLU-and-mul inside gate_up, where the GEMV table picks the Triton GEMV."""
         attn, mlp = self.self_attn, self.mlp
-        qkv, residual = _norm_linear(self.input_layernorm, attn.qkv_proj, x, residual)
+        fused = self.kernels.rms_norm_gemv
+        qkv, residual = _norm_linear(fused, self.input_layernorm, attn.qkv_proj, x, residual)
         x = attn.attend(positions, qkv)
         h, residual = _norm_linear(
-            self.post_attention_layernorm, mlp.gate_up_proj, x, residual, silu_mul=True
+            fused, self.post_attention_layernorm, mlp.gate_up_proj, x, residual, silu_mul=True
         )
         return mlp.down_proj(h), residual
 
 
-def _norm_linear(norm: RMSNorm, linear: nn.Module, x, residual, silu_mul: bool = False):
-    """linear(norm(x + residual)) (then SiLU-and-mul); returns (output, new residual)."""
+def _norm_linear(
+    fused: Callable, norm: RMSNorm, linear: nn.Module, x, residual, silu_mul: bool = False
+):
+    """linear(norm(x + residual)) (then SiLU-and-mul); returns (output, new residual).
+    `fused` is the kernel set's rms_norm_gemv, taken where the GEMV table picks it."""
     w = linear.weight
     if gemv_wins(x.shape[0], w.shape[0], w.shape[1], x.dtype):
-        return ops.rms_norm_gemv(x, residual, norm.weight, norm.eps, w, linear.bias, silu_mul)
+        return fused(x, residual, norm.weight, norm.eps, w, linear.bias, silu_mul=silu_mul)
     if residual is None:
         residual, x = x, norm(x)
     else:
         x, residual = norm(x, residual)
     y = linear(x)
-    return (ops.silu_and_mul(y) if silu_mul else y), residual
+    return (norm.kernels.silu_and_mul(y) if silu_mul else y), residual
 
 
 class DecoderModel(nn.Module):
