@@ -6,6 +6,7 @@ import time
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
+from textual.timer import Timer
 from textual.widgets import Sparkline, Static
 
 from minivllm.outputs import EngineStats
@@ -29,6 +30,7 @@ class StatsPanel(Horizontal):
         self.lines: list[str] = []
         self._last: tuple[EngineStats, Rates, list[float]] | None = None
         self._spark_at = 0.0
+        self._spark_timer: Timer | None = None
 
     def compose(self) -> ComposeResult:
         yield self.text
@@ -56,13 +58,20 @@ class StatsPanel(Horizontal):
                           cache_line(stats)]
         set_growing_text(self.text, "\n".join(self.lines))  # no layout while it fits
         # NOTE: the sparkline is the panel's dearest widget to render: once a second is
-        # enough for a minute of history.
-        now = time.monotonic()
-        if now - self._spark_at >= SPARK_PERIOD or not self.spark.data:
-            self._spark_at = now
-            data = spark or [0.0]
-            if list(self.spark.data or ()) != data:
-                self.spark.data = data
-            peak = max(spark) if spark else 0.0
-            self.spark_label.update(f"Generation tok/s, last 60 s (peak {peak:,.1f})",
-                                    layout=False)
+        # enough for a minute of history (a skipped redraw happens when the second is up).
+        wait = SPARK_PERIOD - (time.monotonic() - self._spark_at)
+        if wait <= 0 or not self.spark.data:
+            self._draw_spark()
+        elif self._spark_timer is None:
+            self._spark_timer = self.set_timer(wait, self._draw_spark)
+
+    def _draw_spark(self) -> None:
+        self._spark_timer = None
+        self._spark_at = time.monotonic()
+        spark = self._last[2] if self._last is not None else []
+        data = spark or [0.0]
+        if list(self.spark.data or ()) != data:
+            self.spark.data = data
+        peak = max(spark) if spark else 0.0
+        self.spark_label.update(f"Generation tok/s, last 60 s (peak {peak:,.1f})",
+                                layout=False)
