@@ -3,6 +3,8 @@ KV sizing. Random weights with Qwen3-0.6B's exact config. Skipped without a GPU.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -100,7 +102,9 @@ def test_bf16_first_divergence_within_top5_both_ways(qwen3_06b):
         out = llm.generate(ps, SamplingParams(**{**GREEDY.__dict__, "logprobs": 5}))
     finally:
         llm.exit()
-    hf = hf.to("cuda", torch.bfloat16)
+    # A copy: casting the shared model to bf16 and back would leave its weights rounded,
+    # and the fp32 tests after this one compare against the exact checkpoint.
+    hf = copy.deepcopy(hf).to("cuda", torch.bfloat16)
     for p, got, logprobs in zip(ps, out["token_ids"], out["logprobs"], strict=True):
         logits = hf_logits(hf, p + got)  # transformers' view of our whole sequence
         predicted = logits[len(p) - 1 : -1].argmax(-1).tolist()
@@ -110,7 +114,8 @@ def test_bf16_first_divergence_within_top5_both_ways(qwen3_06b):
                 assert a in logits[len(p) - 1 + i].topk(5).indices.tolist()
                 assert b in logprobs[i].top
                 break
-    hf.to("cpu", torch.float32)
+    del hf
+    torch.cuda.empty_cache()
 
 
 def test_fp32_logprobs_and_repetition_penalty_match_transformers(qwen3_06b):

@@ -11,9 +11,7 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +20,7 @@ import httpx
 import pytest
 
 from minivllm import SamplingParams
+from minivllm.server.launch import launch_server
 
 pytestmark = pytest.mark.slow
 
@@ -31,34 +30,9 @@ SERVER_FLAGS = ["--device", "cpu", "--max-model-len", str(MAX_LEN), "--block-siz
                 "--num-gpu-blocks-override", "256", "--max-num-seqs", "16"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(tmp: Path, model: str, *flags: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    log = open(tmp / f"server-{port}.log", "wb")
     # NOTE: cwd is a temporary folder, so `-c` does not put the repo root on sys.path.
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from minivllm.cli import main; main()", "serve", model,
-         "--port", str(port), *flags],
-        stdout=log, stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited: {(tmp / f'server-{port}.log').read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("server did not start")
+    return launch_server([model, *flags], tmp / f"server-{time.monotonic_ns()}.log", cwd=tmp)
 
 
 def stop_server(proc: subprocess.Popen) -> int:

@@ -266,6 +266,14 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
+    def whole_response(kind: str, request_id: str, created: int, choice: dict[str, Any],
+                       last: RequestOutput) -> dict[str, Any]:
+        """A non-streamed reply: one choice (`text` or `message`) and the usage."""
+        finish = FINISH_REASONS.get(last.finish_reason or "", "stop")
+        return {"id": request_id, "object": kind, "created": created, "model": model_name,
+                "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": finish}],
+                "usage": usage(last)}
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Any:
         check_model(body.model)
@@ -277,15 +285,8 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         now = int(time.time())
         if not body.stream:
             text, last = await until_disconnect(http, collect(stream, first, timer))
-            return {
-                "id": request_id, "object": "chat.completion", "created": now,
-                "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None,
-                             "finish_reason": FINISH_REASONS.get(last.finish_reason or "",
-                                                                 "stop")}],
-                "usage": usage(last),
-            }
+            choice = {"message": {"role": "assistant", "content": text}}
+            return whole_response("chat.completion", request_id, now, choice, last)
         return streaming_response(body, True, request_id, now, stream, first, timer)
 
     @app.post("/v1/completions")
@@ -298,14 +299,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         now = int(time.time())
         if not body.stream:
             text, last = await until_disconnect(http, collect(stream, first, timer))
-            return {
-                "id": request_id, "object": "text_completion", "created": now,
-                "model": model_name,
-                "choices": [{"index": 0, "text": text, "logprobs": None,
-                             "finish_reason": FINISH_REASONS.get(last.finish_reason or "",
-                                                                 "stop")}],
-                "usage": usage(last),
-            }
+            return whole_response("text_completion", request_id, now, {"text": text}, last)
         return streaming_response(body, False, request_id, now, stream, first, timer)
 
     return app

@@ -16,16 +16,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .cli import add_engine_arguments, engine_config
+from .launch import launch_server
 
 
 @dataclass
@@ -81,32 +84,10 @@ def workload(n: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
 # -- server -----------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(args: argparse.Namespace, argv: list[str]) -> tuple[subprocess.Popen, str]:
-    import httpx
-
-    port = free_port()
-    cmd = [sys.executable, "-c", "from minivllm.cli import main; main()", "serve",
-           "--port", str(port), "--served-model-name", "bench", *argv]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.start_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {proc.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    proc.kill()
-    raise RuntimeError("the server did not start in time")
+    log = Path(tempfile.gettempdir()) / f"minivllm-bench-serve-{os.getpid()}.log"
+    return launch_server(["--served-model-name", "bench", *argv], log,
+                         timeout=args.start_timeout)
 
 
 async def _http_request(client: Any, prompt: list[int], max_tokens: int) -> Trace:
