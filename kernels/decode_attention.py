@@ -3,9 +3,11 @@
 The Triton version is bound by the bytes of K/V it reads, so:
 - each program owns one KV head and computes all query heads of its group at once (K/V
   are read once per KV head); the group is padded to 16 rows for `tl.dot`;
-- long contexts are split across programs (flash-decoding): each split writes its partial
-  (max, sum, unnormalised acc) and a second kernel merges them, so batch 1 at 8k context
-  still fills the chip. With one split the first kernel writes the output directly.
+- long contexts are split across programs (flash-decoding), so batch 1 at 8k context
+  still fills the chip: each split writes its partial (max, sum, unnormalised acc) and
+  counts itself done on a per-(sequence, KV head) counter; the last one to finish merges
+  the partials and resets the counter. One launch a layer, no separate merge kernel. A
+  context that fits one split (or a launch of one split) writes the output directly.
 """
 
 from __future__ import annotations
@@ -79,12 +81,57 @@ MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial w
 # for 16-256) and at 32k (41.6 us against 42.8 for 128), and the merge of 128 partials
 # took 4.1 us a layer against 1.4 for 16.
 MAX_SPLITS = 32
+MERGE_CHUNK = 32  # splits the merging program reads at once ([32, head_dim] fp32 in registers)
+
+
+@triton.jit
+def _store_output(out_ptr, seq, heads, dims, row_mask, acc, l_sum, out_stride_s, out_stride_h):
+    out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]  # an empty context gives zeros
+    out_offsets = seq.to(tl.int64) * out_stride_s + heads[:, None] * out_stride_h
+    tl.store(out_ptr + out_offsets + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None])
+
+
+@triton.jit
+def _merge_head(
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    out_ptr,
+    part_base,  # this (sequence, head)'s first partial
+    out_offset,
+    used,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
+):
+    """One query head's output from its `used` partials (max, sum, unnormalised acc)."""
+    # NOTE: .cg loads read L2, where the other programs' partials are, never a stale L1 line.
+    splits = tl.arange(0, NUM_SPLITS)
+    m = tl.load(part_m_ptr + part_base + splits, mask=splits < used, other=float("-inf"),
+                cache_modifier=".cg")
+    l_sum = tl.load(part_l_ptr + part_base + splits, mask=splits < used, other=0.0,
+                    cache_modifier=".cg")
+    m_max = tl.max(m, axis=0)
+    total = tl.sum(tl.exp2(m - m_max) * l_sum, axis=0)
+    dims = tl.arange(0, HEAD_DIM)
+    out = tl.zeros([HEAD_DIM], tl.float32)
+    for first in tl.static_range(0, NUM_SPLITS, MERGE_CHUNK):
+        chunk = first + tl.arange(0, MERGE_CHUNK)
+        valid = chunk < used
+        w = tl.exp2(tl.load(part_m_ptr + part_base + chunk, mask=valid, other=float("-inf"),
+                            cache_modifier=".cg") - m_max)  # [MERGE_CHUNK]
+        acc = tl.load(part_acc_ptr + (part_base + chunk)[:, None] * HEAD_DIM + dims[None, :],
+                      mask=valid[:, None], other=0.0, cache_modifier=".cg")  # [MERGE_CHUNK, D]
+        out += tl.sum(acc * w[:, None], axis=0)
+    out = out / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + out_offset + dims, out.to(out_ptr.dtype.element_ty))
 
 
 # NOTE: the block table's row stride is the step's widest table; not specialised on, so
 # a new width never compiles a new variant mid-run.
 @triton.jit(do_not_specialize=["bt_stride_s"])
-def _decode_split_kernel(
+def _decode_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -94,6 +141,7 @@ def _decode_split_kernel(
     part_m_ptr,
     part_l_ptr,
     part_acc_ptr,
+    counters_ptr,  # [>= num_seqs * NUM_KV_HEADS] int32, zero between launches
     q_stride_s,
     q_stride_h,
     out_stride_s,
@@ -107,6 +155,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
@@ -117,16 +166,17 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)  # a step input: no kernel writes it
     if PDL:
-        # q and this step's K/V come from the kernel before.
+        # q, this step's K/V and the counters come from the kernels before.
         tl.extra.cuda.gdc_wait()
     # Splits divide the actual context (in whole tiles), not the grid's capacity, so a
-    # launch sized for the longest context stays balanced for shorter ones.
+    # launch sized for the longest context stays balanced for shorter ones. `used` splits
+    # hold context; at least one, so an empty context still writes its (zero) output.
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    used = tl.maximum(tl.cdiv(seq_len, tl.maximum(split_len, 1)), 1)
+    if split >= used:  # an empty split writes nothing and is not counted
+        return
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    if NUM_SPLITS > 1:
-        if start >= end:  # an empty split writes nothing: the merge skips it
-            return
 
     rows = tl.arange(0, GROUP_PAD)
     row_mask = rows < GROUP
@@ -162,13 +212,11 @@ def _decode_split_kernel(
         m = m_new
 
     if NUM_SPLITS == 1:
-        out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]  # an empty context gives zeros
-        out_offsets = seq.to(tl.int64) * out_stride_s + heads[:, None] * out_stride_h
-        tl.store(
-            out_ptr + out_offsets + dims[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_mask[:, None],
-        )
+        _store_output(out_ptr, seq, heads, dims, row_mask, acc, l_sum, out_stride_s,
+                      out_stride_h)
+    elif used == 1:  # a short context in a launch sized for a long one: no merge
+        _store_output(out_ptr, seq, heads, dims, row_mask, acc, l_sum, out_stride_s,
+                      out_stride_h)
     else:
         # Partials are [num_seqs, num_heads, NUM_SPLITS(, HEAD_DIM)], fp32.
         part = (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split
@@ -177,50 +225,28 @@ def _decode_split_kernel(
         tl.store(
             part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_mask[:, None]
         )
-
-
-@triton.jit
-def _decode_merge_kernel(
-    part_m_ptr,
-    part_l_ptr,
-    part_acc_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    out_stride_s,
-    out_stride_h,
-    num_heads,
-    HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    # Only the splits that had context wrote partials (the split kernel's arithmetic):
-    # a short context in a launch sized for a long one reads little here.
-    seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    used = tl.cdiv(seq_len, tl.maximum(split_len, 1))
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # the partials come from the kernel before
-    splits = tl.arange(0, NUM_SPLITS)
-    valid = splits < used
-    part = (seq * num_heads + head) * NUM_SPLITS + splits  # [NUM_SPLITS]
-    m = tl.load(part_m_ptr + part, mask=valid, other=float("-inf"))
-    l_sum = tl.load(part_l_ptr + part, mask=valid, other=0.0)
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty
-    w = tl.exp2(m - m_max)  # [NUM_SPLITS]
-    dims = tl.arange(0, HEAD_DIM)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None],
-                  other=0.0)  # [NUM_SPLITS, D]
-    total = tl.sum(w * l_sum, axis=0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(
-        out_ptr + seq * out_stride_s + head * out_stride_h + dims, out.to(out_ptr.dtype.element_ty)
-    )
+        # The last of the `used` splits to finish merges them all. The barrier puts every
+        # thread's partial stores before the counter's release (one thread does the
+        # atomic); its acquire side makes the other programs' partials visible here.
+        tl.debug_barrier()
+        counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
+        finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if finished == used - 1:
+            tl.store(counter, 0)  # every split has counted: ready for the next launch
+            for r in tl.static_range(GROUP):
+                head = kv_head * GROUP + r
+                _merge_head(
+                    part_m_ptr,
+                    part_l_ptr,
+                    part_acc_ptr,
+                    out_ptr,
+                    (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + head) * NUM_SPLITS,
+                    seq.to(tl.int64) * out_stride_s + head * out_stride_h,
+                    used,
+                    HEAD_DIM,
+                    NUM_SPLITS,
+                    MERGE_CHUNK,
+                )
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
@@ -245,6 +271,13 @@ def _tile_config(dtype: torch.dtype) -> dict:
     return dict(BLOCK_N=128, DOT_PRECISION="tf32", num_warps=4, num_stages=2)
 
 
+def decode_counters(num_seqs: int, num_kv_heads: int, device: torch.device | str) -> torch.Tensor:
+    """The split-completion counters `decode_attention` needs for up to `num_seqs` sequences:
+    zeros, and zero again after every launch (the merging program resets its own). An
+    engine allocates them once, outside any CUDA graph, and passes them to every call."""
+    return torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=device)
+
+
 def decode_attention(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -255,16 +288,18 @@ def decode_attention(
     *,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    counters: torch.Tensor | None = None,  # from `decode_counters`
     tile_config: dict | None = None,
     check: bool = True,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """Triton version of `decode_attention_ref`; no host sync.
+    """Triton version of `decode_attention_ref`: one launch, no host sync.
 
     The split count comes from the batch size and `max_seq_len` (default: the block
     table's capacity, block_tables.shape[1] * block_size), never from `seq_lens`' values,
     so the launch is graph-capturable. `num_splits` (a power of two) and `tile_config`
     override the choices (tests, benchmarks); `check=False` skips the input checks (an
-    engine checks each kernel's first launch).
+    engine checks each kernel's first launch). Without `counters` each call allocates
+    zeroed ones (one memset launch more).
     """
     device = k_cache.device
     if check:
@@ -287,6 +322,8 @@ def decode_attention(
                 f"{tuple(block_tables.shape)} must have one row per sequence "
                 f"({num_seqs})"
             )
+        if counters is not None:
+            check_tensor("counters", counters, 1, (torch.int32,), device=device)
     group = num_heads // num_kv_heads
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
     if num_seqs == 0:
@@ -302,14 +339,19 @@ def decode_attention(
     launch = {"launch_pdl": True} if pdl else {}
 
     if num_splits == 1:
-        part_m = part_l = part_acc = out  # unused: the kernel writes `out` directly
+        part_m = part_l = part_acc = counters = out  # unused: the kernel writes `out` directly
     else:
+        if counters is None:
+            counters = decode_counters(num_seqs, num_kv_heads, device)
+        elif counters.numel() < num_seqs * num_kv_heads:  # always checked: atomics past it
+            raise ValueError(f"counters has {counters.numel()} elements; {num_seqs} sequences "
+                             f"x {num_kv_heads} KV heads need {num_seqs * num_kv_heads}")
         part_m = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=device)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty(
             (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=device
         )
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,
@@ -319,6 +361,7 @@ def decode_attention(
         part_m,
         part_l,
         part_acc,
+        counters,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -331,25 +374,9 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
+        MERGE_CHUNK=min(num_splits, MERGE_CHUNK),
         PDL=pdl,
         **config,
         **launch,
     )
-    if num_splits > 1:
-        _decode_merge_kernel[(num_seqs, num_heads)](
-            part_m,
-            part_l,
-            part_acc,
-            seq_lens,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_heads,
-            HEAD_DIM=head_dim,
-            NUM_SPLITS=num_splits,
-            BLOCK_N=config["BLOCK_N"],
-            PDL=pdl,
-            num_warps=4 if num_splits <= 32 else 8,  # [NUM_SPLITS, HEAD_DIM] fp32 in registers
-            **launch,
-        )
     return out

@@ -4,7 +4,7 @@ few-row GEMV against cuBLAS at the projections of Qwen3-0.6B, Llama-3.2-1B and S
 Decode is bound by the K/V bytes it reads, so it is reported as achieved GB/s against the
 H200's measured ~4.3 TB/s copy bandwidth; prefill as TFLOP/s. Two decode times:
 - eager: do_bench median (it flushes L2 between repeats); includes the host's launch cost,
-  which dominates small batches (two Triton launches and the wrapper's checks);
+  which dominates small batches (one Triton launch and the wrapper's checks);
 - graph: median replay of a CUDA graph of calls over several copies of the cache (enough to
   overflow the 50 MB L2), per call: the kernels alone, as the engine's decode graphs run them.
 GB/s and % are from the graph time.
@@ -24,7 +24,11 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 from minivllm.kernels.decode_attention import _tile_config as decode_tiles
-from minivllm.kernels.decode_attention import choose_num_splits, decode_attention
+from minivllm.kernels.decode_attention import (
+    choose_num_splits,
+    decode_attention,
+    decode_counters,
+)
 from minivllm.kernels.dispatch import num_sms
 from minivllm.kernels.prefill_attention import _tile_config as prefill_tiles
 from minivllm.kernels.prefill_attention import prefill_attention
@@ -74,6 +78,7 @@ def decode_case(
     kv_bytes = sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize
     total = kv_bytes + 2 * batch * NUM_HEADS * HEAD_DIM * DTYPE.itemsize
     copies = min(64, -(-ROTATE_BYTES // kv_bytes))
+    kw = dict(kw, counters=decode_counters(batch, NUM_KV_HEADS, "cuda"))  # as an engine does
     calls = []
     for _ in range(copies):
         cache = paged_kv(seq_lens, NUM_KV_HEADS, HEAD_DIM, block_size, DTYPE, "cuda",

@@ -162,11 +162,15 @@ def check_prefill_attention() -> None:
             _assert_close(name + " 16x16 tiles", out, ref, TOL[dtype])
 
 
-DECODE_SEQ_LENS = [1, 37, 100, 64, 129, 17]
+DECODE_SEQ_LENS = [1, 37, 100, 0, 64, 129, 17]  # 0: a padded row of a graph bucket
 
 
 def check_decode_attention() -> None:
-    from minivllm.kernels.decode_attention import decode_attention, decode_attention_ref
+    from minivllm.kernels.decode_attention import (
+        decode_attention,
+        decode_attention_ref,
+        decode_counters,
+    )
     from minivllm.kernels.testing import paged_kv
 
     for dtype, block_size, (num_heads, num_kv_heads) in ATTENTION_CASES:
@@ -177,11 +181,40 @@ def check_decode_attention() -> None:
         scale = 1 / math.sqrt(HEAD_DIM)
         ref = decode_attention_ref(q.double(), *(a.double() for a in args[:2]), *args[2:],
                                    scale)
-        for splits in (None, 1, 4):  # chosen, direct write, split + merge
-            out = decode_attention(q, *args, scale, num_splits=splits)
+        ref[DECODE_SEQ_LENS.index(0)] = 0.0  # the kernel's zeros (the reference's NaNs)
+        # One set of counters for every call, as an engine's layers share theirs.
+        counters = decode_counters(len(DECODE_SEQ_LENS) + 1, num_kv_heads, "cpu")
+        for splits in (None, 1, 4, 4):  # chosen, direct write, split + in-kernel merge
+            out = decode_attention(q, *args, scale, num_splits=splits, counters=counters)
             name = (f"decode {dtype} block {block_size} heads {num_heads}/{num_kv_heads} "
                     f"splits {splits}")
             _assert_close(name, out, ref, TOL[dtype])
+            assert not out[DECODE_SEQ_LENS.index(0)].any(), name + ": empty context not zero"
+            assert not counters.any(), name + ": counters not reset for the next launch"
+        # Any program may be the last to finish; the merge reads partials in split order.
+        again = decode_attention(q, *args, scale, num_splits=4)  # its own zeroed counters
+        assert torch.equal(again, out), "the merged output depends on the counters' source"
+
+
+def check_decode_attention_many_splits() -> None:
+    """More used splits than the merging program reads at once (MERGE_CHUNK): 35 of 64."""
+    from minivllm.kernels.decode_attention import (
+        MERGE_CHUNK,
+        decode_attention,
+        decode_attention_ref,
+        decode_counters,
+    )
+    from minivllm.kernels.testing import paged_kv
+
+    cache = paged_kv([1100, 40], 2, HEAD_DIM, 32, torch.float32, "cpu")
+    args = (cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables)
+    q = torch.randn(2, 4, HEAD_DIM)
+    ref = decode_attention_ref(q.double(), *(a.double() for a in args[:2]), *args[2:], 0.125)
+    counters = decode_counters(2, 2, "cpu")
+    assert 64 > MERGE_CHUNK
+    out = decode_attention(q, *args, 0.125, num_splits=64, counters=counters)
+    _assert_close("decode 64 splits", out, ref, TOL[torch.float32])
+    assert not counters.any()
 
 
 def check_wrapper_errors() -> None:
@@ -207,6 +240,11 @@ def check_wrapper_errors() -> None:
                                   cache.block_tables, 1.0), "must match"),
         (lambda: decode_attention(q.transpose(1, 2), *kv, cache.seq_lens, cache.block_tables,
                                   1.0), "contiguous in its last dimension"),
+        (lambda: decode_attention(q, *kv, cache.seq_lens, cache.block_tables, 1.0,
+                                  num_splits=2, counters=torch.zeros(2)), "counters has dtype"),
+        (lambda: decode_attention(q, *kv, cache.seq_lens, cache.block_tables, 1.0, num_splits=2,
+                                  counters=torch.zeros(1, dtype=torch.int32), check=False),
+         "counters has 1 elements"),
         (lambda: prefill_attention(q[0], *kv, torch.tensor([0, 1]), cache.seq_lens,
                                    cache.block_tables, 1.0), "dimensions"),
         (lambda: prefill_attention(q, *kv, torch.tensor([0]), cache.seq_lens,
@@ -358,7 +396,7 @@ def _compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: in
 
 
 def check_compile_sm90() -> None:
-    from minivllm.kernels.decode_attention import _decode_merge_kernel, _decode_split_kernel
+    from minivllm.kernels.decode_attention import _decode_attention_kernel
     from minivllm.kernels.gemv import _gemv_kernel
     from minivllm.kernels.qkv_rotary_store import _qkv_rotary_store_kernel
 
@@ -377,16 +415,15 @@ def check_compile_sm90() -> None:
     _compile_sm90(_qkv_rotary_store_kernel, sig,
                   dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, QK_NORM=True,
                        PDL=True), 1)
-    sig = {name: "*fp32" for name in _decode_split_kernel.arg_names if name.endswith("_ptr")}
+    sig = {name: "*fp32" for name in _decode_attention_kernel.arg_names if name.endswith("_ptr")}
     sig.update(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16",
-               block_tables_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32")
-    _compile_sm90(_decode_split_kernel, sig,
-                  dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256,
-                       BLOCK_N=128, NUM_SPLITS=32, DOT_PRECISION="tf32", PDL=True), 4, 2)
-    sig = {name: "*fp32" for name in _decode_merge_kernel.arg_names if name.endswith("_ptr")}
-    sig.update(out_ptr="*bf16", seq_lens_ptr="*i32")
-    _compile_sm90(_decode_merge_kernel, sig,
-                  dict(HEAD_DIM=128, NUM_SPLITS=32, BLOCK_N=128, PDL=True), 4)
+               block_tables_ptr="*i32", seq_lens_ptr="*i32", counters_ptr="*i32",
+               qk_scale="fp32")
+    for splits in (1, 32, 128):  # direct write; split + merge in one chunk; in four
+        _compile_sm90(_decode_attention_kernel, sig,
+                      dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128,
+                           BLOCK_SIZE=256, BLOCK_N=128, NUM_SPLITS=splits,
+                           MERGE_CHUNK=min(splits, 32), DOT_PRECISION="tf32", PDL=True), 4, 2)
 
 
 # Subprocess groups: each start costs seconds (torch + triton imports), so the cheap
@@ -395,7 +432,7 @@ CHECKS = {
     "elementwise": [check_store_kvcache, check_rms_norm, check_rotary, check_silu_and_mul,
                     check_wrapper_errors],
     "prefill_attention": [check_prefill_attention],
-    "decode_attention": [check_decode_attention],
+    "decode_attention": [check_decode_attention, check_decode_attention_many_splits],
     "fused_decode": [check_gemv, check_qkv_rotary_store, check_fused_wrapper_errors],
     "compile_sm90": [check_compile_sm90],  # no interpreter: a real compile for sm_90
 }

@@ -377,9 +377,9 @@ def test_gemv_pdl_chain_in_graph() -> None:
 
 
 def test_attention_path_pdl_in_graph(monkeypatch: pytest.MonkeyPatch) -> None:
-    """MINIVLLM_PDL=all: q/k norm + rotary + KV store -> decode attention (split + merge)
-    -> o GEMV, each launched with PDL, replayed from a CUDA graph, equals the chain
-    without PDL bit for bit (each kernel reads what the one before wrote)."""
+    """MINIVLLM_PDL=all: q/k norm + rotary + KV store -> decode attention (16 splits merged
+    in the kernel) -> o GEMV, each launched with PDL, replayed from a CUDA graph, equals the
+    chain without PDL bit for bit (each kernel reads what the one before wrote)."""
     from minivllm.kernels import pdl
     from minivllm.kernels.decode_attention import decode_attention
     from minivllm.kernels.gemv import gemv
@@ -424,5 +424,63 @@ def test_attention_path_pdl_in_graph(monkeypatch: pytest.MonkeyPatch) -> None:
             want = run_with("0", graphed=False)
             assert torch.equal(run_with("all", graphed=True), want)
             assert torch.equal(run_with("all", graphed=False), want)
+    finally:
+        pdl._pdl_level.cache_clear()
+
+
+def test_decode_attention_merge_in_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split kernel merges its own partials: the last program of each (sequence, KV
+    head) to finish, found with a counter it zeroes again. Four launches in a chain (each
+    one's q is the one before's output, as layers follow each other) share one counter
+    buffer; captured in a CUDA graph and replayed with new contexts, they equal the same
+    chain run eagerly bit for bit, with PDL (MINIVLLM_PDL=all) and without it, and the
+    counters are zero after every replay. Bound against the float64 reference: 1e-2."""
+    from minivllm.kernels import pdl
+    from minivllm.kernels.decode_attention import (
+        decode_attention,
+        decode_attention_ref,
+        decode_counters,
+    )
+    from minivllm.kernels.testing import paged_kv
+
+    torch.use_deterministic_algorithms(False)  # no NaN-fill kernels inside the capture
+    cache = paged_kv([8192] * 4, 8, 128, 256, torch.bfloat16, DEVICE, spare_columns=0)
+    seq_lens = cache.seq_lens.clone()
+    kv = (cache.k_cache, cache.v_cache, seq_lens, cache.block_tables)
+    q = torch.randn(4, 16, 128, device=DEVICE).to(torch.bfloat16)
+    counters = decode_counters(4, 8, DEVICE)
+
+    def chain() -> list[torch.Tensor]:
+        outs = [q]
+        for _ in range(4):
+            outs.append(decode_attention(outs[-1], *kv, 0.088, num_splits=32,
+                                         counters=counters))
+        return outs[1:]
+
+    def run_with(setting: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        monkeypatch.setenv("MINIVLLM_PDL", setting)
+        pdl._pdl_level.cache_clear()
+        eager = [o.clone() for o in chain()]  # also compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = chain()
+        graph.replay()
+        assert not counters.any(), f"PDL={setting}: counters not reset after the replay"
+        return eager, [o.clone() for o in outs]
+
+    try:
+        for lens in ([8192, 1, 3000, 8192], [300, 20, 8000, 257], [5000, 6000, 7000, 8191]):
+            seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+            q.normal_()
+            plain_eager, plain_graph = run_with("0")
+            pdl_eager, pdl_graph = run_with("all")
+            for i, want in enumerate(plain_eager):
+                for name, got in (("graph", plain_graph[i]), ("PDL eager", pdl_eager[i]),
+                                  ("PDL graph", pdl_graph[i])):
+                    assert torch.equal(got, want), f"{lens} launch {i}: {name} != eager"
+            ref = decode_attention_ref(q.double(), *(a.double() for a in kv[:2]), *kv[2:],
+                                       0.088)
+            _assert_close(f"decode merge in graph {lens}", plain_eager[0], ref,
+                          TOL[torch.bfloat16])
     finally:
         pdl._pdl_level.cache_clear()

@@ -71,6 +71,7 @@ class AttentionBackend:
     def __init__(self, kernels: Kernels, block_size: int) -> None:
         self.kernels = kernels
         self.block_size = block_size
+        self.decode_kwargs: dict = {}  # buffers the decode kernel takes from its backend
 
     def finish_metadata(self, meta: AttentionMetadata, num_seqs: int) -> AttentionMetadata:
         """Add what this backend needs beyond the batch (once a step, not once a layer)."""
@@ -101,6 +102,7 @@ class AttentionBackend:
                 meta.block_tables,
                 scale,
                 num_splits=meta.decode_splits,
+                **self.decode_kwargs,
             )
         return kernels.prefill_attention(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale
@@ -144,13 +146,21 @@ class TritonAttentionBackend(AttentionBackend):
         max_seq_len: int,
         decode_buckets: list[int],
         num_sms: int,
+        device: torch.device,
     ) -> None:
+        from minivllm.kernels.decode_attention import decode_counters
+
         super().__init__(kernels, block_size)
         self.num_kv_heads = num_kv_heads
         self.max_seq_len = max_seq_len
         self.decode_buckets = decode_buckets
         self.num_sms = num_sms
         self._splits: dict[int, int] = {}
+        # NOTE: allocated once, outside every graph: the split kernel's last program of each
+        # (sequence, KV head) merges the partials and zeroes its counter for the next layer.
+        self.decode_kwargs = {
+            "counters": decode_counters(max(decode_buckets), num_kv_heads, device)
+        }
 
     def decode_splits(self, num_seqs: int) -> int:
         splits = self._splits.get(num_seqs)
@@ -186,7 +196,7 @@ def make_backend(
     from minivllm.kernels.dispatch import num_sms
 
     return TritonAttentionBackend(
-        kernels, block_size, num_kv_heads, max_seq_len, decode_buckets, num_sms(device)
+        kernels, block_size, num_kv_heads, max_seq_len, decode_buckets, num_sms(device), device
     )
 
 
