@@ -23,6 +23,7 @@ from minivllm.kernels.dispatch import (
     triton,
 )
 from minivllm.kernels.pdl import attention_pdl
+from minivllm.kernels.qkv_rotary_store import check_qkv_inputs, qkv_rotary_store_ref
 
 
 def decode_attention_ref(
@@ -128,11 +129,32 @@ def _merge_head(
     tl.store(out_ptr + out_offset + dims, out.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _normed_rotated(src, partner, mask, w_ptr, dims, partner_dims, cos, sin, eps,
+                    QK_NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rows of q or k ([rows, HEAD_DIM], read from the QKV output) after the per-head
+    RMSNorm (optional) and the rotary embedding, rounded as `qkv_rotary_store_ref` rounds.
+    `partner` points at each element's rotation partner (d +- HEAD_DIM/2); `sin` carries
+    the rotation's sign."""
+    x = tl.load(src, mask=mask, other=0.0)
+    xr = tl.load(partner, mask=mask, other=0.0)
+    act_dtype = x.dtype
+    if QK_NORM:
+        f = x.to(tl.float32)
+        fr = xr.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(f * f, axis=1) / HEAD_DIM + eps)[:, None]
+        w = tl.load(w_ptr + dims).to(tl.float32)
+        wr = tl.load(w_ptr + partner_dims).to(tl.float32)
+        x = ((f * rstd).to(act_dtype).to(tl.float32) * w).to(act_dtype)
+        xr = ((fr * rstd).to(act_dtype).to(tl.float32) * wr).to(act_dtype)
+    return (x.to(tl.float32) * cos + xr.to(tl.float32) * sin).to(act_dtype)
+
+
 # NOTE: the block table's row stride is the step's widest table; not specialised on, so
 # a new width never compiles a new variant mid-run.
 @triton.jit(do_not_specialize=["bt_stride_s"])
 def _decode_attention_kernel(
-    q_ptr,
+    q_ptr,  # q, or the QKV projection's output (FROM_QKV)
     k_cache_ptr,
     v_cache_ptr,
     block_tables_ptr,
@@ -142,12 +164,18 @@ def _decode_attention_kernel(
     part_l_ptr,
     part_acc_ptr,
     counters_ptr,  # [>= num_seqs * NUM_KV_HEADS] int32, zero between launches
+    positions_ptr,  # FROM_QKV only, like the four below
+    cos_sin_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    slot_mapping_ptr,
     q_stride_s,
     q_stride_h,
     out_stride_s,
     out_stride_h,
     bt_stride_s,
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
+    eps,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -156,6 +184,9 @@ def _decode_attention_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     MERGE_CHUNK: tl.constexpr,
+    # q/k norm + rotary + KV store in the prologue (kernels/qkv_rotary_store.py's work)
+    FROM_QKV: tl.constexpr,
+    QK_NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
@@ -164,9 +195,17 @@ def _decode_attention_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)  # a step input: no kernel writes it
+    dims = tl.arange(0, HEAD_DIM)
+    # Step inputs no kernel writes: read before the wait.
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if FROM_QKV:
+        partner_dims = (dims + HEAD_DIM // 2) % HEAD_DIM
+        pos = tl.load(positions_ptr + seq).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + dims % (HEAD_DIM // 2)).to(tl.float32)
+        sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HEAD_DIM // 2 + dims % (HEAD_DIM // 2))
+        sin = tl.where(dims < HEAD_DIM // 2, -sin.to(tl.float32), sin.to(tl.float32))
     if PDL:
-        # q, this step's K/V and the counters come from the kernels before.
+        # q (or QKV), the cache and the counters come from the kernels before.
         tl.extra.cuda.gdc_wait()
     # Splits divide the actual context (in whole tiles), not the grid's capacity, so a
     # launch sized for the longest context stays balanced for shorter ones. `used` splits
@@ -181,12 +220,33 @@ def _decode_attention_kernel(
     rows = tl.arange(0, GROUP_PAD)
     row_mask = rows < GROUP
     heads = kv_head * GROUP + rows  # [GROUP_PAD]
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + seq.to(tl.int64) * q_stride_s + heads[:, None] * q_stride_h + dims[None, :],
-        mask=row_mask[:, None],
-        other=0.0,
-    ).to(k_cache_ptr.dtype.element_ty)  # [GROUP_PAD, HEAD_DIM]
+    q_rows = q_ptr + seq.to(tl.int64) * q_stride_s + heads[:, None] * q_stride_h
+    if FROM_QKV:
+        q = _normed_rotated(q_rows + dims[None, :], q_rows + partner_dims[None, :],
+                            row_mask[:, None], q_norm_ptr, dims, partner_dims, cos, sin, eps,
+                            QK_NORM, HEAD_DIM)
+        if split == used - 1:
+            # The split holding the new token (position seq_len - 1) stores its K/V first;
+            # padding rows of a graph bucket have no slot (-1).
+            k_src = q_ptr + seq.to(tl.int64) * q_stride_s + (NUM_KV_HEADS * GROUP + kv_head) * (
+                HEAD_DIM
+            )
+            k = _normed_rotated(k_src + dims[None, :], k_src + partner_dims[None, :],
+                                dims[None, :] < HEAD_DIM, k_norm_ptr, dims, partner_dims, cos,
+                                sin, eps, QK_NORM, HEAD_DIM)  # [1, HEAD_DIM]
+            v = tl.load(k_src + NUM_KV_HEADS * HEAD_DIM + dims)
+            slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+            dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims
+            store_mask = (dims * 0 + slot) >= 0
+            tl.store(k_cache_ptr + dst[None, :], k.to(k_cache_ptr.dtype.element_ty),
+                     mask=store_mask[None, :])
+            tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=store_mask)
+            # Every thread's stores are visible to the whole program after the barrier:
+            # the loop below reads this token back from the cache.
+            tl.debug_barrier()
+    else:
+        q = tl.load(q_rows + dims[None, :], mask=row_mask[:, None], other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)  # [GROUP_PAD, HEAD_DIM]
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
@@ -301,31 +361,116 @@ def decode_attention(
     engine checks each kernel's first launch). Without `counters` each call allocates
     zeroed ones (one memset launch more).
     """
-    device = k_cache.device
     if check:
         require_triton()
         check_kv_cache(k_cache, v_cache)
-        check_tensor("q", q, 3, device=device)
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_seqs, num_heads, _ = q.shape
+        check_tensor("q", q, 3, device=k_cache.device)
+        if q.shape[2] != k_cache.shape[3]:
+            raise ValueError(f"q has head_dim {q.shape[2]}, the cache {k_cache.shape[3]}")
+        _check_decode_inputs(q.shape[0], q.shape[1], k_cache, seq_lens, block_tables, counters)
+    return _launch(q, q.shape[1], q.stride(0), q.stride(1), k_cache, v_cache, seq_lens,
+                   block_tables, scale, max_seq_len, num_splits, counters, tile_config)
+
+
+def qkv_decode_attention_ref(
+    positions: torch.Tensor,  # [num_seqs]
+    qkv: torch.Tensor,  # [num_seqs, (num_heads + 2 * num_kv_heads) * head_dim]
+    num_heads: int,
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]: cos in the first half, sin after
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_seqs]; -1 skips the token's store
+    seq_lens: torch.Tensor,  # [num_seqs]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    scale: float,
+    q_norm_weight: torch.Tensor | None = None,  # [head_dim]
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """A decode step's attention from the QKV projection's output: q/k norm + rotary +
+    KV store (`qkv_rotary_store_ref`), then `decode_attention_ref`."""
+    q = qkv_rotary_store_ref(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache,
+                             slot_mapping, q_norm_weight, k_norm_weight, eps)
+    return decode_attention_ref(q, k_cache, v_cache, seq_lens, block_tables, scale)
+
+
+def qkv_decode_attention(
+    positions: torch.Tensor,  # [num_seqs]
+    qkv: torch.Tensor,  # [num_seqs, (num_heads + 2 * num_kv_heads) * head_dim]
+    num_heads: int,
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim], contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_seqs]; -1 skips the token's store
+    seq_lens: torch.Tensor,  # [num_seqs], this token included
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    scale: float,
+    q_norm_weight: torch.Tensor | None = None,  # [head_dim]
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    counters: torch.Tensor | None = None,
+    tile_config: dict | None = None,
+    check: bool = True,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """Triton version of `qkv_decode_attention_ref` in one launch (one token per
+    sequence): `qkv_rotary_store`'s work in the attention kernel's prologue. Every split
+    program normalises and rotates its q heads; the one holding the new token stores its
+    K/V first. Arguments as `qkv_rotary_store` and `decode_attention`."""
     if check:
-        check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES, device=device)
-        check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, device=device)
-        if q.shape[2] != head_dim:
-            raise ValueError(f"q has head_dim {q.shape[2]}, the cache {head_dim}")
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
-                             f"{num_kv_heads}")
-        if seq_lens.shape[0] != num_seqs or block_tables.shape[0] != num_seqs:
-            raise ValueError(
-                f"seq_lens {tuple(seq_lens.shape)} and block_tables "
-                f"{tuple(block_tables.shape)} must have one row per sequence "
-                f"({num_seqs})"
-            )
-        if counters is not None:
-            check_tensor("counters", counters, 1, (torch.int32,), device=device)
+        check_qkv_inputs(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache,
+                         slot_mapping, q_norm_weight, k_norm_weight)
+        _check_decode_inputs(qkv.shape[0], num_heads, k_cache, seq_lens, block_tables,
+                             counters)
+    return _launch(qkv, num_heads, qkv.stride(0), k_cache.shape[3], k_cache, v_cache, seq_lens,
+                   block_tables, scale, max_seq_len, num_splits, counters, tile_config,
+                   qkv=(positions, cos_sin_cache, q_norm_weight, k_norm_weight, slot_mapping,
+                        eps))
+
+
+def _check_decode_inputs(num_seqs: int, num_heads: int, k_cache: torch.Tensor,
+                         seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                         counters: torch.Tensor | None) -> None:
+    device = k_cache.device
+    num_kv_heads = k_cache.shape[2]
+    check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES, device=device)
+    check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, device=device)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
+                         f"{num_kv_heads}")
+    if seq_lens.shape[0] != num_seqs or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"seq_lens {tuple(seq_lens.shape)} and block_tables "
+            f"{tuple(block_tables.shape)} must have one row per sequence "
+            f"({num_seqs})"
+        )
+    if counters is not None:
+        check_tensor("counters", counters, 1, (torch.int32,), device=device)
+
+
+def _launch(
+    q: torch.Tensor,  # q, or the QKV output when `qkv` is given
+    num_heads: int,
+    q_stride_s: int,
+    q_stride_h: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None,
+    num_splits: int | None,
+    counters: torch.Tensor | None,
+    tile_config: dict | None,
+    qkv: tuple | None = None,  # (positions, cos_sin, q_norm_w, k_norm_w, slot_mapping, eps)
+) -> torch.Tensor:
+    device = k_cache.device
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_seqs = q.shape[0]
     group = num_heads // num_kv_heads
-    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=device)
     if num_seqs == 0:
         return out
     if max_seq_len is None:
@@ -351,6 +496,14 @@ def decode_attention(
         part_acc = torch.empty(
             (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=device
         )
+    if qkv is None:  # the five pointers are unused
+        positions = cos_sin = q_norm_w = k_norm_w = slot_mapping = out
+        eps = 0.0
+    else:
+        positions, cos_sin, q_norm_w, k_norm_w, slot_mapping, eps = qkv
+        qk_norm = q_norm_w is not None
+        if not qk_norm:
+            q_norm_w = k_norm_w = out
     _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
@@ -362,12 +515,18 @@ def decode_attention(
         part_l,
         part_acc,
         counters,
-        q.stride(0),
-        q.stride(1),
+        positions,
+        cos_sin,
+        q_norm_w,
+        k_norm_w,
+        slot_mapping,
+        q_stride_s,
+        q_stride_h,
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),
         scale * LOG2E,
+        eps,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         NUM_KV_HEADS=num_kv_heads,
@@ -375,6 +534,8 @@ def decode_attention(
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
         MERGE_CHUNK=min(num_splits, MERGE_CHUNK),
+        FROM_QKV=qkv is not None,
+        QK_NORM=qkv is not None and qk_norm,
         PDL=pdl,
         **config,
         **launch,

@@ -379,6 +379,58 @@ def check_qkv_rotary_store() -> None:
         assert torch.equal(cache.k_cache[untouched], k_ref[untouched]), name
 
 
+def check_qkv_decode_attention() -> None:
+    """q/k norm + rotary + KV store in the decode attention kernel's prologue: the output
+    and the cache as the two references in turn (a padding row with slot -1 stores
+    nothing), the same within tolerance as the two Triton launches it replaces."""
+    from minivllm.kernels.decode_attention import (
+        decode_attention,
+        decode_counters,
+        qkv_decode_attention,
+        qkv_decode_attention_ref,
+    )
+    from minivllm.kernels.qkv_rotary_store import qkv_rotary_store
+    from minivllm.kernels.testing import paged_kv
+
+    cos_sin = _cos_sin_cache(4096, HEAD_DIM)
+    seq_lens = [1, 37, 129, 64, 1]  # the last: a graph bucket's padding row (slot -1)
+    for dtype, block_size, (num_heads, num_kv_heads), qk_norm in [
+        (torch.float32, 16, (4, 2), True),
+        (torch.float32, 32, (6, 2), False),
+        (torch.float16, 16, (2, 2), True),
+        (torch.float16, 32, (6, 2), True),
+    ]:
+        cache = paged_kv(seq_lens, num_kv_heads, HEAD_DIM, block_size, dtype, "cpu")
+        qkv, _, _, _ = _fused_qkv(len(seq_lens), num_heads, num_kv_heads, dtype)
+        positions = cache.seq_lens.long() - 1
+        blocks = cache.block_tables[torch.arange(len(seq_lens)), positions // block_size]
+        slots = blocks.long() * block_size + positions % block_size
+        slots[-1] = -1
+        weights = {}
+        if qk_norm:
+            weights = dict(q_norm_weight=(1 + 0.1 * torch.randn(HEAD_DIM)).to(dtype),
+                           k_norm_weight=(1 + 0.1 * torch.randn(HEAD_DIM)).to(dtype))
+        step = (cache.seq_lens, cache.block_tables, 0.125)
+        k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
+        ref = qkv_decode_attention_ref(positions, qkv, num_heads, cos_sin, k_ref, v_ref, slots,
+                                       *step, **weights)
+        counters = decode_counters(len(seq_lens), num_kv_heads, "cpu")
+        name = f"qkv_decode_attention {dtype} {num_heads}/{num_kv_heads} norm={qk_norm}"
+        for splits in (None, 1, 4):
+            k_out, v_out = cache.k_cache.clone(), cache.v_cache.clone()
+            out = qkv_decode_attention(positions, qkv, num_heads, cos_sin, k_out, v_out,
+                                       slots, *step, **weights, num_splits=splits,
+                                       counters=counters)
+            _assert_close(f"{name} splits {splits}", out, ref, TOL[dtype])
+            _assert_close(f"{name} splits {splits} k_cache", k_out, k_ref, TOL[dtype])
+            assert torch.equal(v_out, v_ref), f"{name}: v_cache (a copy)"
+            assert not counters.any()
+        k_two, v_two = cache.k_cache.clone(), cache.v_cache.clone()
+        q = qkv_rotary_store(positions, qkv, num_heads, cos_sin, k_two, v_two, slots, **weights)
+        two = decode_attention(q, k_two, v_two, *step, num_splits=4)
+        _assert_close(f"{name}: one launch against two", out, two, TOL[dtype])
+
+
 def _compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int = 4,
                   num_stages: int = 1) -> None:
     """Compiles a kernel for an H100/H200 (sm_90) without a GPU: Triton's frontend, its
@@ -418,12 +470,15 @@ def check_compile_sm90() -> None:
     sig = {name: "*fp32" for name in _decode_attention_kernel.arg_names if name.endswith("_ptr")}
     sig.update(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16",
                block_tables_ptr="*i32", seq_lens_ptr="*i32", counters_ptr="*i32",
-               qk_scale="fp32")
-    for splits in (1, 32, 128):  # direct write; split + merge in one chunk; in four
+               positions_ptr="*i64", slot_mapping_ptr="*i64", q_norm_ptr="*bf16",
+               k_norm_ptr="*bf16", qk_scale="fp32", eps="fp32")
+    # Direct write; split + merge in one chunk; in four; with q/k norm + rotary + store.
+    for splits, from_qkv in ((1, False), (32, False), (128, False), (32, True)):
         _compile_sm90(_decode_attention_kernel, sig,
                       dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128,
                            BLOCK_SIZE=256, BLOCK_N=128, NUM_SPLITS=splits,
-                           MERGE_CHUNK=min(splits, 32), DOT_PRECISION="tf32", PDL=True), 4, 2)
+                           MERGE_CHUNK=min(splits, 32), FROM_QKV=from_qkv, QK_NORM=from_qkv,
+                           DOT_PRECISION="tf32", PDL=True), 4, 2)
 
 
 # Subprocess groups: each start costs seconds (torch + triton imports), so the cheap
@@ -434,6 +489,7 @@ CHECKS = {
     "prefill_attention": [check_prefill_attention],
     "decode_attention": [check_decode_attention, check_decode_attention_many_splits],
     "fused_decode": [check_gemv, check_qkv_rotary_store, check_fused_wrapper_errors],
+    "qkv_decode_attention": [check_qkv_decode_attention],
     "compile_sm90": [check_compile_sm90],  # no interpreter: a real compile for sm_90
 }
 

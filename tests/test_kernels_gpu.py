@@ -376,12 +376,14 @@ def test_gemv_pdl_chain_in_graph() -> None:
             assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
 
 
-def test_attention_path_pdl_in_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("one_launch", [False, True], ids=["two-launches", "one-launch"])
+def test_attention_path_pdl_in_graph(monkeypatch: pytest.MonkeyPatch, one_launch: bool) -> None:
     """MINIVLLM_PDL=all: q/k norm + rotary + KV store -> decode attention (16 splits merged
     in the kernel) -> o GEMV, each launched with PDL, replayed from a CUDA graph, equals the
-    chain without PDL bit for bit (each kernel reads what the one before wrote)."""
+    chain without PDL bit for bit (each kernel reads what the one before wrote). One launch:
+    the store and the attention in `qkv_decode_attention`."""
     from minivllm.kernels import pdl
-    from minivllm.kernels.decode_attention import decode_attention
+    from minivllm.kernels.decode_attention import decode_attention, qkv_decode_attention
     from minivllm.kernels.gemv import gemv
     from minivllm.kernels.qkv_rotary_store import qkv_rotary_store
     from minivllm.kernels.testing import paged_kv
@@ -400,10 +402,14 @@ def test_attention_path_pdl_in_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     w_o = (torch.randn(1024, heads * head_dim, device=DEVICE) / 45).to(torch.bfloat16)
 
     def chain():
-        q = qkv_rotary_store(positions, qkv, heads, cos_sin, cache.k_cache, cache.v_cache,
-                             slots, norm_w, norm_w)
-        o = decode_attention(q, cache.k_cache, cache.v_cache, cache.seq_lens,
-                             cache.block_tables, 0.088, num_splits=16)
+        step = (cache.seq_lens, cache.block_tables, 0.088)
+        if one_launch:
+            o = qkv_decode_attention(positions, qkv, heads, cos_sin, cache.k_cache,
+                                     cache.v_cache, slots, *step, norm_w, norm_w, num_splits=16)
+        else:
+            q = qkv_rotary_store(positions, qkv, heads, cos_sin, cache.k_cache, cache.v_cache,
+                                 slots, norm_w, norm_w)
+            o = decode_attention(q, cache.k_cache, cache.v_cache, *step, num_splits=16)
         return gemv(o.flatten(1), w_o)
 
     def run_with(setting: str, graphed: bool) -> torch.Tensor:
@@ -484,3 +490,83 @@ def test_decode_attention_merge_in_graph(monkeypatch: pytest.MonkeyPatch) -> Non
                           TOL[torch.bfloat16])
     finally:
         pdl._pdl_level.cache_clear()
+
+
+@pytest.mark.parametrize("model", MODELS, ids=[m[0] for m in MODELS])
+def test_qkv_decode_attention(model) -> None:
+    """q/k norm + rotary + KV store in the decode attention kernel's prologue (bf16, with
+    and without q/k norm, ragged contexts 1 to 8k and a padding row with slot -1): the
+    output against the float64 reference of the two steps (bound 1e-2), the stored k
+    against `qkv_rotary_store_ref` (1e-2) and v exact; and against the two launches it
+    replaces (qkv_rotary_store + decode_attention, 1e-2)."""
+    from minivllm.kernels.decode_attention import (
+        decode_attention,
+        decode_attention_ref,
+        qkv_decode_attention,
+    )
+    from minivllm.kernels.qkv_rotary_store import qkv_rotary_store, qkv_rotary_store_ref
+    from minivllm.kernels.testing import paged_kv
+
+    _, _, heads, kv_heads, head_dim, _, _ = model
+    dtype = torch.bfloat16
+    lens = [1, 2, 255, 256, 257, 1000, 4095, 8192, 1]  # the last: padding (slot -1)
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim)
+    freqs = torch.arange(8192, device=DEVICE).float()[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    cache = paged_kv(lens, kv_heads, head_dim, 256, dtype, DEVICE)
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, device=DEVICE).to(dtype)
+    positions = cache.seq_lens.long() - 1
+    rows = torch.arange(len(lens), device=DEVICE)
+    slots = cache.block_tables[rows, positions // 256].long() * 256 + positions % 256
+    slots[-1] = -1
+    step = (cache.seq_lens, cache.block_tables, head_dim**-0.5)
+    for qk_norm in (True, False):
+        norms = {}
+        if qk_norm:
+            norms = dict(q_norm_weight=(1 + 0.1 * torch.randn(head_dim, device=DEVICE)).to(dtype),
+                         k_norm_weight=(1 + 0.1 * torch.randn(head_dim, device=DEVICE)).to(dtype))
+        k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
+        q_ref = qkv_rotary_store_ref(positions, qkv, heads, cos_sin, k_ref, v_ref, slots, **norms)
+        ref = decode_attention_ref(q_ref.double(), k_ref.double(), v_ref.double(), *step)
+        k_two, v_two = cache.k_cache.clone(), cache.v_cache.clone()
+        q = qkv_rotary_store(positions, qkv, heads, cos_sin, k_two, v_two, slots, **norms)
+        two = decode_attention(q, k_two, v_two, *step, num_splits=16)
+        for num_splits in (None, 1, 16):
+            k_out, v_out = cache.k_cache.clone(), cache.v_cache.clone()
+            out = qkv_decode_attention(positions, qkv, heads, cos_sin, k_out, v_out, slots,
+                                       *step, **norms, num_splits=num_splits)
+            name = f"qkv_decode_attention {model[0]} norm={qk_norm} splits {num_splits}"
+            _assert_close(name, out, ref, TOL[dtype])
+            _assert_close(name + " against two launches", out, two, TOL[dtype])
+            _assert_close(name + " k_cache", k_out, k_ref, TOL[dtype])
+            assert torch.equal(v_out, v_ref), name + " v_cache"
+
+
+def test_qkv_decode_attention_batch1_32k() -> None:
+    """Batch 1 from 1 to 32k context in a launch sized for 32k, the new token stored by the
+    last used split and read back by it: against the references, bound 1e-2 (bf16)."""
+    from minivllm.kernels.decode_attention import qkv_decode_attention, qkv_decode_attention_ref
+    from minivllm.kernels.testing import paged_kv
+
+    heads, kv_heads, head_dim = 16, 8, 128
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim)
+    freqs = torch.arange(32768, device=DEVICE).float()[:, None] * inv_freq[None, :]
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    norm_w = (1 + 0.1 * torch.randn(head_dim, device=DEVICE)).to(torch.bfloat16)
+    for context in (1, 100, 3000, 32768):
+        cache = paged_kv([context], kv_heads, head_dim, 256, torch.bfloat16, DEVICE,
+                         spare_columns=(32768 - context) // 256 + 1)
+        qkv = torch.randn(1, (heads + 2 * kv_heads) * head_dim, device=DEVICE).to(torch.bfloat16)
+        positions = torch.tensor([context - 1], device=DEVICE)
+        slots = cache.block_tables[0, (context - 1) // 256].long().view(1) * 256 + (
+            (context - 1) % 256
+        )
+        step = (cache.seq_lens, cache.block_tables, 0.088)
+        k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
+        ref = qkv_decode_attention_ref(positions, qkv.double(), heads, cos_sin.double(),
+                                       k_ref.double(), v_ref.double(), slots, *step,
+                                       norm_w.double(), norm_w.double())
+        out = qkv_decode_attention(positions, qkv, heads, cos_sin, cache.k_cache, cache.v_cache,
+                                   slots, *step, norm_w, norm_w)
+        _assert_close(f"qkv_decode_attention batch 1 ctx {context}", out, ref,
+                      TOL[torch.bfloat16])

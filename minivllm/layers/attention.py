@@ -109,6 +109,47 @@ class AttentionBackend:
         )
 
 
+    def forward_qkv(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        num_heads: int,
+        cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        q_norm_weight: torch.Tensor | None,
+        k_norm_weight: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Attention from the QKV projection's output with the fused kernels (a set with
+        `qkv_rotary_store`): q/k norm + rotary + KV store, then attention; a decode step in
+        one launch where the set has `qkv_decode_attention`."""
+        kernels = self.kernels
+        if meta.is_decode and kernels.qkv_decode_attention is not None:
+            return kernels.qkv_decode_attention(
+                positions,
+                qkv,
+                num_heads,
+                cos_sin_cache,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+                meta.seq_lens,
+                meta.block_tables,
+                scale,
+                q_norm_weight,
+                k_norm_weight,
+                eps,
+                num_splits=meta.decode_splits,
+                **self.decode_kwargs,
+            )
+        q = kernels.qkv_rotary_store(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache,
+                                     meta.slot_mapping, q_norm_weight, k_norm_weight, eps)
+        return self.forward(q, None, None, k_cache, v_cache, meta, scale, kv_stored=True)
+
+
 class TorchAttentionBackend(AttentionBackend):
     """The pure-torch references over the paged cache (CPU and tests)."""
 
@@ -231,6 +272,21 @@ class Attention(nn.Module):
             return no_cache_attention(q, k, v, meta.cu_seqlens_q.tolist(), self.scale)
         return self.backend.forward(
             q, k, v, self.k_cache, self.v_cache, meta, self.scale, kv_stored=kv_stored
+        )
+
+    def forward_qkv(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        q_norm_weight: torch.Tensor | None,
+        k_norm_weight: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """From the QKV projection's output with the fused kernels (the KV pool exists)."""
+        return self.backend.forward_qkv(
+            positions, qkv, self.num_heads, cos_sin_cache, self.k_cache, self.v_cache,
+            get_attention_metadata(), self.scale, q_norm_weight, k_norm_weight, eps,
         )
 
 
