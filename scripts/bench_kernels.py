@@ -28,6 +28,7 @@ from minivllm.kernels.decode_attention import (
     choose_num_splits,
     decode_attention,
     decode_counters,
+    qkv_decode_attention,
 )
 from minivllm.kernels.dispatch import num_sms
 from minivllm.kernels.prefill_attention import _tile_config as prefill_tiles
@@ -248,6 +249,28 @@ def fused_ops_rows(m: int) -> None:
     t0 = graph_ms([unfused_post] * 8)
     t1 = graph_ms([fused_post] * 8)
     print(f"{'q/k norm+rotary+KV store':44} {m:2d} {t0 * 1e3:11.1f} {t1 * 1e3:9.1f}")
+
+    # The decode step's attention from the QKV output: two launches against one, at a
+    # 128-token and a 4k context (the graph sized for 4k, as an engine's is).
+    counters = decode_counters(m, kv_heads, "cuda")
+    for context in (128, 4096):
+        lens = torch.full((m,), context, dtype=torch.int32, device="cuda")
+        step = (lens, cache.block_tables, 0.088)
+        kw = dict(num_splits=choose_num_splits(m, kv_heads, 4096, num_sms(qkv.device)),
+                  counters=counters)
+
+        def two_launches(step=step, kw=kw):
+            q = qkv_rotary_store(pos, qkv, heads, cs, cache.k_cache, cache.v_cache, slots, hw, hw)
+            decode_attention(q, cache.k_cache, cache.v_cache, *step, **kw)
+
+        def one_launch(step=step, kw=kw):
+            qkv_decode_attention(pos, qkv, heads, cs, cache.k_cache, cache.v_cache, slots,
+                                 *step, hw, hw, **kw)
+
+        t0 = graph_ms([two_launches] * 8)
+        t1 = graph_ms([one_launch] * 8)
+        print(f"{f'q/k norm+rotary+store+attention, ctx {context}':44} {m:2d} "
+              f"{t0 * 1e3:11.1f} {t1 * 1e3:9.1f}")
 
 
 def long_decode_table(sms: int) -> None:
