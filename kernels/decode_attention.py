@@ -13,15 +13,8 @@ The Triton version is bound by the bytes of K/V it reads, so:
 from __future__ import annotations
 
 import torch
-from minivllm.kernels.dispatch import (
-    INDEX_DTYPES,
-    check_kv_cache,
-    check_tensor,
-    num_sms,
-    require_triton,
-    tl,
-    triton,
-)
+from minivllm.kernels.attention_tile import LOG2E, attend_kv_tile
+from minivllm.kernels.dispatch import check_paged_attention, check_tensor, num_sms, tl, triton
 from minivllm.kernels.pdl import attention_pdl
 from minivllm.kernels.qkv_rotary_store import check_qkv_inputs, qkv_rotary_store_ref
 
@@ -76,7 +69,6 @@ def decode_attention_at_slots(
     return o.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
-LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) dominates
 # H200, batch 1 (8 KV heads): 32 splits were fastest at 8k (17.6 us a layer against 18.3-23.1
 # for 16-256) and at 32k (41.6 us against 42.8 for 128), and the merge of 128 partials
@@ -256,20 +248,9 @@ def _decode_attention_kernel(
     for tile_start in range(start, end, BLOCK_N):
         offs = tile_start + tl.arange(0, BLOCK_N)
         valid = offs < end
-        page = tl.load(block_table + offs // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        # NOTE: int64: a layer's pool can exceed 2**31 elements.
-        slot = page * BLOCK_SIZE + offs % BLOCK_SIZE  # [BLOCK_N]
-        kv_offsets = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset
-        k = tl.load(k_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+        m, l_sum, acc = attend_kv_tile(q, m, l_sum, acc, k_cache_ptr, v_cache_ptr, block_table,
+                                       offs, valid, valid[None, :], head_offset, qk_scale,
+                                       BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, DOT_PRECISION)
 
     if NUM_SPLITS == 1:
         _store_output(out_ptr, seq, heads, dims, row_mask, acc, l_sum, out_stride_s,
@@ -362,12 +343,8 @@ def decode_attention(
     zeroed ones (one memset launch more).
     """
     if check:
-        require_triton()
-        check_kv_cache(k_cache, v_cache)
-        check_tensor("q", q, 3, device=k_cache.device)
-        if q.shape[2] != k_cache.shape[3]:
-            raise ValueError(f"q has head_dim {q.shape[2]}, the cache {k_cache.shape[3]}")
-        _check_decode_inputs(q.shape[0], q.shape[1], k_cache, seq_lens, block_tables, counters)
+        check_paged_attention(k_cache, v_cache, seq_lens, block_tables, q=q)
+        _check_decode_rows(q.shape[0], seq_lens, block_tables, counters)
     return _launch(q, q.shape[1], q.stride(0), q.stride(1), k_cache, v_cache, seq_lens,
                    block_tables, scale, max_seq_len, num_splits, counters, tile_config)
 
@@ -422,24 +399,16 @@ def qkv_decode_attention(
     if check:
         check_qkv_inputs(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache,
                          slot_mapping, q_norm_weight, k_norm_weight)
-        _check_decode_inputs(qkv.shape[0], num_heads, k_cache, seq_lens, block_tables,
-                             counters)
+        check_paged_attention(k_cache, v_cache, seq_lens, block_tables, num_heads=num_heads)
+        _check_decode_rows(qkv.shape[0], seq_lens, block_tables, counters)
     return _launch(qkv, num_heads, qkv.stride(0), k_cache.shape[3], k_cache, v_cache, seq_lens,
                    block_tables, scale, max_seq_len, num_splits, counters, tile_config,
                    qkv=(positions, cos_sin_cache, q_norm_weight, k_norm_weight, slot_mapping,
                         eps))
 
 
-def _check_decode_inputs(num_seqs: int, num_heads: int, k_cache: torch.Tensor,
-                         seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                         counters: torch.Tensor | None) -> None:
-    device = k_cache.device
-    num_kv_heads = k_cache.shape[2]
-    check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES, device=device)
-    check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, device=device)
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
-                         f"{num_kv_heads}")
+def _check_decode_rows(num_seqs: int, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                       counters: torch.Tensor | None) -> None:
     if seq_lens.shape[0] != num_seqs or block_tables.shape[0] != num_seqs:
         raise ValueError(
             f"seq_lens {tuple(seq_lens.shape)} and block_tables "
@@ -447,7 +416,7 @@ def _check_decode_inputs(num_seqs: int, num_heads: int, k_cache: torch.Tensor,
             f"({num_seqs})"
         )
     if counters is not None:
-        check_tensor("counters", counters, 1, (torch.int32,), device=device)
+        check_tensor("counters", counters, 1, (torch.int32,), device=seq_lens.device)
 
 
 def _launch(

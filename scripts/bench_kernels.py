@@ -34,10 +34,12 @@ from minivllm.kernels.dispatch import num_sms
 from minivllm.kernels.prefill_attention import _tile_config as prefill_tiles
 from minivllm.kernels.prefill_attention import prefill_attention
 from minivllm.kernels.testing import (
+    DECODE_MODELS,
     decode_tile_variants,
     describe_tiles,
     paged_kv,
     prefill_tile_variants,
+    projections,
 )
 
 PEAK_BYTES_PER_S = 4.3e12
@@ -106,23 +108,6 @@ def prefill_case(seq_len: int, q_len: int, block_size: int, **kw) -> tuple[float
 # -- few-row GEMV, fused decode ops, batch-1 long-context decode (issue 11) ----------------
 
 # (model, hidden, heads, kv_heads, head_dim, intermediate, vocab)
-MODELS = [
-    ("qwen3-0.6b", 1024, 16, 8, 128, 3072, 151936),
-    ("llama-3.2-1b", 2048, 32, 8, 64, 8192, 128256),
-    ("smollm2-135m", 576, 9, 3, 64, 1536, 49152),
-]
-
-
-def projections(hidden, heads, kv_heads, head_dim, inter, vocab) -> list[tuple[str, int, int]]:
-    return [
-        ("qkv", (heads + 2 * kv_heads) * head_dim, hidden),
-        ("o", hidden, heads * head_dim),
-        ("gate_up", 2 * inter, hidden),
-        ("down", hidden, inter),
-        ("lm_head", vocab, hidden),
-    ]
-
-
 def gemv_variants(m: int, n: int, k: int) -> list[dict]:
     """Tiles the sweep tries besides the default (all correct: tests/test_kernels_gpu.py)."""
     from minivllm.kernels.gemv import default_config
@@ -165,16 +150,16 @@ def gemv_table(sweep: bool) -> None:
     print(f"\n{'model':14} {'proj':8} {'M':>2} {'N':>7} {'K':>5} {'cuBLAS us':>10} {'GB/s':>6} "
           f"{'triton us':>10} {'GB/s':>6} {'best us':>8} {'GB/s':>6}  best tiles")
     wins = {}
-    for model, *dims in MODELS:
+    for model, *dims in DECODE_MODELS:
         for name, n, k in projections(*dims):
             weights = weight_copies(n, k)
             nbytes = n * k * DTYPE.itemsize
             # The engine's model gets every row bucket and the sweep; the others 1 and 8.
-            for m in (1, 2, 4, 8) if model == MODELS[0][0] else (1, 8):
+            for m in (1, 2, 4, 8) if model == DECODE_MODELS[0][0] else (1, 8):
                 cublas = gemv_time(m, weights)
                 default = gemv_time(m, weights, None)
                 best, best_cfg = default, "default"
-                if sweep and model == MODELS[0][0]:
+                if sweep and model == DECODE_MODELS[0][0]:
                     for cfg in gemv_variants(m, n, k):
                         t = gemv_time(m, weights, cfg)
                         if t < best:
@@ -193,7 +178,7 @@ def gemv_table(sweep: bool) -> None:
         print(f"    ({m}, {n}, {k}): {win},")
     print("}")
     print("default tiles, M=1:", {f"{n}x{k}": default_config(1, n, k, DTYPE)
-                                 for _, n, k in projections(*MODELS[0][1:])})
+                                 for _, n, k in projections(*DECODE_MODELS[0][1:])})
 
 
 def fused_ops_table() -> None:

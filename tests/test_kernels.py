@@ -19,6 +19,7 @@ import sys
 
 import pytest
 import torch
+from minivllm.kernels.testing import cos_sin_table
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -45,6 +46,17 @@ def _fused_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, dtype: torch.
 
 # ----------------------------------------------------------------------------------------
 # Checks, run inside the interpreter subprocess.
+
+
+def _expect_value_errors(cases: list) -> None:
+    """Each (call, message): the call raises a ValueError whose text has the message."""
+    for fn, message in cases:
+        try:
+            fn()
+        except ValueError as e:
+            assert message in str(e), f"expected {message!r} in {e!r}"
+        else:
+            raise AssertionError(f"no ValueError mentioning {message!r}")
 
 
 def check_store_kvcache() -> None:
@@ -92,16 +104,10 @@ def check_rms_norm() -> None:
                       TOL[dtype])
 
 
-def _cos_sin_cache(max_position: int, head_dim: int, theta: float = 1e6) -> torch.Tensor:
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
-    freqs = torch.arange(max_position).float()[:, None] * inv_freq[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_position, head_dim]
-
-
 def check_rotary() -> None:
     from minivllm.kernels.rotary import rotary, rotary_ref
 
-    cache = _cos_sin_cache(4096, HEAD_DIM)
+    cache = cos_sin_table(4096, HEAD_DIM)
     for dtype in DTYPES:
         for num_heads, num_kv_heads in HEADS:
             qkv, q, k, v = _fused_qkv(11, num_heads, num_kv_heads, dtype)
@@ -256,13 +262,7 @@ def check_wrapper_errors() -> None:
     cases.append((lambda: decode_attention(q[:, :1], small.k_cache, small.v_cache,
                                            small.seq_lens, small.block_tables, 1.0),
                   "block_size must be"))
-    for fn, message in cases:
-        try:
-            fn()
-        except ValueError as e:
-            assert message in str(e), f"expected {message!r} in {e!r}"
-        else:
-            raise AssertionError(f"no ValueError mentioning {message!r}")
+    _expect_value_errors(cases)
 
 
 def check_gemv() -> None:
@@ -318,7 +318,7 @@ def check_fused_wrapper_errors() -> None:
     cache = paged_kv([20], 2, HEAD_DIM, 16, torch.float32, "cpu")
     qkv = torch.randn(3, 8 * HEAD_DIM)
     pos = torch.arange(3)
-    cos_sin = _cos_sin_cache(64, HEAD_DIM)
+    cos_sin = cos_sin_table(64, HEAD_DIM)
     kv = (cache.k_cache, cache.v_cache)
     cases = [
         (lambda: gemv(torch.randn(9, 8), w), "1 to 8 rows"),
@@ -333,20 +333,14 @@ def check_fused_wrapper_errors() -> None:
         (lambda: qkv_rotary_store(pos, qkv, 4, cos_sin, *kv, pos, torch.ones(HEAD_DIM)),
          "come together"),
     ]
-    for fn, message in cases:
-        try:
-            fn()
-        except ValueError as e:
-            assert message in str(e), f"expected {message!r} in {e!r}"
-        else:
-            raise AssertionError(f"no ValueError mentioning {message!r}")
+    _expect_value_errors(cases)
 
 
 def check_qkv_rotary_store() -> None:
     from minivllm.kernels.qkv_rotary_store import qkv_rotary_store, qkv_rotary_store_ref
     from minivllm.kernels.testing import paged_kv
 
-    cos_sin = _cos_sin_cache(4096, HEAD_DIM)
+    cos_sin = cos_sin_table(4096, HEAD_DIM)
     for dtype, (num_heads, num_kv_heads), qk_norm in [
         (torch.float32, (4, 2), True),
         (torch.float16, (6, 2), True),
@@ -392,7 +386,7 @@ def check_qkv_decode_attention() -> None:
     from minivllm.kernels.qkv_rotary_store import qkv_rotary_store
     from minivllm.kernels.testing import paged_kv
 
-    cos_sin = _cos_sin_cache(4096, HEAD_DIM)
+    cos_sin = cos_sin_table(4096, HEAD_DIM)
     seq_lens = [1, 37, 129, 64, 1]  # the last: a graph bucket's padding row (slot -1)
     for dtype, block_size, (num_heads, num_kv_heads), qk_norm in [
         (torch.float32, 16, (4, 2), True),

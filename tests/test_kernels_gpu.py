@@ -11,6 +11,8 @@ import itertools
 
 import pytest
 import torch
+from minivllm.kernels.testing import DECODE_MODELS as MODELS
+from minivllm.kernels.testing import cos_sin_table, projections
 
 pytestmark = pytest.mark.gpu
 
@@ -203,9 +205,7 @@ def test_rotary(dtype: torch.dtype, heads: tuple) -> None:
     from minivllm.kernels.rotary import rotary, rotary_ref
 
     num_heads, num_kv_heads, head_dim = heads
-    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim)
-    freqs = torch.arange(40960, device=DEVICE).float()[:, None] * inv_freq[None, :]
-    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_position, head_dim]
+    cos_sin = cos_sin_table(40960, head_dim, DEVICE)
     qkv = torch.randn(2048, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE).to(dtype)
     q = qkv[:, : num_heads * head_dim].view(2048, num_heads, head_dim)
     k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
@@ -228,24 +228,6 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
 # -- fused decode-path kernels (issue 11) ---------------------------------------------------
 
 # (name, hidden, heads, kv_heads, head_dim, intermediate, vocab)
-MODELS = [
-    ("qwen3-0.6b", 1024, 16, 8, 128, 3072, 151936),
-    ("llama-3.2-1b", 2048, 32, 8, 64, 8192, 128256),
-    ("smollm2-135m", 576, 9, 3, 64, 1536, 49152),
-]
-
-
-def _projections(hidden, heads, kv_heads, head_dim, inter, vocab):
-    """(name, N, K) of each matrix a decode step multiplies by."""
-    return [
-        ("qkv", (heads + 2 * kv_heads) * head_dim, hidden),
-        ("o", hidden, heads * head_dim),
-        ("gate_up", 2 * inter, hidden),
-        ("down", hidden, inter),
-        ("lm_head", vocab, hidden),
-    ]
-
-
 @pytest.mark.parametrize("model", MODELS, ids=[m[0] for m in MODELS])
 def test_gemv(model) -> None:
     """bf16 against an fp32 product of the same bf16 inputs; bound 1e-2 relative (bf16
@@ -253,7 +235,7 @@ def test_gemv(model) -> None:
     from minivllm.kernels.gemv import default_config, gemv, rms_norm_gemv, rms_norm_gemv_ref
 
     _, hidden, heads, kv_heads, head_dim, inter, vocab = model
-    for name, n, k in _projections(hidden, heads, kv_heads, head_dim, inter, vocab):
+    for name, n, k in projections(hidden, heads, kv_heads, head_dim, inter, vocab):
         w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(torch.bfloat16)
         for m in (1, 2, 4, 8):
             x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
@@ -289,9 +271,7 @@ def test_qkv_rotary_store(dtype: torch.dtype, model) -> None:
     from minivllm.kernels.testing import paged_kv
 
     _, _, heads, kv_heads, head_dim, _, _ = model
-    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim)
-    freqs = torch.arange(40960, device=DEVICE).float()[:, None] * inv_freq[None, :]
-    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    cos_sin = cos_sin_table(40960, head_dim, DEVICE)
     cache = paged_kv([4096], kv_heads, head_dim, 256, dtype, DEVICE, spare_blocks=8)
     num_slots = cache.k_cache.shape[0] * 256
     tokens = 1000
@@ -395,9 +375,7 @@ def test_attention_path_pdl_in_graph(monkeypatch: pytest.MonkeyPatch, one_launch
     positions = torch.tensor([2999], device=DEVICE)
     slots = torch.zeros(1, dtype=torch.long, device=DEVICE)
     slots[0] = cache.block_tables[0, 2999 // 256].long() * 256 + 2999 % 256
-    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim)
-    freqs = torch.arange(4096, device=DEVICE).float()[:, None] * inv_freq[None, :]
-    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    cos_sin = cos_sin_table(4096, head_dim, DEVICE)
     norm_w = torch.ones(head_dim, device=DEVICE, dtype=torch.bfloat16)
     w_o = (torch.randn(1024, heads * head_dim, device=DEVICE) / 45).to(torch.bfloat16)
 
@@ -510,9 +488,7 @@ def test_qkv_decode_attention(model) -> None:
     _, _, heads, kv_heads, head_dim, _, _ = model
     dtype = torch.bfloat16
     lens = [1, 2, 255, 256, 257, 1000, 4095, 8192, 1]  # the last: padding (slot -1)
-    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim)
-    freqs = torch.arange(8192, device=DEVICE).float()[:, None] * inv_freq[None, :]
-    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    cos_sin = cos_sin_table(8192, head_dim, DEVICE)
     cache = paged_kv(lens, kv_heads, head_dim, 256, dtype, DEVICE)
     qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, device=DEVICE).to(dtype)
     positions = cache.seq_lens.long() - 1
@@ -549,9 +525,7 @@ def test_qkv_decode_attention_batch1_32k() -> None:
     from minivllm.kernels.testing import paged_kv
 
     heads, kv_heads, head_dim = 16, 8, 128
-    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim)
-    freqs = torch.arange(32768, device=DEVICE).float()[:, None] * inv_freq[None, :]
-    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    cos_sin = cos_sin_table(32768, head_dim, DEVICE)
     norm_w = (1 + 0.1 * torch.randn(head_dim, device=DEVICE)).to(torch.bfloat16)
     for context in (1, 100, 3000, 32768):
         cache = paged_kv([context], kv_heads, head_dim, 256, torch.bfloat16, DEVICE,
