@@ -83,6 +83,12 @@ def cos_sin_table(
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
+def qk_norm_weights(head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict:
+    """Random per-head q/k RMSNorm weights near 1 (Qwen3), as keyword arguments."""
+    return {name: (1 + 0.1 * torch.randn(head_dim, device=device)).to(dtype)
+            for name in ("q_norm_weight", "k_norm_weight")}
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64; inf when `out` has any non-finite element, so
     unwritten (NaN-poisoned) outputs fail."""

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 import torch
-from minivllm.kernels.testing import cos_sin_table
+from minivllm.kernels.testing import cos_sin_table, qk_norm_weights
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -353,10 +353,7 @@ def check_qkv_rotary_store() -> None:
         positions = torch.randint(0, 4096, (9,))
         slots = torch.randperm(num_slots)[:9]
         slots[[1, 6]] = -1
-        weights = {}
-        if qk_norm:
-            weights = dict(q_norm_weight=(1 + 0.1 * torch.randn(HEAD_DIM)).to(dtype),
-                           k_norm_weight=(1 + 0.1 * torch.randn(HEAD_DIM)).to(dtype))
+        weights = qk_norm_weights(HEAD_DIM, dtype) if qk_norm else {}
         k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
         q_ref = qkv_rotary_store_ref(positions, qkv, num_heads, cos_sin, k_ref, v_ref, slots,
                                      **weights)
@@ -400,10 +397,7 @@ def check_qkv_decode_attention() -> None:
         blocks = cache.block_tables[torch.arange(len(seq_lens)), positions // block_size]
         slots = blocks.long() * block_size + positions % block_size
         slots[-1] = -1
-        weights = {}
-        if qk_norm:
-            weights = dict(q_norm_weight=(1 + 0.1 * torch.randn(HEAD_DIM)).to(dtype),
-                           k_norm_weight=(1 + 0.1 * torch.randn(HEAD_DIM)).to(dtype))
+        weights = qk_norm_weights(HEAD_DIM, dtype) if qk_norm else {}
         step = (cache.seq_lens, cache.block_tables, 0.125)
         k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
         ref = qkv_decode_attention_ref(positions, qkv, num_heads, cos_sin, k_ref, v_ref, slots,

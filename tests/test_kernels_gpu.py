@@ -12,7 +12,7 @@ import itertools
 import pytest
 import torch
 from minivllm.kernels.testing import DECODE_MODELS as MODELS
-from minivllm.kernels.testing import cos_sin_table, projections
+from minivllm.kernels.testing import cos_sin_table, projections, qk_norm_weights
 
 pytestmark = pytest.mark.gpu
 
@@ -280,10 +280,7 @@ def test_qkv_rotary_store(dtype: torch.dtype, model) -> None:
     slots = torch.randperm(num_slots, device=DEVICE)[:tokens]
     slots[::9] = -1
     for qk_norm in (True, False):
-        weights = {}
-        if qk_norm:
-            weights = dict(q_norm_weight=(1 + 0.1 * torch.randn(head_dim, device=DEVICE)).to(dtype),
-                           k_norm_weight=(1 + 0.1 * torch.randn(head_dim, device=DEVICE)).to(dtype))
+        weights = qk_norm_weights(head_dim, dtype, DEVICE) if qk_norm else {}
         k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
         q_ref = qkv_rotary_store_ref(positions, qkv, heads, cos_sin, k_ref, v_ref, slots,
                                      **weights)
@@ -497,10 +494,7 @@ def test_qkv_decode_attention(model) -> None:
     slots[-1] = -1
     step = (cache.seq_lens, cache.block_tables, head_dim**-0.5)
     for qk_norm in (True, False):
-        norms = {}
-        if qk_norm:
-            norms = dict(q_norm_weight=(1 + 0.1 * torch.randn(head_dim, device=DEVICE)).to(dtype),
-                         k_norm_weight=(1 + 0.1 * torch.randn(head_dim, device=DEVICE)).to(dtype))
+        norms = qk_norm_weights(head_dim, dtype, DEVICE) if qk_norm else {}
         k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
         q_ref = qkv_rotary_store_ref(positions, qkv, heads, cos_sin, k_ref, v_ref, slots, **norms)
         ref = decode_attention_ref(q_ref.double(), k_ref.double(), v_ref.double(), *step)
