@@ -86,25 +86,46 @@ def bench_throughput(args: argparse.Namespace) -> list[Row]:
     vocab = llm.config.model.vocab_size
     prompts = [[t % vocab for t in p] for p in prompts]
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in outs]
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))  # warm-up, untimed
-    sync(llm)
-    start = time.perf_counter()
-    out = llm.generate(prompts, params, use_tqdm=args.progress)
-    sync(llm)
-    elapsed = time.perf_counter() - start
-    generated = sum(len(t) for t in out["token_ids"])
-    assert generated == sum(outs)
-    stats = llm.stats()
-    rows = [
-        Row(
-            "throughput",
-            generated / elapsed,
-            "output tok/s",
-            f"{len(prompts)} seqs, {sum(map(len, prompts))} prompt + {generated} output tokens "
-            f"in {elapsed:.2f} s; {stats.num_preemptions} preemptions, "
-            f"{stats.num_blocks} KV blocks",
-        ),
-    ]
+    modes = {"default": [None], "both": [True, False], "async": [True], "sync": [False]}
+    rows = []
+    for mode in modes[args.scheduling]:
+        if mode is not None:
+            llm.async_scheduling = mode  # switched while idle: the same engine runs both
+        suffix = "" if mode is None else (" (async)" if mode else " (sync)")
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))  # warm-up, untimed
+        sync(llm)
+        steps_before = llm.stats().num_steps
+        times = _time_host_work(llm)
+        start = time.perf_counter()
+        out = llm.generate(prompts, params, use_tqdm=args.progress)
+        sync(llm)
+        elapsed = time.perf_counter() - start
+        _untime_host_work(llm)
+        generated = sum(len(t) for t in out["token_ids"])
+        assert generated == sum(outs)
+        stats = llm.stats()
+        steps = max(1, stats.num_steps - steps_before)
+        rows.append(
+            Row(
+                "throughput" + suffix,
+                generated / elapsed,
+                "output tok/s",
+                f"{len(prompts)} seqs, {sum(map(len, prompts))} prompt + {generated} output "
+                f"tokens in {elapsed:.2f} s; {stats.num_preemptions} preemptions, "
+                f"{stats.num_blocks} KV blocks",
+            )
+        )
+        per_step = {k: v / steps * 1e3 for k, v in times.items()}
+        rows.append(
+            Row(
+                "host ms/step" + suffix,
+                elapsed / steps * 1e3 - per_step["wait"],
+                "ms",
+                f"{steps} steps of {elapsed / steps * 1e3:.2f} ms; not waiting for the device: "
+                f"schedule {per_step['schedule']:.2f}, prepare {per_step['prepare']:.2f}, "
+                f"apply {per_step['apply']:.2f}; waiting {per_step['wait']:.2f}",
+            )
+        )
     llm.exit()
     if args.compare == "hf":
         rows.append(hf_throughput(args, prompts, outs, vocab))
@@ -113,6 +134,36 @@ def bench_throughput(args: argparse.Namespace) -> list[Row]:
                 Row("ratio", rows[0].value / rows[-1].value, "x", "minivllm / transformers")
             )
     return rows
+
+
+def _time_host_work(llm: LLMEngine) -> dict[str, float]:
+    """Wrap the engine's per-step stages with timers (instance attributes, removed by
+    `_untime_host_work`): where the host's time goes, and how long it waits."""
+    times = {"schedule": 0.0, "prepare": 0.0, "apply": 0.0, "wait": 0.0}
+    targets = [
+        (llm.scheduler, "schedule", "schedule"),
+        (llm.runner, "prepare", "prepare"),
+        (llm.scheduler, "update_from_output", "apply"),
+        (llm.runner, "collect", "wait"),
+    ]
+    for obj, name, key in targets:
+        fn = getattr(obj, name)
+
+        def timed(*a, _fn=fn, _key=key, **kw):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                times[_key] += time.perf_counter() - t
+
+        setattr(obj, name, timed)
+    llm._timed_stages = targets  # type: ignore[attr-defined]
+    return times
+
+
+def _untime_host_work(llm: LLMEngine) -> None:
+    for obj, name, _ in llm._timed_stages:  # type: ignore[attr-defined]
+        delattr(obj, name)
 
 
 # -- latency --------------------------------------------------------------------------------
@@ -584,6 +635,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-input-len", type=int, default=1024)
     p.add_argument("--max-output-len", type=int, default=1024)
     p.add_argument("--hf-num-seqs", type=int, default=64)
+    p.add_argument(
+        "--scheduling",
+        choices=["default", "async", "sync", "both"],
+        default="default",
+        help="overlapped (async) or synchronous scheduling; both: one engine runs each",
+    )
     # latency
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=None, help="default: 256; 128 on CPU")

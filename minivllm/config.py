@@ -48,6 +48,7 @@ ENGINE_KEYS = {
     "enable_prefix_caching",
     "enable_chunked_prefill",
     "seed",
+    "async_scheduling",
 }
 
 
@@ -237,9 +238,16 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     seed: int | None = None
+    # Schedule step N+1 while the device runs step N. None: on for CUDA, off for the CPU
+    # (where a step computes as it is launched, so there is nothing to overlap).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         _check_int("world_size", self.world_size, 1)
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(
+                f"async_scheduling={self.async_scheduling!r}: must be True, False or None"
+            )
         _check_int("max_num_sequences", self.max_num_sequences, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         bs = self.block_size

@@ -84,3 +84,16 @@ def gather_last_dim(x: torch.Tensor) -> torch.Tensor | None:
         opts.rootRank = 0
         tp.group.gather([parts] if parts is not None else [], [x], opts).wait()
     return torch.cat(parts, dim=-1) if parts is not None else None
+
+
+def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
+    """Overwrite `x` (contiguous) on every rank with rank 0's values, in place."""
+    tp = _current.get()
+    if tp.world_size > 1:
+        if tp.group is None:
+            dist.broadcast(x, src=0)
+        else:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            tp.group.broadcast([x], opts).wait()
+    return x

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; a short table is printed last.
-# Usage on the GPU machine, from the repo root: bash scripts/gpu_check.sh [quick|profile|decode]
+# Usage on the GPU machine, from the repo root:
+#   bash scripts/gpu_check.sh [quick|profile|decode|host|all]
 # (no argument: tests + benchmarks; quick: tests; profile: tests + step profile;
 #  decode: tests + batch-1/long-context decode benchmarks, kernel table, per-kernel profile;
-#  all: everything)
+#  host: tests + issue 9's benchmarks (throughput overlapped vs synchronous, prefill TTFT
+#  per length, the chat workload, a cold start); all: everything)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/gpu-check}
@@ -16,19 +18,33 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 
 # Tests run from outside the repo so `kernels` can never resolve to its folder.
 (cd /tmp && $PY -m pytest "$REPO/tests/test_kernels_gpu.py" "$REPO/tests/test_gpu_engine.py" \
-  "$REPO/tests/test_gpu_graphs.py" -m gpu -q -p no:cacheprovider 2>&1 \
-  | tee "$OUT/gpu-tests.log" | tail -40)
+  "$REPO/tests/test_gpu_graphs.py" "$REPO/tests/test_async.py" -m gpu -q -p no:cacheprovider \
+  2>&1 | tee "$OUT/gpu-tests.log" | tail -40)
 
-bench() { minivllm_bench "$@" 2>&1 | tee -a "$OUT/bench.log" | grep -v "it/s\]" | tail -8; }
-minivllm_bench() { $PY -m minivllm.cli bench "$@"; }
+# Each benchmark is one process with a 5-minute cap; its wall time goes into the summary.
+bench() {
+  local t0=$SECONDS
+  minivllm_bench "$@" 2>&1 | tee -a "$OUT/bench.log" | grep -v "it/s\]" | tail -14
+  echo "-- bench $1: $((SECONDS - t0)) s" | tee -a "$OUT/bench.log"
+}
+minivllm_bench() { timeout 300 $PY -m minivllm.cli bench "$@"; }
 
 if [ "${1:-}" = "profile" ] || [ "${1:-}" = "all" ]; then
   $PY scripts/profile_steps.py 2>&1 | grep -v "it/s\]" | tee "$OUT/profile.log" | tail -120
 fi
 
+if [ "${1:-}" = "host" ]; then
+  # Issue 9: overlapped vs synchronous scheduling (one engine), TTFT per prompt length,
+  # the chat workload (first-turn / follow-up TTFT, lone follow-up), an empty Triton cache.
+  bench throughput --scheduling both
+  bench prefill --repeats 5 --max-model-length 16384
+  bench chat
+  bench coldstart
+fi
+
 if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
-  bench throughput --compare hf --hf-num-seqs 16
-  bench latency --compare hf --batch-sizes 1 --repeats 3
+  # Overlapped vs synchronous scheduling, one engine: tok/s and host ms per step each.
+  bench throughput --compare hf --hf-num-seqs 16 --scheduling both
   # The CPU path on this host's CPU, two cores as on a laptop (issue 10): the dtype it picks
   # (bf16 where the CPU has AVX-512 BF16 / AMX), its tests, and the side-by-side latency.
   grep -m1 "model name" /proc/cpuinfo
@@ -78,6 +94,6 @@ echo
 echo "== summary =="
 grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -2
 [ -f "$OUT/cpu-tests.log" ] && grep -E "passed|failed|error" "$OUT/cpu-tests.log" | tail -1
-grep -E "^  (throughput|decode|TTFT|transformers|ratio|minivllm|prefill|chat|cold)|^-- " \
+grep -E "^  (throughput|host ms|decode|TTFT|transformers|ratio|minivllm|prefill|chat|cold)|^-- " \
   "$OUT/bench.log" || true
 grep -E "^(server|frontend|engine) |^server / " "$OUT/bench-serve.log" 2>/dev/null || true

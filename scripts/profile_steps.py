@@ -165,6 +165,8 @@ def main() -> None:
             "max_num_sequences": 256,
             "max_num_batched_tokens": 8192,
             "gpu_memory_utilization": 0.5,
+            # phases() drives the scheduler by hand, one step at a time
+            "async_scheduling": False,
         }
     )
     rng = random.Random(0)

@@ -256,9 +256,12 @@ def test_tp2_prefix_cache_chunked_prefill_and_preemption(tiny_qwen3):
     )
     try:
         got = llm.generate(prompts, GREEDY)["token_ids"]
+        llm.async_scheduling = True  # overlapped: exactly the synchronous TP=2 tokens
+        got_async = llm.generate(prompts, GREEDY)["token_ids"]
         stats = llm.stats()
     finally:
         llm.exit()
+    assert got_async == got
     assert_same_greedy(tiny_qwen3, prompts, got, want)
     assert stats.num_preemptions > 0
     assert stats.prefix_cache_hit_rate > 0
@@ -294,6 +297,8 @@ def test_smollm2_tp3_matches_tp1(smollm2_path):
             for q in ("What is the capital of France?", "Name three colours.")
         ]
         out = tp3.generate(prompts, params)
+        tp3.async_scheduling = True  # overlapped: exactly the synchronous TP=3 tokens
+        assert tp3.generate(prompts, params) == out
     finally:
         tp3.exit()
     tp1 = LLMEngine(config)
@@ -335,8 +340,9 @@ def test_world_size_above_gpu_count(monkeypatch):
 # -- (3) faults and lifecycle --------------------------------------------------------------
 
 
-def test_worker_killed_mid_generation(tiny_llama):
-    llm = tiny_engine(tiny_llama, world_size=2)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_worker_killed_mid_generation(tiny_llama, async_scheduling):
+    llm = tiny_engine(tiny_llama, world_size=2, async_scheduling=async_scheduling)
     (pid,) = llm.workers.pids
     params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
     for p in prompts_of((7, 40, 13)):

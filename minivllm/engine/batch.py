@@ -45,6 +45,10 @@ class ForwardBatch:
     # Penalties, min_tokens and logprobs: row -> what that sequence needs, only for the
     # sequences that use them (a plain batch carries an empty dict).
     extras: dict[int, RowExtras] = field(default_factory=dict)
+    # Inputs not known on the host (overlapped scheduling): input_ids[fill_rows[i]] is
+    # the token the previous step sampled in its row fill_from[i]; filled on the device.
+    fill_rows: list[int] = field(default_factory=list)
+    fill_from: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -65,9 +69,13 @@ def build_forward_batch(
     b = ForwardBatch([], [], [], [0], [], [], [], [], [], [], [])
     for item in out.scheduled:
         seq = item.seq
-        start = seq.num_computed_tokens
+        start = item.start
         end = start + item.num_tokens
         b.input_ids.extend(seq.token_ids[start:end])
+        if item.fill_from is not None:  # the last input is still being sampled
+            b.fill_rows.append(len(b.input_ids))
+            b.fill_from.append(item.fill_from)
+            b.input_ids.append(0)
         b.positions.extend(range(start, end))
         table = seq.block_table
         b.slot_mapping.extend(

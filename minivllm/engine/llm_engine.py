@@ -11,6 +11,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as SeqLike
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -21,7 +22,7 @@ from ..outputs import Delta, EngineStats
 from ..sampling_params import SamplingParams, as_token_id
 from .batch import ForwardBatch, build_forward_batch
 from .block_manager import BlockManager
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, StepHandle
 from .output_processor import OutputProcessor
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
@@ -29,8 +30,8 @@ from .worker import (
     AllocateKVCache,
     Command,
     LoadModel,
-    RunBatch,
     SizeKVPool,
+    StepInput,
     WorkerGroup,
     tp_device,
 )
@@ -54,6 +55,14 @@ def _locked(method: Callable[..., T]) -> Callable[..., T]:
 
 class EngineDeadError(RuntimeError):
     """The engine hit an error it cannot recover from and refuses new work."""
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens have not been read yet."""
+
+    out: SchedulerOutput
+    handle: StepHandle
 
 
 class LLMEngine:
@@ -135,6 +144,14 @@ class LLMEngine:
         self._last_batch_size = 0
         self._recent: deque[tuple[float, int, int]] = deque()  # (time, prompt, generated)
         self._dead: str | None = None
+        # Overlapped scheduling: step N+1 is scheduled and launched before step N's
+        # tokens are read, so the host's work hides behind the device's.
+        self.async_scheduling = (
+            config.async_scheduling
+            if config.async_scheduling is not None
+            else self.device.type == "cuda"
+        )
+        self._in_flight: _InFlight | None = None
         self._closed = False
         atexit.register(self.exit)
         progress("ready", 1.0)
@@ -229,23 +246,46 @@ class LLMEngine:
         Returns (finished, num_tokens, is_prefill): the sequences that finished this step
         as (seq_id, completion token ids), the tokens computed, and whether the step did
         prefill work.
+
+        With `async_scheduling` the step scheduled and launched here runs on the device
+        while the previous one's tokens are read and applied; `finished` then reports
+        what the previous step ended. The greedy tokens are the same either way.
         """
         self._check_alive()
         start = time.perf_counter()
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return [], 0, False
-        batch = build_forward_batch(out, self.config.block_size, self.eos_token_ids)
-        try:
-            sampled = self._run(batch)
-        except Exception as e:
-            for item in out.scheduled:
-                item.seq.error = f"{type(e).__name__}: {e}"
-                self.scheduler.finish(item.seq, "error")
-            raise RuntimeError(
-                f"engine step failed ({type(e).__name__}: {e}); the "
-                f"{len(out.scheduled)} sequences in it were ended"
-            ) from e
+        launched = None
+        if not out.is_empty:
+            launched = _InFlight(out, self._guarded([out], self._launch, out))
+        done = []
+        if self._in_flight is not None:
+            done.append(self._in_flight)
+            self._in_flight = None
+        if launched is not None:
+            # A step with penalties, min_tokens or logprobs is read at once: those read
+            # the sequence's tokens on the host (the newest must not be in flight) and
+            # its logprobs are copied back whole.
+            if self.async_scheduling and not _needs_sync(out):
+                self._in_flight = launched
+            else:
+                done.append(launched)
+        finished = []
+        for step in done:
+            finished += self._apply(step, start)
+        if self._in_flight is not None and self.scheduler.is_finished():
+            # Everything ended (or was aborted) while the last step ran: nothing will
+            # read it; wait for it so an idle engine leaves no work on the device.
+            last, self._in_flight = self._in_flight, None
+            self._apply(last, start)
+        if launched is None:
+            return finished, 0, False
+        return finished, out.num_tokens, out.is_prefill
+
+    def _apply(self, step: _InFlight, start: float) -> list[tuple[int, list[int]]]:
+        """Read a launched step's tokens and apply them; returns the sequences it ended."""
+        out = step.out
+        pending = [out] if self._in_flight is None else [out, self._in_flight.out]
+        sampled = self._guarded(pending, self._collect, step.handle)
         prompt_tokens = sum(s.num_tokens for s in out.scheduled if s.is_prefill)
         _record_logprobs(out, sampled)
         grown = self.scheduler.update_from_output(out, sampled.token_ids)
@@ -261,7 +301,30 @@ class LLMEngine:
                 finished.append((seq.seq_id, seq.completion_token_ids))
                 self._forget_if_unstreamed(seq)
         self._record_step(start, now, prompt_tokens, len(grown), len(out.scheduled))
-        return finished, out.num_tokens, out.is_prefill
+        return finished
+
+    def _guarded(self, outs: list[SchedulerOutput], fn: Callable[..., T], *args: Any) -> T:
+        """Run a launch or collect; if it fails, end every sequence of the steps involved
+        (and, with tensor parallelism, the engine: the ranks are out of step)."""
+        try:
+            return fn(*args)
+        except BaseException as e:
+            if self.workers is not None:
+                self._dead = f"the tensor-parallel group failed: {type(e).__name__}: {e}"
+                self.workers.close()
+            if self._in_flight is not None and self._in_flight.out in outs:
+                self._in_flight = None
+            if not isinstance(e, Exception):
+                raise
+            seqs = [item.seq for o in outs for item in o.scheduled]
+            for seq in seqs:
+                if not seq.is_finished:
+                    seq.error = f"{type(e).__name__}: {e}"
+                    self.scheduler.finish(seq, "error")
+            raise RuntimeError(
+                f"engine step failed ({type(e).__name__}: {e}); the "
+                f"{len({id(s) for s in seqs})} sequences in it were ended"
+            ) from e
 
     def _on_all_ranks(self, command: Command, local: Callable[[], T]) -> tuple[T, list[Any]]:
         """Run `local` here (rank 0) while every tensor-parallel worker runs `command`;
@@ -270,17 +333,40 @@ class LLMEngine:
             return local(), []
         return self.workers.run(command, local)
 
-    def _run(self, batch: ForwardBatch) -> StepSamples:
+    def _launch(self, out: SchedulerOutput) -> StepHandle:
+        batch = build_forward_batch(out, self.config.block_size, self.eos_token_ids)
         if self.workers is None:
-            return self.runner.run(batch)
-        try:
-            sampled, _ = self.workers.run(RunBatch(batch), lambda: self.runner.run(batch))
-        except BaseException as e:
-            # A dead worker or an interrupted collective leaves the ranks out of step.
-            self._dead = f"the tensor-parallel group failed: {type(e).__name__}: {e}"
-            self.workers.close()
-            raise
-        return sampled
+            self.scheduler.finished_ids.clear()  # only tensor-parallel workers need them
+            return self.runner.launch(batch)
+        return self.workers.run_nowait(
+            self._step_input(out, batch), lambda: self.runner.launch(batch)
+        )
+
+    def _step_input(self, out: SchedulerOutput, batch: ForwardBatch) -> StepInput:
+        """What the workers need for this step beyond what they hold already."""
+        tables = []
+        for item in out.scheduled:
+            seq = item.seq
+            keep = seq.num_synced_blocks
+            if keep < len(seq.block_table):
+                tables.append((seq.seq_id, keep, seq.block_table[keep:]))
+                seq.num_synced_blocks = len(seq.block_table)
+        finished, self.scheduler.finished_ids = self.scheduler.finished_ids, []
+        return StepInput(
+            seq_ids=[item.seq.seq_id for item in out.scheduled],
+            starts=[item.start for item in out.scheduled],
+            num_tokens=[item.num_tokens for item in out.scheduled],
+            input_ids=batch.input_ids,
+            fill_rows=batch.fill_rows,
+            tables=tables,
+            finished=finished,
+            prompt_rows={
+                row: len(x.prompt_targets) for row, x in batch.extras.items() if x.prompt_targets
+            },
+        )
+
+    def _collect(self, handle: StepHandle) -> StepSamples:
+        return self.runner.collect(handle)
 
     def _finish_reason(self, seq: Sequence) -> str | None:
         token = seq.last_token
@@ -501,12 +587,18 @@ class LLMEngine:
         for seq in list(self._seqs.values()):
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
+        self._in_flight = None
         if self.workers is not None:
             self.workers.close()
         self.runner = None  # drops the model, the KV pool and the CUDA graphs
         if self.device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()
+
+
+def _needs_sync(out: SchedulerOutput) -> bool:
+    """Whether a step must be read before the next one is scheduled (see `step`)."""
+    return any(item.seq.params.needs_extras for item in out.scheduled)
 
 
 def _record_logprobs(out: SchedulerOutput, sampled: StepSamples) -> None:
@@ -518,7 +610,7 @@ def _record_logprobs(out: SchedulerOutput, sampled: StepSamples) -> None:
         if seq.is_finished:  # aborted while its step ran
             continue
         if sampled.prompt_logprobs and i in sampled.prompt_logprobs:
-            first = seq.num_computed_tokens + 1
+            first = item.start + 1
             chunk = sampled.prompt_logprobs[i]
             seq.prompt_logprobs[first : first + len(chunk)] = chunk
         if sampled.logprobs is not None and item.samples and seq.logprobs is not None:

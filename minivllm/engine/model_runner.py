@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from ..config import EngineConfig
-from ..distributed import get_tp_size
+from ..distributed import broadcast_from_rank0, get_tp_rank, get_tp_size
 from ..layers.attention import (
     Attention,
     AttentionMetadata,
@@ -18,6 +19,7 @@ from ..layers.attention import (
 from ..layers.cpu_linear import pack_linears
 from ..layers.ops import bind_kernels, select_kernels
 from ..layers.sampler import (
+    LogprobsTensors,
     PenaltyTensors,
     Sampler,
     SamplingTensors,
@@ -39,6 +41,22 @@ from .cuda_graph import (
 CPU_KV_BUDGET_BYTES = 2 << 30  # the CPU pool's default size, when max_cached_blocks is unset
 
 Progress = Callable[[str, float], None]
+
+
+@dataclass
+class StepHandle:
+    """A launched step. On rank 0: the sampled tokens on the device and, on CUDA, their
+    copy on its way to pinned host memory with the event that marks its arrival."""
+
+    tokens: torch.Tensor | None = None  # [num_seqs] int64 on the device; None off rank 0
+    host: torch.Tensor | None = None  # [num_seqs] pinned
+    ready: torch.cuda.Event | None = None
+    # Logprobs the batch asked for, computed on the device at launch.
+    logprobs: LogprobsTensors | None = None
+    wanted_logprobs: list[int] = field(default_factory=list)  # per row; -1 = none
+    prompt_logprobs: LogprobsTensors | None = None
+    prompt_num_top: list[int] = field(default_factory=list)
+    prompt_lens: dict[int, int] = field(default_factory=dict)  # row -> prompt positions
 
 
 class ModelRunner:
@@ -102,6 +120,16 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
         self.graphs: CUDAGraphRunner | None = None
+        # The last launched step's sampled tokens, read by the next step's placeholders.
+        self.last_sampled: torch.Tensor | None = None
+        # Two pinned buffers: step N+1 is launched before step N's tokens are read.
+        self._host_tokens: list[torch.Tensor] = []
+        if device.type == "cuda":
+            n = config.max_num_sequences
+            self._host_tokens = [
+                torch.empty(n, dtype=torch.long, pin_memory=True) for _ in range(2)
+            ]
+        self._num_launched = 0
 
     # -- KV pool -------------------------------------------------------------------------
 
@@ -366,11 +394,22 @@ class ModelRunner:
         repetition, presence, frequency = floats.split(n)
         t.penalties = PenaltyTensors(repetition, presence, frequency, seen, counts)
 
-    @torch.inference_mode()
     def run(self, b: ForwardBatch) -> StepSamples | None:
-        """Forward one step; on rank 0 return one sampled token per sequence (and the
-        logprobs the batch asked for)."""
+        """Forward one step and wait for it; on rank 0 return one sampled token per
+        sequence (and the logprobs the batch asked for)."""
+        return self.collect(self.launch(b))
+
+    @torch.inference_mode()
+    def launch(self, b: ForwardBatch) -> StepHandle:
+        """Enqueue one step (forward and sampling) without waiting for the device.
+
+        On the CPU this computes the step (there is nothing to overlap), but the engine
+        drives both devices through the same launch / collect path."""
         input_ids, positions, meta = self.prepare(b)
+        if b.fill_rows:
+            # After prepare (which may have written the graph's static inputs) and before
+            # the forward (which copies them into a decode graph's): same stream, in order.
+            self._fill_placeholders(input_ids, b)
         prompt = {row: x for row, x in b.extras.items() if x.prompt_targets}
         if prompt:
             # Prompt logprobs need hidden rows besides each sequence's last one: an eager
@@ -389,27 +428,71 @@ class ModelRunner:
         else:
             _, logits = self._forward(b, input_ids, positions, meta)
         if logits is None:  # not rank 0
-            return None
+            return StepHandle()
         n = b.num_seqs
+        # Everything below is enqueued now: a graph's logits buffer is overwritten by the
+        # next step's replay, which may be launched before this one is collected.
         out = self.sampler(logits[:n].float(), self.sampling_tensors(b))
-        samples = StepSamples(out.token_ids.tolist())
+        tokens = out.token_ids  # [num_seqs]
+        self.last_sampled = tokens
+        handle = StepHandle(tokens)
         if out.logprobs is not None:
-            wanted = [b.extras[i].num_logprobs if i in b.extras else -1 for i in range(n)]
-            per_row = out.logprobs.tolist([max(k, 0) for k in wanted])
+            handle.wanted_logprobs = [
+                b.extras[i].num_logprobs if i in b.extras else -1 for i in range(n)
+            ]
+            handle.logprobs = out.logprobs
+        if prompt:
+            targets = [tok for x in prompt.values() for tok in x.prompt_targets]
+            handle.prompt_num_top = [
+                x.num_prompt_logprobs for x in prompt.values() for _ in x.prompt_targets
+            ]
+            handle.prompt_logprobs = compute_logprobs(
+                logits[n:].float(), self._to_device(targets, torch.long), max(handle.prompt_num_top)
+            )
+            handle.prompt_lens = {row: len(x.prompt_targets) for row, x in prompt.items()}
+        if self._host_tokens:
+            host = self._host_tokens[self._num_launched % 2][:n]
+            self._num_launched += 1
+            host.copy_(tokens, non_blocking=True)
+            handle.host = host
+            handle.ready = torch.cuda.Event()
+            handle.ready.record()
+        return handle
+
+    def collect(self, handle: StepHandle) -> StepSamples | None:
+        """Wait for a launched step's tokens (and logprobs); None off rank 0."""
+        if handle.tokens is None:
+            return None
+        if handle.ready is None:
+            samples = StepSamples(handle.tokens.tolist())
+        else:
+            handle.ready.synchronize()
+            samples = StepSamples(handle.host.tolist())
+        # NOTE: logprobs are read whole (a sync); the engine collects such steps at once.
+        if handle.logprobs is not None:
+            wanted = handle.wanted_logprobs
+            per_row = handle.logprobs.tolist([max(k, 0) for k in wanted])
             samples.logprobs = [
                 lp if k >= 0 else None for lp, k in zip(per_row, wanted, strict=True)
             ]
-        if prompt:
-            targets = [tok for x in prompt.values() for tok in x.prompt_targets]
-            num_top = [x.num_prompt_logprobs for x in prompt.values() for _ in x.prompt_targets]
-            lps = compute_logprobs(
-                logits[n:].float(), self._to_device(targets, torch.long), max(num_top)
-            ).tolist(num_top)
+        if handle.prompt_logprobs is not None:
+            lps = handle.prompt_logprobs.tolist(handle.prompt_num_top)
             samples.prompt_logprobs = {}
-            for row, x in prompt.items():
-                samples.prompt_logprobs[row] = lps[: len(x.prompt_targets)]
-                lps = lps[len(x.prompt_targets) :]
+            for row, count in handle.prompt_lens.items():
+                samples.prompt_logprobs[row] = lps[:count]
+                lps = lps[count:]
         return samples
+
+    def _fill_placeholders(self, input_ids: torch.Tensor, b: ForwardBatch) -> None:
+        """Write the previous step's sampled tokens into this step's unknown inputs.
+
+        Rank 0 holds them; the other ranks receive the finished input ids from it."""
+        if get_tp_rank() == 0:
+            assert self.last_sampled is not None, "a placeholder without a step before it"
+            index = self._to_device(b.fill_rows + b.fill_from, torch.long)
+            rows, src = index.split(len(b.fill_rows))
+            input_ids[rows] = self.last_sampled[src]
+        broadcast_from_rank0(input_ids)
 
     @torch.inference_mode()
     def _forward(

@@ -17,18 +17,17 @@ from .sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledSeq:
+    """One sequence's share of a step, fixed when the step is scheduled."""
+
     seq: Sequence
-    num_tokens: int  # tokens computed for it this step, starting at seq.num_computed_tokens
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the sequence's end, so its sampled token is kept."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
-
-    @property
-    def is_prefill(self) -> bool:
-        seq = self.seq
-        return not (self.num_tokens == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens)
+    num_tokens: int  # tokens computed for it this step, from `start`
+    start: int = 0  # the first position computed this step
+    samples: bool = False  # the step reaches the sequence's end: its sampled token is kept
+    is_prefill: bool = True
+    # Row of the previous (in-flight) step whose sampled token is this step's last input,
+    # not yet known on the host: the runner fills it in on the device. None: all known.
+    fill_from: int | None = None
+    epoch: int = 0  # the sequence's preemption count: a result for an older epoch is stale
 
 
 @dataclass
@@ -71,6 +70,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.finished_ids: list[int] = []  # since the engine last took them (for TP workers)
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.running)
@@ -84,22 +84,32 @@ class Scheduler:
     # -- scheduling --------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """Choose the next step's work. May run while the previous step is in flight: a
+        sequence then continues from `num_scheduled_tokens`, and one whose in-flight
+        token ends it by length is left out (its end is already known)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
 
+        num_ending = 0  # running sequences that end when the step in flight is collected
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
-            while not bm.allocate(seq, num_tokens):
+            start = seq.num_scheduled_tokens
+            num_tokens = min(seq.num_tokens_ahead - start, budget)
+            if num_tokens <= 0 or (seq.num_placeholders and seq.finishes_by_length):
+                num_ending += 1
+                i += 1
+                continue
+            # The pool must cover what is in flight too (allocate counts from computed).
+            while not bm.allocate(seq, seq.num_inflight_tokens + num_tokens):
                 victim = self.running.pop()  # the newest
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, num_tokens))
+                out.scheduled.append(self._scheduled(seq, start, num_tokens))
                 budget -= num_tokens
                 i += 1
 
@@ -108,9 +118,11 @@ class Scheduler:
             self.waiting
             and not out.preempted
             and budget > 0
-            and len(self.running) < self.max_num_sequences
+            and len(self.running) - num_ending < self.max_num_sequences
         ):
             seq = self.waiting[0]
+            if seq.num_placeholders:  # preempted while its token was in flight
+                break
             cached = bm.find_cached_prefix(seq)
             if seq.params.prompt_logprobs is not None:  # needs every prompt position computed
                 cached, seq.block_hashes = [], []
@@ -128,14 +140,43 @@ class Scheduler:
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, num_tokens))
+            out.scheduled.append(self._scheduled(seq, seq.num_computed_tokens, num_tokens))
             budget -= num_tokens
+
+        # The step is now in flight for its sequences.
+        for row, item in enumerate(out.scheduled):
+            seq = item.seq
+            seq.num_inflight_tokens += item.num_tokens
+            if item.samples:
+                seq.num_placeholders += 1
+                seq.sample_row = row
         return out
+
+    def _scheduled(self, seq: Sequence, start: int, num_tokens: int) -> ScheduledSeq:
+        end = start + num_tokens
+        fill_from = None
+        if end > seq.num_tokens:
+            # Only the newest token can be unknown, and only from the step just before.
+            assert end == seq.num_tokens + 1 and seq.num_placeholders == 1, seq
+            fill_from = seq.sample_row
+        return ScheduledSeq(
+            seq,
+            num_tokens,
+            start,
+            samples=end == seq.num_tokens_ahead,
+            is_prefill=not (num_tokens == 1 and start >= seq.num_prompt_tokens),
+            fill_from=fill_from,
+            epoch=seq.num_preemptions,
+        )
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        # Its step in flight still runs (and may still sample its next token, which is
+        # kept), but the K/V it writes are given up with the blocks.
+        seq.num_inflight_tokens = 0
+        seq.num_synced_blocks = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -152,12 +193,16 @@ class Scheduler:
         grown = []
         for item, token in zip(out.scheduled, sampled, strict=True):
             seq = item.seq
-            if seq.is_finished:  # aborted while its step ran
+            if seq.is_finished:  # aborted, or ended by the step before, while this one ran
                 continue
-            reaches_end = item.samples
-            seq.num_computed_tokens += item.num_tokens
-            self.block_manager.cache_full_blocks(seq)
-            if reaches_end:
+            if item.epoch == seq.num_preemptions:
+                seq.num_inflight_tokens -= item.num_tokens
+                seq.num_computed_tokens += item.num_tokens
+                self.block_manager.cache_full_blocks(seq)
+            # else: preempted since; its K/V went with its blocks, but the token sampled
+            # from the full context is still its right next token.
+            if item.samples:
+                seq.num_placeholders -= 1
                 seq.token_ids.append(token)
                 grown.append(seq)
         return grown
@@ -171,5 +216,6 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self.finished_ids.append(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

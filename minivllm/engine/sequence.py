@@ -20,6 +20,12 @@ class Sequence:
     sequence some of its uncomputed tokens; when it reaches `num_tokens` the model
     samples the next token. Prefill, chunked prefill, prefix hits and decode are all
     "some tokens this step".
+
+    With overlapped scheduling a step is scheduled before the previous one's result is
+    back: `num_inflight_tokens` are scheduled in steps not yet collected, and
+    `num_placeholders` tokens are being sampled by them (not yet in `token_ids`). The
+    scheduler plans from `num_scheduled_tokens` / `num_tokens_ahead`; both equal the
+    plain counts whenever no step is in flight.
     """
 
     def __init__(
@@ -42,6 +48,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.num_preemptions = 0
+        self.num_inflight_tokens = 0
+        self.num_placeholders = 0  # 0 or 1: one step of lookahead
+        self.sample_row = -1  # row of the in-flight step that samples the placeholder
+        self.num_synced_blocks = 0  # block-table entries the tensor-parallel workers hold
         self.first_token_time: float | None = None
         # Logprobs, when the request asks: one per completion token; one per prompt
         # position (None for the first, which nothing predicts), filled as prefill runs.
@@ -71,6 +81,22 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens computed, or being computed by a step in flight."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
+    @property
+    def num_tokens_ahead(self) -> int:
+        """Tokens known plus those being sampled by a step in flight."""
+        return len(self.token_ids) + self.num_placeholders
+
+    @property
+    def finishes_by_length(self) -> bool:
+        """Whether the sampled tokens in flight already end it by max_tokens / max_len."""
+        ahead = self.num_tokens_ahead
+        return ahead - self.num_prompt_tokens >= self.params.max_tokens or ahead >= self.max_len
 
     @property
     def is_finished(self) -> bool:

@@ -7,6 +7,12 @@ collectives rank 0 runs at the same time) and answers with exactly one `Reply`. 
 are length-prefixed pickles, so any size goes through whole and in order; the next
 command is sent only after every reply to the previous one has come back.
 
+The one exception is the hot path: a step (`StepInput`) carries only what changed since
+the last one (block-table entries appended, sequences ended) and is not answered, so
+rank 0 never waits on a worker between steps. A worker whose step fails sends its
+traceback unasked and exits; rank 0 raises it at its next command or when the step's
+collectives fail.
+
 Rank 0 never blocks on a worker without watching it: each wait polls the connection
 with a timeout and checks that the process is alive, so a dead worker becomes a
 `WorkerDiedError` within about a second instead of a hang. On CUDA a watchdog thread
@@ -38,7 +44,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
@@ -47,7 +53,7 @@ import torch.distributed as dist
 
 from ..config import EngineConfig
 from ..distributed import TPGroup, set_tp, use_tp
-from .batch import ForwardBatch
+from .batch import ForwardBatch, RowExtras
 from .model_runner import ModelRunner
 
 T = TypeVar("T")
@@ -98,10 +104,27 @@ class AllocateKVCache:
 
 
 @dataclass(frozen=True)
-class RunBatch:
-    """One forward step; the worker's share of the collectives, no sampling."""
+class StepInput:
+    """One forward step as a change to what the worker already holds; never answered.
 
-    batch: ForwardBatch
+    The worker keeps each live sequence's block table: a step carries only the entries
+    appended since the last one (`tables`: seq_id, entries kept, entries appended; kept
+    is 0 after a preemption) and the ids of sequences that ended (`finished`). A
+    placeholder input (overlapped scheduling) is 0 here and received from rank 0 on the
+    device. No reply on success, so rank 0 never waits for a worker between steps; a
+    worker that fails sends its traceback and exits, which fails rank 0's collectives.
+    """
+
+    seq_ids: list[int]
+    starts: list[int]
+    num_tokens: list[int]
+    input_ids: list[int]
+    fill_rows: list[int]
+    tables: list[tuple[int, int, list[int]]]
+    finished: list[int]
+    # Rows with prompt logprobs -> how many prompt positions: every rank's LM head
+    # computes those logits rows (they are gathered to rank 0).
+    prompt_rows: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -109,7 +132,7 @@ class Shutdown:
     """Reply, then exit."""
 
 
-Command = InitWorker | JoinGroup | LoadModel | SizeKVPool | AllocateKVCache | RunBatch | Shutdown
+Command = InitWorker | JoinGroup | LoadModel | SizeKVPool | AllocateKVCache | StepInput | Shutdown
 
 
 @dataclass(frozen=True)
@@ -207,6 +230,7 @@ class WorkerGroup:
         with self._lock:
             if self._closed:
                 raise WorkerError("the tensor-parallel workers were shut down")
+            self._raise_unsolicited()
             for w in self._workers:
                 self._send(w, command)
             try:
@@ -217,6 +241,26 @@ class WorkerGroup:
                 self._raise_if_a_worker_died(wait_s=1.0, cause=e)
                 raise
             return result, self._collect()
+
+    def run_nowait(self, command: StepInput, local: Callable[[], T]) -> T:
+        """Send `command` (which the workers do not answer) and run `local` here.
+
+        A worker's failure still surfaces within about a second: an earlier command's
+        traceback waiting on a connection is raised here, and a collective that fails
+        because a peer died or gave up is reported as that worker's failure."""
+        with self._lock:
+            if self._closed:
+                raise WorkerError("the tensor-parallel workers were shut down")
+            self._raise_unsolicited()
+            for w in self._workers:
+                self._send(w, command)
+            try:
+                with use_tp(self.tp):
+                    return local()
+            except Exception as e:
+                self._raise_unsolicited(wait_s=1.0, cause=e)
+                self._raise_if_a_worker_died(wait_s=1.0, cause=e)
+                raise
 
     def close(self) -> None:
         """Stop the workers and release the group. Idempotent; safe at interpreter exit
@@ -274,6 +318,25 @@ class WorkerGroup:
                 raise self._died(w) from e
             if w.proc.poll() is not None:
                 raise self._died(w)
+
+    def _raise_unsolicited(self, wait_s: float = 0.0, cause: BaseException | None = None):
+        """Raise a worker's error reply to a command that expects none (a failed step)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for w in self._workers:
+                try:
+                    waiting = w.conn.poll(0)
+                except (EOFError, OSError):
+                    waiting = False
+                if waiting:
+                    reply = self._recv(w)
+                    raise WorkerError(
+                        f"tensor-parallel worker rank {w.rank} failed:\n"
+                        f"{(reply.error or repr(reply.value)).rstrip()}"
+                    ) from cause
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
 
     def _collect(self) -> list[Any]:
         """One reply from every worker (all read, so none is left for the next round)."""
@@ -392,10 +455,45 @@ class _WorkerLoop:
         self.conn = conn
         self.init: InitWorker | None = None
         self.runner: ModelRunner | None = None
+        self.tables: dict[int, list[int]] = {}  # live sequences' block tables
+
+    def run_step(self, step: StepInput) -> None:
+        for seq_id in step.finished:
+            self.tables.pop(seq_id, None)
+        for seq_id, keep, appended in step.tables:
+            table = self.tables.setdefault(seq_id, [])
+            del table[keep:]
+            table.extend(appended)
+        bs = self.runner.block_size
+        b = ForwardBatch(step.input_ids, [], [], [0], [], [], [], [], [], [], [])
+        b.fill_rows = step.fill_rows
+        b.extras = {row: RowExtras(prompt_targets=[0] * n) for row, n in step.prompt_rows.items()}
+        for seq_id, start, n in zip(step.seq_ids, step.starts, step.num_tokens, strict=True):
+            table = self.tables[seq_id]
+            end = start + n
+            b.positions.extend(range(start, end))
+            b.slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            b.cu_seqlens_q.append(b.cu_seqlens_q[-1] + n)
+            b.seq_lens.append(end)
+            b.block_tables.append(table)
+        self.runner.launch(b)
 
     def serve(self) -> None:
         while True:
             command = self.conn.recv()
+            if isinstance(command, StepInput):
+                try:
+                    self.run_step(command)
+                except Exception as e:
+                    # Nobody waits for a reply: report, then leave so that rank 0's
+                    # collectives fail at once instead of waiting for us. (If rank 0 is
+                    # gone, which is often why the step failed, there is no one to tell.)
+                    try:
+                        self.conn.send(Reply(error=traceback.format_exc()))
+                    except OSError:
+                        pass
+                    raise _StepFailed from e
+                continue
             try:
                 value = self.handle(command)
             except Exception:
@@ -407,8 +505,6 @@ class _WorkerLoop:
 
     def handle(self, command: Command) -> Any:
         match command:
-            case RunBatch(batch=batch):
-                return self.runner.run(batch)
             case InitWorker():
                 self.init = command
                 if command.device.type == "cuda":
@@ -443,6 +539,10 @@ class _WorkerLoop:
         return None
 
 
+class _StepFailed(Exception):
+    """A step failed; its traceback went to rank 0 and the worker exits quietly."""
+
+
 def _exit_when_orphaned(parent_pid: int) -> None:
     # If rank 0 dies mid-collective, the main thread may never see EOF.
     while os.getppid() == parent_pid:
@@ -460,6 +560,8 @@ def worker_main() -> None:
         _WorkerLoop(Connection(fd)).serve()
     except (EOFError, OSError):
         pass  # rank 0 closed the connection or is gone: nothing to report to anyone
+    except _StepFailed:
+        code = 1  # already reported to rank 0 (or rank 0 is gone)
     except BaseException:
         traceback.print_exc()  # a bug in the loop itself; rank 0 sees the exit code
         code = 1
