@@ -1,5 +1,6 @@
 """Kernels: each file holds one Triton kernel, its Python wrapper and the pure-torch
 reference it is tested against. The references are also the CPU path of the engine.
+Device code several kernels share (the attention tile step) is in attention_tile.py.
 
 Paged KV cache layout (one pool per layer):
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]

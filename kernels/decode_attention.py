@@ -3,24 +3,20 @@
 The Triton version is bound by the bytes of K/V it reads, so:
 - each program owns one KV head and computes all query heads of its group at once (K/V
   are read once per KV head); the group is padded to 16 rows for `tl.dot`;
-- long contexts are split across programs (flash-decoding): each split writes its partial
-  (max, sum, unnormalised acc) and a second kernel merges them, so batch 1 at 8k context
-  still fills the chip. With one split the first kernel writes the output directly.
+- long contexts are split across programs (flash-decoding), so batch 1 at 8k context
+  still fills the chip: each split writes its partial (max, sum, unnormalised acc) and
+  counts itself done on a per-(sequence, KV head) counter; the last one to finish merges
+  the partials and resets the counter. One launch a layer, no separate merge kernel. A
+  context that fits one split (or a launch of one split) writes the output directly.
 """
 
 from __future__ import annotations
 
 import torch
-from minivllm.kernels.dispatch import (
-    INDEX_DTYPES,
-    check_kv_cache,
-    check_tensor,
-    num_sms,
-    require_triton,
-    tl,
-    triton,
-)
+from minivllm.kernels.attention_tile import LOG2E, attend_kv_tile
+from minivllm.kernels.dispatch import check_paged_attention, check_tensor, num_sms, tl, triton
 from minivllm.kernels.pdl import attention_pdl
+from minivllm.kernels.qkv_rotary_store import check_qkv_inputs, qkv_rotary_store_ref
 
 
 def decode_attention_ref(
@@ -73,19 +69,84 @@ def decode_attention_at_slots(
     return o.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
-LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) dominates
 # H200, batch 1 (8 KV heads): 32 splits were fastest at 8k (17.6 us a layer against 18.3-23.1
 # for 16-256) and at 32k (41.6 us against 42.8 for 128), and the merge of 128 partials
 # took 4.1 us a layer against 1.4 for 16.
 MAX_SPLITS = 32
+MERGE_CHUNK = 32  # splits the merging program reads at once ([32, head_dim] fp32 in registers)
+
+
+@triton.jit
+def _store_output(out_ptr, seq, heads, dims, row_mask, acc, l_sum, out_stride_s, out_stride_h):
+    out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]  # an empty context gives zeros
+    out_offsets = seq.to(tl.int64) * out_stride_s + heads[:, None] * out_stride_h
+    tl.store(out_ptr + out_offsets + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None])
+
+
+@triton.jit
+def _merge_head(
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    out_ptr,
+    part_base,  # this (sequence, head)'s first partial
+    out_offset,
+    used,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
+):
+    """One query head's output from its `used` partials (max, sum, unnormalised acc)."""
+    # NOTE: .cg loads read L2, where the other programs' partials are, never a stale L1 line.
+    splits = tl.arange(0, NUM_SPLITS)
+    m = tl.load(part_m_ptr + part_base + splits, mask=splits < used, other=float("-inf"),
+                cache_modifier=".cg")
+    l_sum = tl.load(part_l_ptr + part_base + splits, mask=splits < used, other=0.0,
+                    cache_modifier=".cg")
+    m_max = tl.max(m, axis=0)
+    total = tl.sum(tl.exp2(m - m_max) * l_sum, axis=0)
+    dims = tl.arange(0, HEAD_DIM)
+    out = tl.zeros([HEAD_DIM], tl.float32)
+    for first in tl.static_range(0, NUM_SPLITS, MERGE_CHUNK):
+        chunk = first + tl.arange(0, MERGE_CHUNK)
+        valid = chunk < used
+        w = tl.exp2(tl.load(part_m_ptr + part_base + chunk, mask=valid, other=float("-inf"),
+                            cache_modifier=".cg") - m_max)  # [MERGE_CHUNK]
+        acc = tl.load(part_acc_ptr + (part_base + chunk)[:, None] * HEAD_DIM + dims[None, :],
+                      mask=valid[:, None], other=0.0, cache_modifier=".cg")  # [MERGE_CHUNK, D]
+        out += tl.sum(acc * w[:, None], axis=0)
+    out = out / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + out_offset + dims, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _normed_rotated(src, partner, mask, w_ptr, dims, partner_dims, cos, sin, eps,
+                    QK_NORM: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rows of q or k ([rows, HEAD_DIM], read from the QKV output) after the per-head
+    RMSNorm (optional) and the rotary embedding, rounded as `qkv_rotary_store_ref` rounds.
+    `partner` points at each element's rotation partner (d +- HEAD_DIM/2); `sin` carries
+    the rotation's sign."""
+    x = tl.load(src, mask=mask, other=0.0)
+    xr = tl.load(partner, mask=mask, other=0.0)
+    act_dtype = x.dtype
+    if QK_NORM:
+        f = x.to(tl.float32)
+        fr = xr.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(f * f, axis=1) / HEAD_DIM + eps)[:, None]
+        w = tl.load(w_ptr + dims).to(tl.float32)
+        wr = tl.load(w_ptr + partner_dims).to(tl.float32)
+        x = ((f * rstd).to(act_dtype).to(tl.float32) * w).to(act_dtype)
+        xr = ((fr * rstd).to(act_dtype).to(tl.float32) * wr).to(act_dtype)
+    return (x.to(tl.float32) * cos + xr.to(tl.float32) * sin).to(act_dtype)
 
 
 # NOTE: the block table's row stride is the step's widest table; not specialised on, so
 # a new width never compiles a new variant mid-run.
 @triton.jit(do_not_specialize=["bt_stride_s"])
-def _decode_split_kernel(
-    q_ptr,
+def _decode_attention_kernel(
+    q_ptr,  # q, or the QKV projection's output (FROM_QKV)
     k_cache_ptr,
     v_cache_ptr,
     block_tables_ptr,
@@ -94,12 +155,19 @@ def _decode_split_kernel(
     part_m_ptr,
     part_l_ptr,
     part_acc_ptr,
+    counters_ptr,  # [>= num_seqs * NUM_KV_HEADS] int32, zero between launches
+    positions_ptr,  # FROM_QKV only, like the four below
+    cos_sin_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    slot_mapping_ptr,
     q_stride_s,
     q_stride_h,
     out_stride_s,
     out_stride_h,
     bt_stride_s,
     qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
+    eps,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -107,6 +175,10 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    MERGE_CHUNK: tl.constexpr,
+    # q/k norm + rotary + KV store in the prologue (kernels/qkv_rotary_store.py's work)
+    FROM_QKV: tl.constexpr,
+    QK_NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
 ):
@@ -115,28 +187,58 @@ def _decode_split_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)  # a step input: no kernel writes it
+    dims = tl.arange(0, HEAD_DIM)
+    # Step inputs no kernel writes: read before the wait.
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if FROM_QKV:
+        partner_dims = (dims + HEAD_DIM // 2) % HEAD_DIM
+        pos = tl.load(positions_ptr + seq).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + dims % (HEAD_DIM // 2)).to(tl.float32)
+        sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HEAD_DIM // 2 + dims % (HEAD_DIM // 2))
+        sin = tl.where(dims < HEAD_DIM // 2, -sin.to(tl.float32), sin.to(tl.float32))
     if PDL:
-        # q and this step's K/V come from the kernel before.
+        # q (or QKV), the cache and the counters come from the kernels before.
         tl.extra.cuda.gdc_wait()
     # Splits divide the actual context (in whole tiles), not the grid's capacity, so a
-    # launch sized for the longest context stays balanced for shorter ones.
+    # launch sized for the longest context stays balanced for shorter ones. `used` splits
+    # hold context; at least one, so an empty context still writes its (zero) output.
     split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    used = tl.maximum(tl.cdiv(seq_len, tl.maximum(split_len, 1)), 1)
+    if split >= used:  # an empty split writes nothing and is not counted
+        return
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    if NUM_SPLITS > 1:
-        if start >= end:  # an empty split writes nothing: the merge skips it
-            return
 
     rows = tl.arange(0, GROUP_PAD)
     row_mask = rows < GROUP
     heads = kv_head * GROUP + rows  # [GROUP_PAD]
-    dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        q_ptr + seq.to(tl.int64) * q_stride_s + heads[:, None] * q_stride_h + dims[None, :],
-        mask=row_mask[:, None],
-        other=0.0,
-    ).to(k_cache_ptr.dtype.element_ty)  # [GROUP_PAD, HEAD_DIM]
+    q_rows = q_ptr + seq.to(tl.int64) * q_stride_s + heads[:, None] * q_stride_h
+    if FROM_QKV:
+        q = _normed_rotated(q_rows + dims[None, :], q_rows + partner_dims[None, :],
+                            row_mask[:, None], q_norm_ptr, dims, partner_dims, cos, sin, eps,
+                            QK_NORM, HEAD_DIM)
+        if split == used - 1:
+            # The split holding the new token (position seq_len - 1) stores its K/V first;
+            # padding rows of a graph bucket have no slot (-1).
+            k_src = q_ptr + seq.to(tl.int64) * q_stride_s + (NUM_KV_HEADS * GROUP + kv_head) * (
+                HEAD_DIM
+            )
+            k = _normed_rotated(k_src + dims[None, :], k_src + partner_dims[None, :],
+                                dims[None, :] < HEAD_DIM, k_norm_ptr, dims, partner_dims, cos,
+                                sin, eps, QK_NORM, HEAD_DIM)  # [1, HEAD_DIM]
+            v = tl.load(k_src + NUM_KV_HEADS * HEAD_DIM + dims)
+            slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+            dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims
+            store_mask = (dims * 0 + slot) >= 0
+            tl.store(k_cache_ptr + dst[None, :], k.to(k_cache_ptr.dtype.element_ty),
+                     mask=store_mask[None, :])
+            tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=store_mask)
+            # Every thread's stores are visible to the whole program after the barrier:
+            # the loop below reads this token back from the cache.
+            tl.debug_barrier()
+    else:
+        q = tl.load(q_rows + dims[None, :], mask=row_mask[:, None], other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)  # [GROUP_PAD, HEAD_DIM]
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
@@ -146,29 +248,16 @@ def _decode_split_kernel(
     for tile_start in range(start, end, BLOCK_N):
         offs = tile_start + tl.arange(0, BLOCK_N)
         valid = offs < end
-        page = tl.load(block_table + offs // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        # NOTE: int64: a layer's pool can exceed 2**31 elements.
-        slot = page * BLOCK_SIZE + offs % BLOCK_SIZE  # [BLOCK_N]
-        kv_offsets = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset
-        k = tl.load(k_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(valid[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+        m, l_sum, acc = attend_kv_tile(q, m, l_sum, acc, k_cache_ptr, v_cache_ptr, block_table,
+                                       offs, valid, valid[None, :], head_offset, qk_scale,
+                                       BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, DOT_PRECISION)
 
     if NUM_SPLITS == 1:
-        out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]  # an empty context gives zeros
-        out_offsets = seq.to(tl.int64) * out_stride_s + heads[:, None] * out_stride_h
-        tl.store(
-            out_ptr + out_offsets + dims[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_mask[:, None],
-        )
+        _store_output(out_ptr, seq, heads, dims, row_mask, acc, l_sum, out_stride_s,
+                      out_stride_h)
+    elif used == 1:  # a short context in a launch sized for a long one: no merge
+        _store_output(out_ptr, seq, heads, dims, row_mask, acc, l_sum, out_stride_s,
+                      out_stride_h)
     else:
         # Partials are [num_seqs, num_heads, NUM_SPLITS(, HEAD_DIM)], fp32.
         part = (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split
@@ -177,50 +266,28 @@ def _decode_split_kernel(
         tl.store(
             part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_mask[:, None]
         )
-
-
-@triton.jit
-def _decode_merge_kernel(
-    part_m_ptr,
-    part_l_ptr,
-    part_acc_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    out_stride_s,
-    out_stride_h,
-    num_heads,
-    HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    # Only the splits that had context wrote partials (the split kernel's arithmetic):
-    # a short context in a launch sized for a long one reads little here.
-    seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    used = tl.cdiv(seq_len, tl.maximum(split_len, 1))
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # the partials come from the kernel before
-    splits = tl.arange(0, NUM_SPLITS)
-    valid = splits < used
-    part = (seq * num_heads + head) * NUM_SPLITS + splits  # [NUM_SPLITS]
-    m = tl.load(part_m_ptr + part, mask=valid, other=float("-inf"))
-    l_sum = tl.load(part_l_ptr + part, mask=valid, other=0.0)
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # all splits empty
-    w = tl.exp2(m - m_max)  # [NUM_SPLITS]
-    dims = tl.arange(0, HEAD_DIM)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=valid[:, None],
-                  other=0.0)  # [NUM_SPLITS, D]
-    total = tl.sum(w * l_sum, axis=0)
-    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(
-        out_ptr + seq * out_stride_s + head * out_stride_h + dims, out.to(out_ptr.dtype.element_ty)
-    )
+        # The last of the `used` splits to finish merges them all. The barrier puts every
+        # thread's partial stores before the counter's release (one thread does the
+        # atomic); its acquire side makes the other programs' partials visible here.
+        tl.debug_barrier()
+        counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
+        finished = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if finished == used - 1:
+            tl.store(counter, 0)  # every split has counted: ready for the next launch
+            for r in tl.static_range(GROUP):
+                head = kv_head * GROUP + r
+                _merge_head(
+                    part_m_ptr,
+                    part_l_ptr,
+                    part_acc_ptr,
+                    out_ptr,
+                    (seq.to(tl.int64) * (NUM_KV_HEADS * GROUP) + head) * NUM_SPLITS,
+                    seq.to(tl.int64) * out_stride_s + head * out_stride_h,
+                    used,
+                    HEAD_DIM,
+                    NUM_SPLITS,
+                    MERGE_CHUNK,
+                )
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
@@ -245,6 +312,13 @@ def _tile_config(dtype: torch.dtype) -> dict:
     return dict(BLOCK_N=128, DOT_PRECISION="tf32", num_warps=4, num_stages=2)
 
 
+def decode_counters(num_seqs: int, num_kv_heads: int, device: torch.device | str) -> torch.Tensor:
+    """The split-completion counters `decode_attention` needs for up to `num_seqs` sequences:
+    zeros, and zero again after every launch (the merging program resets its own). An
+    engine allocates them once, outside any CUDA graph, and passes them to every call."""
+    return torch.zeros(num_seqs * num_kv_heads, dtype=torch.int32, device=device)
+
+
 def decode_attention(
     q: torch.Tensor,  # [num_seqs, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -255,40 +329,117 @@ def decode_attention(
     *,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    counters: torch.Tensor | None = None,  # from `decode_counters`
     tile_config: dict | None = None,
     check: bool = True,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
-    """Triton version of `decode_attention_ref`; no host sync.
+    """Triton version of `decode_attention_ref`: one launch, no host sync.
 
     The split count comes from the batch size and `max_seq_len` (default: the block
     table's capacity, block_tables.shape[1] * block_size), never from `seq_lens`' values,
     so the launch is graph-capturable. `num_splits` (a power of two) and `tile_config`
     override the choices (tests, benchmarks); `check=False` skips the input checks (an
-    engine checks each kernel's first launch).
+    engine checks each kernel's first launch). Without `counters` each call allocates
+    zeroed ones (one memset launch more).
     """
+    if check:
+        check_paged_attention(k_cache, v_cache, seq_lens, block_tables, q=q)
+        _check_decode_rows(q.shape[0], seq_lens, block_tables, counters)
+    return _launch(q, q.shape[1], q.stride(0), q.stride(1), k_cache, v_cache, seq_lens,
+                   block_tables, scale, max_seq_len, num_splits, counters, tile_config)
+
+
+def qkv_decode_attention_ref(
+    positions: torch.Tensor,  # [num_seqs]
+    qkv: torch.Tensor,  # [num_seqs, (num_heads + 2 * num_kv_heads) * head_dim]
+    num_heads: int,
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]: cos in the first half, sin after
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_seqs]; -1 skips the token's store
+    seq_lens: torch.Tensor,  # [num_seqs]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    scale: float,
+    q_norm_weight: torch.Tensor | None = None,  # [head_dim]
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """A decode step's attention from the QKV projection's output: q/k norm + rotary +
+    KV store (`qkv_rotary_store_ref`), then `decode_attention_ref`."""
+    q = qkv_rotary_store_ref(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache,
+                             slot_mapping, q_norm_weight, k_norm_weight, eps)
+    return decode_attention_ref(q, k_cache, v_cache, seq_lens, block_tables, scale)
+
+
+def qkv_decode_attention(
+    positions: torch.Tensor,  # [num_seqs]
+    qkv: torch.Tensor,  # [num_seqs, (num_heads + 2 * num_kv_heads) * head_dim]
+    num_heads: int,
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim], contiguous
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [num_seqs]; -1 skips the token's store
+    seq_lens: torch.Tensor,  # [num_seqs], this token included
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+    scale: float,
+    q_norm_weight: torch.Tensor | None = None,  # [head_dim]
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    counters: torch.Tensor | None = None,
+    tile_config: dict | None = None,
+    check: bool = True,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """Triton version of `qkv_decode_attention_ref` in one launch (one token per
+    sequence): `qkv_rotary_store`'s work in the attention kernel's prologue. Every split
+    program normalises and rotates its q heads; the one holding the new token stores its
+    K/V first. Arguments as `qkv_rotary_store` and `decode_attention`."""
+    if check:
+        check_qkv_inputs(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache,
+                         slot_mapping, q_norm_weight, k_norm_weight)
+        check_paged_attention(k_cache, v_cache, seq_lens, block_tables, num_heads=num_heads)
+        _check_decode_rows(qkv.shape[0], seq_lens, block_tables, counters)
+    return _launch(qkv, num_heads, qkv.stride(0), k_cache.shape[3], k_cache, v_cache, seq_lens,
+                   block_tables, scale, max_seq_len, num_splits, counters, tile_config,
+                   qkv=(positions, cos_sin_cache, q_norm_weight, k_norm_weight, slot_mapping,
+                        eps))
+
+
+def _check_decode_rows(num_seqs: int, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                       counters: torch.Tensor | None) -> None:
+    if seq_lens.shape[0] != num_seqs or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"seq_lens {tuple(seq_lens.shape)} and block_tables "
+            f"{tuple(block_tables.shape)} must have one row per sequence "
+            f"({num_seqs})"
+        )
+    if counters is not None:
+        check_tensor("counters", counters, 1, (torch.int32,), device=seq_lens.device)
+
+
+def _launch(
+    q: torch.Tensor,  # q, or the QKV output when `qkv` is given
+    num_heads: int,
+    q_stride_s: int,
+    q_stride_h: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_seq_len: int | None,
+    num_splits: int | None,
+    counters: torch.Tensor | None,
+    tile_config: dict | None,
+    qkv: tuple | None = None,  # (positions, cos_sin, q_norm_w, k_norm_w, slot_mapping, eps)
+) -> torch.Tensor:
     device = k_cache.device
-    if check:
-        require_triton()
-        check_kv_cache(k_cache, v_cache)
-        check_tensor("q", q, 3, device=device)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    num_seqs, num_heads, _ = q.shape
-    if check:
-        check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES, device=device)
-        check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, device=device)
-        if q.shape[2] != head_dim:
-            raise ValueError(f"q has head_dim {q.shape[2]}, the cache {head_dim}")
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
-                             f"{num_kv_heads}")
-        if seq_lens.shape[0] != num_seqs or block_tables.shape[0] != num_seqs:
-            raise ValueError(
-                f"seq_lens {tuple(seq_lens.shape)} and block_tables "
-                f"{tuple(block_tables.shape)} must have one row per sequence "
-                f"({num_seqs})"
-            )
+    num_seqs = q.shape[0]
     group = num_heads // num_kv_heads
-    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    out = torch.empty((num_seqs, num_heads, head_dim), dtype=q.dtype, device=device)
     if num_seqs == 0:
         return out
     if max_seq_len is None:
@@ -302,14 +453,27 @@ def decode_attention(
     launch = {"launch_pdl": True} if pdl else {}
 
     if num_splits == 1:
-        part_m = part_l = part_acc = out  # unused: the kernel writes `out` directly
+        part_m = part_l = part_acc = counters = out  # unused: the kernel writes `out` directly
     else:
+        if counters is None:
+            counters = decode_counters(num_seqs, num_kv_heads, device)
+        elif counters.numel() < num_seqs * num_kv_heads:  # always checked: atomics past it
+            raise ValueError(f"counters has {counters.numel()} elements; {num_seqs} sequences "
+                             f"x {num_kv_heads} KV heads need {num_seqs * num_kv_heads}")
         part_m = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=device)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty(
             (num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=device
         )
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+    if qkv is None:  # the five pointers are unused
+        positions = cos_sin = q_norm_w = k_norm_w = slot_mapping = out
+        eps = 0.0
+    else:
+        positions, cos_sin, q_norm_w, k_norm_w, slot_mapping, eps = qkv
+        qk_norm = q_norm_w is not None
+        if not qk_norm:
+            q_norm_w = k_norm_w = out
+    _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,
@@ -319,37 +483,30 @@ def decode_attention(
         part_m,
         part_l,
         part_acc,
-        q.stride(0),
-        q.stride(1),
+        counters,
+        positions,
+        cos_sin,
+        q_norm_w,
+        k_norm_w,
+        slot_mapping,
+        q_stride_s,
+        q_stride_h,
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),
         scale * LOG2E,
+        eps,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         NUM_SPLITS=num_splits,
+        MERGE_CHUNK=min(num_splits, MERGE_CHUNK),
+        FROM_QKV=qkv is not None,
+        QK_NORM=qkv is not None and qk_norm,
         PDL=pdl,
         **config,
         **launch,
     )
-    if num_splits > 1:
-        _decode_merge_kernel[(num_seqs, num_heads)](
-            part_m,
-            part_l,
-            part_acc,
-            seq_lens,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_heads,
-            HEAD_DIM=head_dim,
-            NUM_SPLITS=num_splits,
-            BLOCK_N=config["BLOCK_N"],
-            PDL=pdl,
-            num_warps=4 if num_splits <= 32 else 8,  # [NUM_SPLITS, HEAD_DIM] fp32 in registers
-            **launch,
-        )
     return out

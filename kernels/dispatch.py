@@ -129,3 +129,30 @@ def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, i
     if head_dim not in (16, 32, 64, 128, 256):
         raise ValueError(f"head_dim must be a power of two from 16 to 256, got {head_dim}")
     return block_size, num_kv_heads, head_dim
+
+
+def check_paged_attention(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    *,
+    q: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    num_heads: int = 0,  # without q
+) -> None:
+    """The checks decode and prefill attention share: the cache pair, q (when the caller
+    has one) on the cache's device with its head_dim, whole GQA groups, the index tensors.
+    The per-kernel row counts are the caller's."""
+    require_triton()
+    _, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    device = k_cache.device
+    if q is not None:
+        check_tensor("q", q, 3, device=device)
+        if q.shape[2] != head_dim:
+            raise ValueError(f"q has head_dim {q.shape[2]}, the cache {head_dim}")
+        num_heads = q.shape[1]
+    check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES, device=device)
+    check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, device=device)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
+                         f"{num_kv_heads}")

@@ -31,7 +31,7 @@ from minivllm.kernels.dispatch import (
     triton,
 )
 from minivllm.kernels.pdl import gemv_pdl
-from minivllm.kernels.rms_norm import rms_norm_ref
+from minivllm.kernels.rms_norm import check_norm_inputs, rms_norm_ref
 from minivllm.kernels.silu_and_mul import silu_and_mul_ref
 
 MAX_ROWS = 8  # larger batches are matrix-matrix products: cuBLAS
@@ -350,17 +350,7 @@ def rms_norm_gemv(
     if check:
         require_triton()
         _check(x, weight, bias)
-        check_tensor("norm_weight", norm_weight, 1, device=x.device)
-        if norm_weight.shape[0] != k:
-            raise ValueError(
-                f"norm_weight has {norm_weight.shape[0]} elements for hidden size {k}"
-            )
-        if residual is not None:
-            check_tensor("residual", residual, 2, (x.dtype,), device=x.device)
-            if residual.shape != x.shape:
-                raise ValueError(
-                    f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}"
-                )
+        check_norm_inputs(x, "norm_weight", norm_weight, residual)
         if silu_mul and n % 2:
             raise ValueError(f"silu_mul needs an even number of outputs (gate, up), got {n}")
     if silu_mul:

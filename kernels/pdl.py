@@ -7,9 +7,9 @@ input buffers); after it, everything the earlier kernels wrote is complete and v
 Kept inside CUDA graphs (programmatic edges).
 
 MINIVLLM_PDL selects: "all" (default) the GEMVs, which stream their weights before the
-wait, and the attention path (q/k norm + rotary + KV store, decode attention and its
-merge); "1" the GEMVs only; "0" none. On the H200, batch-1 decode at a 128-token context
-was 851 / 872 / 920 tok/s with 0 / 1 / all (same run, PERF_NOTES.md).
+wait, and the attention path (q/k norm + rotary + KV store, decode attention); "1" the
+GEMVs only; "0" none. On the H200, batch-1 decode at a 128-token context was 851 / 872 /
+920 tok/s with 0 / 1 / all (same run, PERF_NOTES.md).
 """
 
 from __future__ import annotations

@@ -13,14 +13,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from minivllm.kernels.dispatch import (
-    INDEX_DTYPES,
-    check_kv_cache,
-    check_tensor,
-    require_triton,
-    tl,
-    triton,
-)
+from minivllm.kernels.attention_tile import LOG2E, attend_kv_tile
+from minivllm.kernels.dispatch import INDEX_DTYPES, check_paged_attention, check_tensor, tl, triton
 
 
 def gather_kv(
@@ -71,7 +65,6 @@ def prefill_attention_ref(
     return out
 
 
-LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -152,21 +145,10 @@ def _prefill_kernel(
     for kv_start in range(0, kv_end, BLOCK_N):
         offs_n = kv_start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < kv_end
-        page = tl.load(block_table + offs_n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)
-        # NOTE: int64: a layer's pool can exceed 2**31 elements.
-        slot = page * BLOCK_SIZE + offs_n % BLOCK_SIZE  # [BLOCK_N]
-        kv_offsets = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset
-        k = tl.load(k_cache_ptr + kv_offsets, mask=n_valid[:, None], other=0.0)  # [BLOCK_N, D]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]
-        s = tl.where(visible, s, float("-inf"))  # [BLOCK_M, BLOCK_N]
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_sum = l_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + kv_offsets, mask=n_valid[:, None], other=0.0)  # [BLOCK_N, D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]  # [BLOCK_M, BLOCK_N]
+        m, l_sum, acc = attend_kv_tile(q, m, l_sum, acc, k_cache_ptr, v_cache_ptr, block_table,
+                                       offs_n, n_valid, visible, head_offset, qk_scale,
+                                       BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, DOT_PRECISION)
 
     out = acc / l_sum[:, None]
     tl.store(out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + dims[None, :],
@@ -200,21 +182,12 @@ def prefill_attention(
     checks (an engine checks each kernel's first launch)."""
     device = k_cache.device
     if check:
-        require_triton()
-        check_kv_cache(k_cache, v_cache)
-        check_tensor("q", q, 3, device=device)
+        check_paged_attention(k_cache, v_cache, seq_lens, block_tables, q=q)
+        check_tensor("cu_seqlens_q", cu_seqlens_q, 1, INDEX_DTYPES, device=device)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_tokens, num_heads, _ = q.shape
     num_seqs = seq_lens.shape[0]
     if check:
-        check_tensor("cu_seqlens_q", cu_seqlens_q, 1, INDEX_DTYPES, device=device)
-        check_tensor("seq_lens", seq_lens, 1, INDEX_DTYPES, device=device)
-        check_tensor("block_tables", block_tables, 2, INDEX_DTYPES, device=device)
-        if q.shape[2] != head_dim:
-            raise ValueError(f"q has head_dim {q.shape[2]}, the cache {head_dim}")
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads "
-                             f"{num_kv_heads}")
         if cu_seqlens_q.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
             raise ValueError(f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} needs num_seqs + 1 "
                              f"entries and block_tables {tuple(block_tables.shape)} one row "

@@ -124,7 +124,7 @@ def _qkv_rotary_store_kernel(
         tl.store(v_cache_ptr + cache_offset + v_dims, v.to(cache_dtype), mask=v_mask)
 
 
-def _check_inputs(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache, slot_mapping,
+def check_qkv_inputs(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache, slot_mapping,
                   q_norm_weight, k_norm_weight) -> None:
     device = k_cache.device
     num_tokens, width = qkv.shape
@@ -180,7 +180,7 @@ def qkv_rotary_store(
     device = k_cache.device
     num_tokens = qkv.shape[0]
     if check:
-        _check_inputs(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache,
+        check_qkv_inputs(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache,
                       slot_mapping, q_norm_weight, k_norm_weight)
     q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=device)
     if num_tokens == 0:

@@ -59,6 +59,20 @@ def _rms_norm_kernel(
     tl.store(out_ptr + out_row + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def check_norm_inputs(x: torch.Tensor, weight_name: str, weight: torch.Tensor,
+                      residual: torch.Tensor | None) -> None:
+    """A norm weight of x's hidden size; a residual of x's shape and dtype. (Shared with
+    the GEMV's add + RMSNorm prologue.)"""
+    hidden = x.shape[-1]
+    check_tensor(weight_name, weight, 1, device=x.device)
+    if weight.shape[0] != hidden:
+        raise ValueError(f"{weight_name} has {weight.shape[0]} elements for hidden size {hidden}")
+    if residual is not None:
+        check_tensor("residual", residual, x.dim(), (x.dtype,), device=x.device)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual {tuple(residual.shape)} must match x {tuple(x.shape)}")
+
+
 def rms_norm(
     x: torch.Tensor,  # [num_tokens, hidden] or [num_tokens, num_heads, head_dim]
     weight: torch.Tensor,  # [hidden]
@@ -77,14 +91,7 @@ def rms_norm(
             raise ValueError(f"x must be [num_tokens, hidden] or [num_tokens, heads, head_dim], "
                              f"got shape {tuple(x.shape)}")
         check_tensor("x", x, x.dim())
-        check_tensor("weight", weight, 1, device=x.device)
-        if weight.shape[0] != hidden:
-            raise ValueError(f"weight has {weight.shape[0]} elements for hidden size {hidden}")
-        if residual is not None:
-            check_tensor("residual", residual, x.dim(), (x.dtype,), device=x.device)
-            if residual.shape != x.shape:
-                raise ValueError(f"residual {tuple(residual.shape)} must match x "
-                                 f"{tuple(x.shape)}")
+        check_norm_inputs(x, "weight", weight, residual)
     x3 = x if x.dim() == 3 else x[:, None, :]  # [outer, inner, hidden]
     r3 = x3 if residual is None else (residual if residual.dim() == 3 else residual[:, None, :])
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -1,4 +1,5 @@
-"""Random paged-cache inputs shared by the kernel tests and the kernel benchmark."""
+"""Inputs shared by the kernel tests and the kernel benchmark: random paged caches, the
+models' decode shapes, a rotary table."""
 
 from __future__ import annotations
 
@@ -49,6 +50,43 @@ def paged_kv(
         block_tables=block_tables.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
     )
+
+
+# (name, hidden, heads, kv_heads, head_dim, intermediate, vocab) of the models the decode
+# kernels are measured and tested at.
+DECODE_MODELS = [
+    ("qwen3-0.6b", 1024, 16, 8, 128, 3072, 151936),
+    ("llama-3.2-1b", 2048, 32, 8, 64, 8192, 128256),
+    ("smollm2-135m", 576, 9, 3, 64, 1536, 49152),
+]
+
+
+def projections(
+    hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, vocab: int
+) -> list[tuple[str, int, int]]:
+    """(name, N, K) of each matrix a decode step multiplies by."""
+    return [
+        ("qkv", (heads + 2 * kv_heads) * head_dim, hidden),
+        ("o", hidden, heads * head_dim),
+        ("gate_up", 2 * inter, hidden),
+        ("down", hidden, inter),
+        ("lm_head", vocab, hidden),
+    ]
+
+
+def cos_sin_table(
+    max_position: int, head_dim: int, device: torch.device | str = "cpu", theta: float = 1e6
+) -> torch.Tensor:  # [max_position, head_dim]: cos in the first half, sin after
+    """A rotary table as the model's RotaryEmbedding builds one (no scaling)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    freqs = torch.arange(max_position, device=device).float()[:, None] * inv_freq[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+def qk_norm_weights(head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> dict:
+    """Random per-head q/k RMSNorm weights near 1 (Qwen3), as keyword arguments."""
+    return {name: (1 + 0.1 * torch.randn(head_dim, device=device)).to(dtype)
+            for name in ("q_norm_weight", "k_norm_weight")}
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -4,7 +4,7 @@ few-row GEMV against cuBLAS at the projections of Qwen3-0.6B, Llama-3.2-1B and S
 Decode is bound by the K/V bytes it reads, so it is reported as achieved GB/s against the
 H200's measured ~4.3 TB/s copy bandwidth; prefill as TFLOP/s. Two decode times:
 - eager: do_bench median (it flushes L2 between repeats); includes the host's launch cost,
-  which dominates small batches (two Triton launches and the wrapper's checks);
+  which dominates small batches (one Triton launch and the wrapper's checks);
 - graph: median replay of a CUDA graph of calls over several copies of the cache (enough to
   overflow the 50 MB L2), per call: the kernels alone, as the engine's decode graphs run them.
 GB/s and % are from the graph time.
@@ -24,15 +24,22 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 from minivllm.kernels.decode_attention import _tile_config as decode_tiles
-from minivllm.kernels.decode_attention import choose_num_splits, decode_attention
+from minivllm.kernels.decode_attention import (
+    choose_num_splits,
+    decode_attention,
+    decode_counters,
+    qkv_decode_attention,
+)
 from minivllm.kernels.dispatch import num_sms
 from minivllm.kernels.prefill_attention import _tile_config as prefill_tiles
 from minivllm.kernels.prefill_attention import prefill_attention
 from minivllm.kernels.testing import (
+    DECODE_MODELS,
     decode_tile_variants,
     describe_tiles,
     paged_kv,
     prefill_tile_variants,
+    projections,
 )
 
 PEAK_BYTES_PER_S = 4.3e12
@@ -74,6 +81,7 @@ def decode_case(
     kv_bytes = sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize
     total = kv_bytes + 2 * batch * NUM_HEADS * HEAD_DIM * DTYPE.itemsize
     copies = min(64, -(-ROTATE_BYTES // kv_bytes))
+    kw = dict(kw, counters=decode_counters(batch, NUM_KV_HEADS, "cuda"))  # as an engine does
     calls = []
     for _ in range(copies):
         cache = paged_kv(seq_lens, NUM_KV_HEADS, HEAD_DIM, block_size, DTYPE, "cuda",
@@ -100,23 +108,6 @@ def prefill_case(seq_len: int, q_len: int, block_size: int, **kw) -> tuple[float
 # -- few-row GEMV, fused decode ops, batch-1 long-context decode (issue 11) ----------------
 
 # (model, hidden, heads, kv_heads, head_dim, intermediate, vocab)
-MODELS = [
-    ("qwen3-0.6b", 1024, 16, 8, 128, 3072, 151936),
-    ("llama-3.2-1b", 2048, 32, 8, 64, 8192, 128256),
-    ("smollm2-135m", 576, 9, 3, 64, 1536, 49152),
-]
-
-
-def projections(hidden, heads, kv_heads, head_dim, inter, vocab) -> list[tuple[str, int, int]]:
-    return [
-        ("qkv", (heads + 2 * kv_heads) * head_dim, hidden),
-        ("o", hidden, heads * head_dim),
-        ("gate_up", 2 * inter, hidden),
-        ("down", hidden, inter),
-        ("lm_head", vocab, hidden),
-    ]
-
-
 def gemv_variants(m: int, n: int, k: int) -> list[dict]:
     """Tiles the sweep tries besides the default (all correct: tests/test_kernels_gpu.py)."""
     from minivllm.kernels.gemv import default_config
@@ -159,16 +150,16 @@ def gemv_table(sweep: bool) -> None:
     print(f"\n{'model':14} {'proj':8} {'M':>2} {'N':>7} {'K':>5} {'cuBLAS us':>10} {'GB/s':>6} "
           f"{'triton us':>10} {'GB/s':>6} {'best us':>8} {'GB/s':>6}  best tiles")
     wins = {}
-    for model, *dims in MODELS:
+    for model, *dims in DECODE_MODELS:
         for name, n, k in projections(*dims):
             weights = weight_copies(n, k)
             nbytes = n * k * DTYPE.itemsize
             # The engine's model gets every row bucket and the sweep; the others 1 and 8.
-            for m in (1, 2, 4, 8) if model == MODELS[0][0] else (1, 8):
+            for m in (1, 2, 4, 8) if model == DECODE_MODELS[0][0] else (1, 8):
                 cublas = gemv_time(m, weights)
                 default = gemv_time(m, weights, None)
                 best, best_cfg = default, "default"
-                if sweep and model == MODELS[0][0]:
+                if sweep and model == DECODE_MODELS[0][0]:
                     for cfg in gemv_variants(m, n, k):
                         t = gemv_time(m, weights, cfg)
                         if t < best:
@@ -187,7 +178,7 @@ def gemv_table(sweep: bool) -> None:
         print(f"    ({m}, {n}, {k}): {win},")
     print("}")
     print("default tiles, M=1:", {f"{n}x{k}": default_config(1, n, k, DTYPE)
-                                 for _, n, k in projections(*MODELS[0][1:])})
+                                 for _, n, k in projections(*DECODE_MODELS[0][1:])})
 
 
 def fused_ops_table() -> None:
@@ -243,6 +234,28 @@ def fused_ops_rows(m: int) -> None:
     t0 = graph_ms([unfused_post] * 8)
     t1 = graph_ms([fused_post] * 8)
     print(f"{'q/k norm+rotary+KV store':44} {m:2d} {t0 * 1e3:11.1f} {t1 * 1e3:9.1f}")
+
+    # The decode step's attention from the QKV output: two launches against one, at a
+    # 128-token and a 4k context (the graph sized for 4k, as an engine's is).
+    counters = decode_counters(m, kv_heads, "cuda")
+    for context in (128, 4096):
+        lens = torch.full((m,), context, dtype=torch.int32, device="cuda")
+        step = (lens, cache.block_tables, 0.088)
+        kw = dict(num_splits=choose_num_splits(m, kv_heads, 4096, num_sms(qkv.device)),
+                  counters=counters)
+
+        def two_launches(step=step, kw=kw):
+            q = qkv_rotary_store(pos, qkv, heads, cs, cache.k_cache, cache.v_cache, slots, hw, hw)
+            decode_attention(q, cache.k_cache, cache.v_cache, *step, **kw)
+
+        def one_launch(step=step, kw=kw):
+            qkv_decode_attention(pos, qkv, heads, cs, cache.k_cache, cache.v_cache, slots,
+                                 *step, hw, hw, **kw)
+
+        t0 = graph_ms([two_launches] * 8)
+        t1 = graph_ms([one_launch] * 8)
+        print(f"{f'q/k norm+rotary+store+attention, ctx {context}':44} {m:2d} "
+              f"{t0 * 1e3:11.1f} {t1 * 1e3:9.1f}")
 
 
 def long_decode_table(sms: int) -> None:

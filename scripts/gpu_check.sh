@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; a short table is printed last.
 # Usage on the GPU machine, from the repo root:
-#   bash scripts/gpu_check.sh [quick|profile|decode|host|all]
+#   bash scripts/gpu_check.sh [quick|profile|decode|host|app|all]
 # (no argument: tests + benchmarks; quick: tests; profile: tests + step profile;
 #  decode: tests + batch-1/long-context decode benchmarks, kernel table, per-kernel profile;
 #  host: tests + issue 9's benchmarks (throughput overlapped vs synchronous, prefill TTFT
-#  per length, the chat workload, a cold start); all: everything)
+#  per length, the chat workload, a cold start); app: tests + the chat app's bench;
+#  all: everything)
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/gpu-check}
@@ -73,6 +74,20 @@ if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
   fi
 fi
 
+if [ -z "${1:-}" ] || [ "${1:-}" = "all" ] || [ "${1:-}" = "app" ]; then
+  # Issue 13: the chat app's cost on the GPU. 4 panes streaming through the real app
+  # (Textual's headless driver) vs the same requests headless, interleaved rounds; the
+  # Qwen3-0.6B config with random weights (a bench tokenizer stands in for the missing one).
+  if $PY -c "import textual, rich" 2>/dev/null; then
+    (cd /tmp && timeout 300 $PY -m minivllm.tui.cli --bench --model Qwen/Qwen3-0.6B \
+      --load-format dummy --device cuda --panes 4 --max-tokens 512 --rounds 2) 2>&1 \
+      | grep -v "it/s\]" | tee "$OUT/bench-app.log" | tail -8
+  else
+    echo "chat app bench: skipped (textual not importable: put its wheels on PYTHONPATH)" \
+      | tee "$OUT/bench-app.log"
+  fi
+fi
+
 if [ "${1:-}" = "decode" ] || [ "${1:-}" = "all" ]; then
   # Issue 11: few-row GEMV vs cuBLAS per shape, fused ops, batch-1 long-context attention.
   $PY scripts/bench_kernels.py --only decode-fused 2>&1 | tee "$OUT/bench-kernels.log" | tail -150
@@ -97,3 +112,5 @@ grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -2
 grep -E "^  (throughput|host ms|decode|TTFT|transformers|ratio|minivllm|prefill|chat|cold)|^-- " \
   "$OUT/bench.log" || true
 grep -E "^(server|frontend|engine) |^server / " "$OUT/bench-serve.log" 2>/dev/null || true
+grep -E "^ *(headless|app):|^app / headless|^UI thread|skipped" "$OUT/bench-app.log" 2>/dev/null \
+  | sed 's/^/chat app: /' || true

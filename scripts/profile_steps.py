@@ -128,7 +128,7 @@ def decode_kernels(batch: int, context: int, steps: int = 5) -> None:
             label = f"{proj}: {name[:40]}"
             nbytes[label] += weight_bytes[proj]
             matmul_index += 1
-        elif "decode_split" in name:
+        elif "decode_attention" in name:
             nbytes[label] += kv_bytes
         times[label] += e.time_range.elapsed_us()
         calls[label] += 1

@@ -19,6 +19,7 @@ import sys
 
 import pytest
 import torch
+from minivllm.kernels.testing import cos_sin_table, qk_norm_weights
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -45,6 +46,17 @@ def _fused_qkv(num_tokens: int, num_heads: int, num_kv_heads: int, dtype: torch.
 
 # ----------------------------------------------------------------------------------------
 # Checks, run inside the interpreter subprocess.
+
+
+def _expect_value_errors(cases: list) -> None:
+    """Each (call, message): the call raises a ValueError whose text has the message."""
+    for fn, message in cases:
+        try:
+            fn()
+        except ValueError as e:
+            assert message in str(e), f"expected {message!r} in {e!r}"
+        else:
+            raise AssertionError(f"no ValueError mentioning {message!r}")
 
 
 def check_store_kvcache() -> None:
@@ -92,16 +104,10 @@ def check_rms_norm() -> None:
                       TOL[dtype])
 
 
-def _cos_sin_cache(max_position: int, head_dim: int, theta: float = 1e6) -> torch.Tensor:
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
-    freqs = torch.arange(max_position).float()[:, None] * inv_freq[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_position, head_dim]
-
-
 def check_rotary() -> None:
     from minivllm.kernels.rotary import rotary, rotary_ref
 
-    cache = _cos_sin_cache(4096, HEAD_DIM)
+    cache = cos_sin_table(4096, HEAD_DIM)
     for dtype in DTYPES:
         for num_heads, num_kv_heads in HEADS:
             qkv, q, k, v = _fused_qkv(11, num_heads, num_kv_heads, dtype)
@@ -162,11 +168,15 @@ def check_prefill_attention() -> None:
             _assert_close(name + " 16x16 tiles", out, ref, TOL[dtype])
 
 
-DECODE_SEQ_LENS = [1, 37, 100, 64, 129, 17]
+DECODE_SEQ_LENS = [1, 37, 100, 0, 64, 129, 17]  # 0: a padded row of a graph bucket
 
 
 def check_decode_attention() -> None:
-    from minivllm.kernels.decode_attention import decode_attention, decode_attention_ref
+    from minivllm.kernels.decode_attention import (
+        decode_attention,
+        decode_attention_ref,
+        decode_counters,
+    )
     from minivllm.kernels.testing import paged_kv
 
     for dtype, block_size, (num_heads, num_kv_heads) in ATTENTION_CASES:
@@ -177,11 +187,40 @@ def check_decode_attention() -> None:
         scale = 1 / math.sqrt(HEAD_DIM)
         ref = decode_attention_ref(q.double(), *(a.double() for a in args[:2]), *args[2:],
                                    scale)
-        for splits in (None, 1, 4):  # chosen, direct write, split + merge
-            out = decode_attention(q, *args, scale, num_splits=splits)
+        ref[DECODE_SEQ_LENS.index(0)] = 0.0  # the kernel's zeros (the reference's NaNs)
+        # One set of counters for every call, as an engine's layers share theirs.
+        counters = decode_counters(len(DECODE_SEQ_LENS) + 1, num_kv_heads, "cpu")
+        for splits in (None, 1, 4, 4):  # chosen, direct write, split + in-kernel merge
+            out = decode_attention(q, *args, scale, num_splits=splits, counters=counters)
             name = (f"decode {dtype} block {block_size} heads {num_heads}/{num_kv_heads} "
                     f"splits {splits}")
             _assert_close(name, out, ref, TOL[dtype])
+            assert not out[DECODE_SEQ_LENS.index(0)].any(), name + ": empty context not zero"
+            assert not counters.any(), name + ": counters not reset for the next launch"
+        # Any program may be the last to finish; the merge reads partials in split order.
+        again = decode_attention(q, *args, scale, num_splits=4)  # its own zeroed counters
+        assert torch.equal(again, out), "the merged output depends on the counters' source"
+
+
+def check_decode_attention_many_splits() -> None:
+    """More used splits than the merging program reads at once (MERGE_CHUNK): 35 of 64."""
+    from minivllm.kernels.decode_attention import (
+        MERGE_CHUNK,
+        decode_attention,
+        decode_attention_ref,
+        decode_counters,
+    )
+    from minivllm.kernels.testing import paged_kv
+
+    cache = paged_kv([1100, 40], 2, HEAD_DIM, 32, torch.float32, "cpu")
+    args = (cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables)
+    q = torch.randn(2, 4, HEAD_DIM)
+    ref = decode_attention_ref(q.double(), *(a.double() for a in args[:2]), *args[2:], 0.125)
+    counters = decode_counters(2, 2, "cpu")
+    assert 64 > MERGE_CHUNK
+    out = decode_attention(q, *args, 0.125, num_splits=64, counters=counters)
+    _assert_close("decode 64 splits", out, ref, TOL[torch.float32])
+    assert not counters.any()
 
 
 def check_wrapper_errors() -> None:
@@ -207,6 +246,11 @@ def check_wrapper_errors() -> None:
                                   cache.block_tables, 1.0), "must match"),
         (lambda: decode_attention(q.transpose(1, 2), *kv, cache.seq_lens, cache.block_tables,
                                   1.0), "contiguous in its last dimension"),
+        (lambda: decode_attention(q, *kv, cache.seq_lens, cache.block_tables, 1.0,
+                                  num_splits=2, counters=torch.zeros(2)), "counters has dtype"),
+        (lambda: decode_attention(q, *kv, cache.seq_lens, cache.block_tables, 1.0, num_splits=2,
+                                  counters=torch.zeros(1, dtype=torch.int32), check=False),
+         "counters has 1 elements"),
         (lambda: prefill_attention(q[0], *kv, torch.tensor([0, 1]), cache.seq_lens,
                                    cache.block_tables, 1.0), "dimensions"),
         (lambda: prefill_attention(q, *kv, torch.tensor([0]), cache.seq_lens,
@@ -218,13 +262,7 @@ def check_wrapper_errors() -> None:
     cases.append((lambda: decode_attention(q[:, :1], small.k_cache, small.v_cache,
                                            small.seq_lens, small.block_tables, 1.0),
                   "block_size must be"))
-    for fn, message in cases:
-        try:
-            fn()
-        except ValueError as e:
-            assert message in str(e), f"expected {message!r} in {e!r}"
-        else:
-            raise AssertionError(f"no ValueError mentioning {message!r}")
+    _expect_value_errors(cases)
 
 
 def check_gemv() -> None:
@@ -280,7 +318,7 @@ def check_fused_wrapper_errors() -> None:
     cache = paged_kv([20], 2, HEAD_DIM, 16, torch.float32, "cpu")
     qkv = torch.randn(3, 8 * HEAD_DIM)
     pos = torch.arange(3)
-    cos_sin = _cos_sin_cache(64, HEAD_DIM)
+    cos_sin = cos_sin_table(64, HEAD_DIM)
     kv = (cache.k_cache, cache.v_cache)
     cases = [
         (lambda: gemv(torch.randn(9, 8), w), "1 to 8 rows"),
@@ -295,20 +333,14 @@ def check_fused_wrapper_errors() -> None:
         (lambda: qkv_rotary_store(pos, qkv, 4, cos_sin, *kv, pos, torch.ones(HEAD_DIM)),
          "come together"),
     ]
-    for fn, message in cases:
-        try:
-            fn()
-        except ValueError as e:
-            assert message in str(e), f"expected {message!r} in {e!r}"
-        else:
-            raise AssertionError(f"no ValueError mentioning {message!r}")
+    _expect_value_errors(cases)
 
 
 def check_qkv_rotary_store() -> None:
     from minivllm.kernels.qkv_rotary_store import qkv_rotary_store, qkv_rotary_store_ref
     from minivllm.kernels.testing import paged_kv
 
-    cos_sin = _cos_sin_cache(4096, HEAD_DIM)
+    cos_sin = cos_sin_table(4096, HEAD_DIM)
     for dtype, (num_heads, num_kv_heads), qk_norm in [
         (torch.float32, (4, 2), True),
         (torch.float16, (6, 2), True),
@@ -321,10 +353,7 @@ def check_qkv_rotary_store() -> None:
         positions = torch.randint(0, 4096, (9,))
         slots = torch.randperm(num_slots)[:9]
         slots[[1, 6]] = -1
-        weights = {}
-        if qk_norm:
-            weights = dict(q_norm_weight=(1 + 0.1 * torch.randn(HEAD_DIM)).to(dtype),
-                           k_norm_weight=(1 + 0.1 * torch.randn(HEAD_DIM)).to(dtype))
+        weights = qk_norm_weights(HEAD_DIM, dtype) if qk_norm else {}
         k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
         q_ref = qkv_rotary_store_ref(positions, qkv, num_heads, cos_sin, k_ref, v_ref, slots,
                                      **weights)
@@ -339,6 +368,55 @@ def check_qkv_rotary_store() -> None:
         written[slots[slots >= 0]] = True
         untouched = ~written.view(cache.k_cache.shape[:2])
         assert torch.equal(cache.k_cache[untouched], k_ref[untouched]), name
+
+
+def check_qkv_decode_attention() -> None:
+    """q/k norm + rotary + KV store in the decode attention kernel's prologue: the output
+    and the cache as the two references in turn (a padding row with slot -1 stores
+    nothing), the same within tolerance as the two Triton launches it replaces."""
+    from minivllm.kernels.decode_attention import (
+        decode_attention,
+        decode_counters,
+        qkv_decode_attention,
+        qkv_decode_attention_ref,
+    )
+    from minivllm.kernels.qkv_rotary_store import qkv_rotary_store
+    from minivllm.kernels.testing import paged_kv
+
+    cos_sin = cos_sin_table(4096, HEAD_DIM)
+    seq_lens = [1, 37, 129, 64, 1]  # the last: a graph bucket's padding row (slot -1)
+    for dtype, block_size, (num_heads, num_kv_heads), qk_norm in [
+        (torch.float32, 16, (4, 2), True),
+        (torch.float32, 32, (6, 2), False),
+        (torch.float16, 16, (2, 2), True),
+        (torch.float16, 32, (6, 2), True),
+    ]:
+        cache = paged_kv(seq_lens, num_kv_heads, HEAD_DIM, block_size, dtype, "cpu")
+        qkv, _, _, _ = _fused_qkv(len(seq_lens), num_heads, num_kv_heads, dtype)
+        positions = cache.seq_lens.long() - 1
+        blocks = cache.block_tables[torch.arange(len(seq_lens)), positions // block_size]
+        slots = blocks.long() * block_size + positions % block_size
+        slots[-1] = -1
+        weights = qk_norm_weights(HEAD_DIM, dtype) if qk_norm else {}
+        step = (cache.seq_lens, cache.block_tables, 0.125)
+        k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
+        ref = qkv_decode_attention_ref(positions, qkv, num_heads, cos_sin, k_ref, v_ref, slots,
+                                       *step, **weights)
+        counters = decode_counters(len(seq_lens), num_kv_heads, "cpu")
+        name = f"qkv_decode_attention {dtype} {num_heads}/{num_kv_heads} norm={qk_norm}"
+        for splits in (None, 1, 4):
+            k_out, v_out = cache.k_cache.clone(), cache.v_cache.clone()
+            out = qkv_decode_attention(positions, qkv, num_heads, cos_sin, k_out, v_out,
+                                       slots, *step, **weights, num_splits=splits,
+                                       counters=counters)
+            _assert_close(f"{name} splits {splits}", out, ref, TOL[dtype])
+            _assert_close(f"{name} splits {splits} k_cache", k_out, k_ref, TOL[dtype])
+            assert torch.equal(v_out, v_ref), f"{name}: v_cache (a copy)"
+            assert not counters.any()
+        k_two, v_two = cache.k_cache.clone(), cache.v_cache.clone()
+        q = qkv_rotary_store(positions, qkv, num_heads, cos_sin, k_two, v_two, slots, **weights)
+        two = decode_attention(q, k_two, v_two, *step, num_splits=4)
+        _assert_close(f"{name}: one launch against two", out, two, TOL[dtype])
 
 
 def _compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int = 4,
@@ -358,7 +436,7 @@ def _compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: in
 
 
 def check_compile_sm90() -> None:
-    from minivllm.kernels.decode_attention import _decode_merge_kernel, _decode_split_kernel
+    from minivllm.kernels.decode_attention import _decode_attention_kernel
     from minivllm.kernels.gemv import _gemv_kernel
     from minivllm.kernels.qkv_rotary_store import _qkv_rotary_store_kernel
 
@@ -377,16 +455,18 @@ def check_compile_sm90() -> None:
     _compile_sm90(_qkv_rotary_store_kernel, sig,
                   dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, QK_NORM=True,
                        PDL=True), 1)
-    sig = {name: "*fp32" for name in _decode_split_kernel.arg_names if name.endswith("_ptr")}
+    sig = {name: "*fp32" for name in _decode_attention_kernel.arg_names if name.endswith("_ptr")}
     sig.update(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16",
-               block_tables_ptr="*i32", seq_lens_ptr="*i32", qk_scale="fp32")
-    _compile_sm90(_decode_split_kernel, sig,
-                  dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256,
-                       BLOCK_N=128, NUM_SPLITS=32, DOT_PRECISION="tf32", PDL=True), 4, 2)
-    sig = {name: "*fp32" for name in _decode_merge_kernel.arg_names if name.endswith("_ptr")}
-    sig.update(out_ptr="*bf16", seq_lens_ptr="*i32")
-    _compile_sm90(_decode_merge_kernel, sig,
-                  dict(HEAD_DIM=128, NUM_SPLITS=32, BLOCK_N=128, PDL=True), 4)
+               block_tables_ptr="*i32", seq_lens_ptr="*i32", counters_ptr="*i32",
+               positions_ptr="*i64", slot_mapping_ptr="*i64", q_norm_ptr="*bf16",
+               k_norm_ptr="*bf16", qk_scale="fp32", eps="fp32")
+    # Direct write; split + merge in one chunk; in four; with q/k norm + rotary + store.
+    for splits, from_qkv in ((1, False), (32, False), (128, False), (32, True)):
+        _compile_sm90(_decode_attention_kernel, sig,
+                      dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128,
+                           BLOCK_SIZE=256, BLOCK_N=128, NUM_SPLITS=splits,
+                           MERGE_CHUNK=min(splits, 32), FROM_QKV=from_qkv, QK_NORM=from_qkv,
+                           DOT_PRECISION="tf32", PDL=True), 4, 2)
 
 
 # Subprocess groups: each start costs seconds (torch + triton imports), so the cheap
@@ -395,8 +475,9 @@ CHECKS = {
     "elementwise": [check_store_kvcache, check_rms_norm, check_rotary, check_silu_and_mul,
                     check_wrapper_errors],
     "prefill_attention": [check_prefill_attention],
-    "decode_attention": [check_decode_attention],
+    "decode_attention": [check_decode_attention, check_decode_attention_many_splits],
     "fused_decode": [check_gemv, check_qkv_rotary_store, check_fused_wrapper_errors],
+    "qkv_decode_attention": [check_qkv_decode_attention],
     "compile_sm90": [check_compile_sm90],  # no interpreter: a real compile for sm_90
 }
 

@@ -11,6 +11,8 @@ import itertools
 
 import pytest
 import torch
+from minivllm.kernels.testing import DECODE_MODELS as MODELS
+from minivllm.kernels.testing import cos_sin_table, projections, qk_norm_weights
 
 pytestmark = pytest.mark.gpu
 
@@ -203,9 +205,7 @@ def test_rotary(dtype: torch.dtype, heads: tuple) -> None:
     from minivllm.kernels.rotary import rotary, rotary_ref
 
     num_heads, num_kv_heads, head_dim = heads
-    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim)
-    freqs = torch.arange(40960, device=DEVICE).float()[:, None] * inv_freq[None, :]
-    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)  # [max_position, head_dim]
+    cos_sin = cos_sin_table(40960, head_dim, DEVICE)
     qkv = torch.randn(2048, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE).to(dtype)
     q = qkv[:, : num_heads * head_dim].view(2048, num_heads, head_dim)
     k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
@@ -228,24 +228,6 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
 # -- fused decode-path kernels (issue 11) ---------------------------------------------------
 
 # (name, hidden, heads, kv_heads, head_dim, intermediate, vocab)
-MODELS = [
-    ("qwen3-0.6b", 1024, 16, 8, 128, 3072, 151936),
-    ("llama-3.2-1b", 2048, 32, 8, 64, 8192, 128256),
-    ("smollm2-135m", 576, 9, 3, 64, 1536, 49152),
-]
-
-
-def _projections(hidden, heads, kv_heads, head_dim, inter, vocab):
-    """(name, N, K) of each matrix a decode step multiplies by."""
-    return [
-        ("qkv", (heads + 2 * kv_heads) * head_dim, hidden),
-        ("o", hidden, heads * head_dim),
-        ("gate_up", 2 * inter, hidden),
-        ("down", hidden, inter),
-        ("lm_head", vocab, hidden),
-    ]
-
-
 @pytest.mark.parametrize("model", MODELS, ids=[m[0] for m in MODELS])
 def test_gemv(model) -> None:
     """bf16 against an fp32 product of the same bf16 inputs; bound 1e-2 relative (bf16
@@ -253,7 +235,7 @@ def test_gemv(model) -> None:
     from minivllm.kernels.gemv import default_config, gemv, rms_norm_gemv, rms_norm_gemv_ref
 
     _, hidden, heads, kv_heads, head_dim, inter, vocab = model
-    for name, n, k in _projections(hidden, heads, kv_heads, head_dim, inter, vocab):
+    for name, n, k in projections(hidden, heads, kv_heads, head_dim, inter, vocab):
         w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(torch.bfloat16)
         for m in (1, 2, 4, 8):
             x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
@@ -289,9 +271,7 @@ def test_qkv_rotary_store(dtype: torch.dtype, model) -> None:
     from minivllm.kernels.testing import paged_kv
 
     _, _, heads, kv_heads, head_dim, _, _ = model
-    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim)
-    freqs = torch.arange(40960, device=DEVICE).float()[:, None] * inv_freq[None, :]
-    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    cos_sin = cos_sin_table(40960, head_dim, DEVICE)
     cache = paged_kv([4096], kv_heads, head_dim, 256, dtype, DEVICE, spare_blocks=8)
     num_slots = cache.k_cache.shape[0] * 256
     tokens = 1000
@@ -300,10 +280,7 @@ def test_qkv_rotary_store(dtype: torch.dtype, model) -> None:
     slots = torch.randperm(num_slots, device=DEVICE)[:tokens]
     slots[::9] = -1
     for qk_norm in (True, False):
-        weights = {}
-        if qk_norm:
-            weights = dict(q_norm_weight=(1 + 0.1 * torch.randn(head_dim, device=DEVICE)).to(dtype),
-                           k_norm_weight=(1 + 0.1 * torch.randn(head_dim, device=DEVICE)).to(dtype))
+        weights = qk_norm_weights(head_dim, dtype, DEVICE) if qk_norm else {}
         k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
         q_ref = qkv_rotary_store_ref(positions, qkv, heads, cos_sin, k_ref, v_ref, slots,
                                      **weights)
@@ -376,12 +353,14 @@ def test_gemv_pdl_chain_in_graph() -> None:
             assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
 
 
-def test_attention_path_pdl_in_graph(monkeypatch: pytest.MonkeyPatch) -> None:
-    """MINIVLLM_PDL=all: q/k norm + rotary + KV store -> decode attention (split + merge)
-    -> o GEMV, each launched with PDL, replayed from a CUDA graph, equals the chain
-    without PDL bit for bit (each kernel reads what the one before wrote)."""
+@pytest.mark.parametrize("one_launch", [False, True], ids=["two-launches", "one-launch"])
+def test_attention_path_pdl_in_graph(monkeypatch: pytest.MonkeyPatch, one_launch: bool) -> None:
+    """MINIVLLM_PDL=all: q/k norm + rotary + KV store -> decode attention (16 splits merged
+    in the kernel) -> o GEMV, each launched with PDL, replayed from a CUDA graph, equals the
+    chain without PDL bit for bit (each kernel reads what the one before wrote). One launch:
+    the store and the attention in `qkv_decode_attention`."""
     from minivllm.kernels import pdl
-    from minivllm.kernels.decode_attention import decode_attention
+    from minivllm.kernels.decode_attention import decode_attention, qkv_decode_attention
     from minivllm.kernels.gemv import gemv
     from minivllm.kernels.qkv_rotary_store import qkv_rotary_store
     from minivllm.kernels.testing import paged_kv
@@ -393,17 +372,19 @@ def test_attention_path_pdl_in_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     positions = torch.tensor([2999], device=DEVICE)
     slots = torch.zeros(1, dtype=torch.long, device=DEVICE)
     slots[0] = cache.block_tables[0, 2999 // 256].long() * 256 + 2999 % 256
-    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, device=DEVICE).float() / head_dim)
-    freqs = torch.arange(4096, device=DEVICE).float()[:, None] * inv_freq[None, :]
-    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    cos_sin = cos_sin_table(4096, head_dim, DEVICE)
     norm_w = torch.ones(head_dim, device=DEVICE, dtype=torch.bfloat16)
     w_o = (torch.randn(1024, heads * head_dim, device=DEVICE) / 45).to(torch.bfloat16)
 
     def chain():
-        q = qkv_rotary_store(positions, qkv, heads, cos_sin, cache.k_cache, cache.v_cache,
-                             slots, norm_w, norm_w)
-        o = decode_attention(q, cache.k_cache, cache.v_cache, cache.seq_lens,
-                             cache.block_tables, 0.088, num_splits=16)
+        step = (cache.seq_lens, cache.block_tables, 0.088)
+        if one_launch:
+            o = qkv_decode_attention(positions, qkv, heads, cos_sin, cache.k_cache,
+                                     cache.v_cache, slots, *step, norm_w, norm_w, num_splits=16)
+        else:
+            q = qkv_rotary_store(positions, qkv, heads, cos_sin, cache.k_cache, cache.v_cache,
+                                 slots, norm_w, norm_w)
+            o = decode_attention(q, cache.k_cache, cache.v_cache, *step, num_splits=16)
         return gemv(o.flatten(1), w_o)
 
     def run_with(setting: str, graphed: bool) -> torch.Tensor:
@@ -426,3 +407,134 @@ def test_attention_path_pdl_in_graph(monkeypatch: pytest.MonkeyPatch) -> None:
             assert torch.equal(run_with("all", graphed=False), want)
     finally:
         pdl._pdl_level.cache_clear()
+
+
+def test_decode_attention_merge_in_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split kernel merges its own partials: the last program of each (sequence, KV
+    head) to finish, found with a counter it zeroes again. Four launches in a chain (each
+    one's q is the one before's output, as layers follow each other) share one counter
+    buffer; captured in a CUDA graph and replayed with new contexts, they equal the same
+    chain run eagerly bit for bit, with PDL (MINIVLLM_PDL=all) and without it, and the
+    counters are zero after every replay. Bound against the float64 reference: 1e-2."""
+    from minivllm.kernels import pdl
+    from minivllm.kernels.decode_attention import (
+        decode_attention,
+        decode_attention_ref,
+        decode_counters,
+    )
+    from minivllm.kernels.testing import paged_kv
+
+    torch.use_deterministic_algorithms(False)  # no NaN-fill kernels inside the capture
+    cache = paged_kv([8192] * 4, 8, 128, 256, torch.bfloat16, DEVICE, spare_columns=0)
+    seq_lens = cache.seq_lens.clone()
+    kv = (cache.k_cache, cache.v_cache, seq_lens, cache.block_tables)
+    q = torch.randn(4, 16, 128, device=DEVICE).to(torch.bfloat16)
+    counters = decode_counters(4, 8, DEVICE)
+
+    def chain() -> list[torch.Tensor]:
+        outs = [q]
+        for _ in range(4):
+            outs.append(decode_attention(outs[-1], *kv, 0.088, num_splits=32,
+                                         counters=counters))
+        return outs[1:]
+
+    def run_with(setting: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        monkeypatch.setenv("MINIVLLM_PDL", setting)
+        pdl._pdl_level.cache_clear()
+        eager = [o.clone() for o in chain()]  # also compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = chain()
+        graph.replay()
+        assert not counters.any(), f"PDL={setting}: counters not reset after the replay"
+        return eager, [o.clone() for o in outs]
+
+    try:
+        for lens in ([8192, 1, 3000, 8192], [300, 20, 8000, 257], [5000, 6000, 7000, 8191]):
+            seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+            q.normal_()
+            plain_eager, plain_graph = run_with("0")
+            pdl_eager, pdl_graph = run_with("all")
+            for i, want in enumerate(plain_eager):
+                for name, got in (("graph", plain_graph[i]), ("PDL eager", pdl_eager[i]),
+                                  ("PDL graph", pdl_graph[i])):
+                    assert torch.equal(got, want), f"{lens} launch {i}: {name} != eager"
+            ref = decode_attention_ref(q.double(), *(a.double() for a in kv[:2]), *kv[2:],
+                                       0.088)
+            _assert_close(f"decode merge in graph {lens}", plain_eager[0], ref,
+                          TOL[torch.bfloat16])
+    finally:
+        pdl._pdl_level.cache_clear()
+
+
+@pytest.mark.parametrize("model", MODELS, ids=[m[0] for m in MODELS])
+def test_qkv_decode_attention(model) -> None:
+    """q/k norm + rotary + KV store in the decode attention kernel's prologue (bf16, with
+    and without q/k norm, ragged contexts 1 to 8k and a padding row with slot -1): the
+    output against the float64 reference of the two steps (bound 1e-2), the stored k
+    against `qkv_rotary_store_ref` (1e-2) and v exact; and against the two launches it
+    replaces (qkv_rotary_store + decode_attention, 1e-2)."""
+    from minivllm.kernels.decode_attention import (
+        decode_attention,
+        decode_attention_ref,
+        qkv_decode_attention,
+    )
+    from minivllm.kernels.qkv_rotary_store import qkv_rotary_store, qkv_rotary_store_ref
+    from minivllm.kernels.testing import paged_kv
+
+    _, _, heads, kv_heads, head_dim, _, _ = model
+    dtype = torch.bfloat16
+    lens = [1, 2, 255, 256, 257, 1000, 4095, 8192, 1]  # the last: padding (slot -1)
+    cos_sin = cos_sin_table(8192, head_dim, DEVICE)
+    cache = paged_kv(lens, kv_heads, head_dim, 256, dtype, DEVICE)
+    qkv = torch.randn(len(lens), (heads + 2 * kv_heads) * head_dim, device=DEVICE).to(dtype)
+    positions = cache.seq_lens.long() - 1
+    rows = torch.arange(len(lens), device=DEVICE)
+    slots = cache.block_tables[rows, positions // 256].long() * 256 + positions % 256
+    slots[-1] = -1
+    step = (cache.seq_lens, cache.block_tables, head_dim**-0.5)
+    for qk_norm in (True, False):
+        norms = qk_norm_weights(head_dim, dtype, DEVICE) if qk_norm else {}
+        k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
+        q_ref = qkv_rotary_store_ref(positions, qkv, heads, cos_sin, k_ref, v_ref, slots, **norms)
+        ref = decode_attention_ref(q_ref.double(), k_ref.double(), v_ref.double(), *step)
+        k_two, v_two = cache.k_cache.clone(), cache.v_cache.clone()
+        q = qkv_rotary_store(positions, qkv, heads, cos_sin, k_two, v_two, slots, **norms)
+        two = decode_attention(q, k_two, v_two, *step, num_splits=16)
+        for num_splits in (None, 1, 16):
+            k_out, v_out = cache.k_cache.clone(), cache.v_cache.clone()
+            out = qkv_decode_attention(positions, qkv, heads, cos_sin, k_out, v_out, slots,
+                                       *step, **norms, num_splits=num_splits)
+            name = f"qkv_decode_attention {model[0]} norm={qk_norm} splits {num_splits}"
+            _assert_close(name, out, ref, TOL[dtype])
+            _assert_close(name + " against two launches", out, two, TOL[dtype])
+            _assert_close(name + " k_cache", k_out, k_ref, TOL[dtype])
+            assert torch.equal(v_out, v_ref), name + " v_cache"
+
+
+def test_qkv_decode_attention_batch1_32k() -> None:
+    """Batch 1 from 1 to 32k context in a launch sized for 32k, the new token stored by the
+    last used split and read back by it: against the references, bound 1e-2 (bf16)."""
+    from minivllm.kernels.decode_attention import qkv_decode_attention, qkv_decode_attention_ref
+    from minivllm.kernels.testing import paged_kv
+
+    heads, kv_heads, head_dim = 16, 8, 128
+    cos_sin = cos_sin_table(32768, head_dim, DEVICE)
+    norm_w = (1 + 0.1 * torch.randn(head_dim, device=DEVICE)).to(torch.bfloat16)
+    for context in (1, 100, 3000, 32768):
+        cache = paged_kv([context], kv_heads, head_dim, 256, torch.bfloat16, DEVICE,
+                         spare_columns=(32768 - context) // 256 + 1)
+        qkv = torch.randn(1, (heads + 2 * kv_heads) * head_dim, device=DEVICE).to(torch.bfloat16)
+        positions = torch.tensor([context - 1], device=DEVICE)
+        slots = cache.block_tables[0, (context - 1) // 256].long().view(1) * 256 + (
+            (context - 1) % 256
+        )
+        step = (cache.seq_lens, cache.block_tables, 0.088)
+        k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
+        ref = qkv_decode_attention_ref(positions, qkv.double(), heads, cos_sin.double(),
+                                       k_ref.double(), v_ref.double(), slots, *step,
+                                       norm_w.double(), norm_w.double())
+        out = qkv_decode_attention(positions, qkv, heads, cos_sin, cache.k_cache, cache.v_cache,
+                                   slots, *step, norm_w, norm_w)
+        _assert_close(f"qkv_decode_attention batch 1 ctx {context}", out, ref,
+                      TOL[torch.bfloat16])

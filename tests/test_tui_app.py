@@ -456,18 +456,27 @@ async def test_stats_panel_shows_exactly_what_stats_gives(tmp_path):
             "Prompt throughput 400.0 tok/s (10 s avg 400.0)  "
             "Generation throughput 90.0 tok/s (10 s avg 90.0)"
         )
-        assert panel.spark.data[-1] == 90.0
+        await wait_until(pilot, lambda: panel.spark.data[-1] == 90.0)  # redrawn within 1 s
 
 
 @pytest.mark.parametrize("stage", ["loading weights", "sizing KV cache"])
 async def test_loading_screen_then_chat(tmp_path, stage):
+    import threading
+
+    seen = threading.Event()
+
     def factory(on_progress):
-        return FakeEngine(on_progress=on_progress, load_delay=0.6)
+        for i, name in enumerate(("loading weights", "sizing KV cache")):
+            on_progress(name, (i + 1) / 3)
+            if name == stage:
+                seen.wait(30)  # the load goes on once the screen has shown this stage
+        return FakeEngine(on_progress=on_progress)
 
     app = create_app(engine_factory=factory, model="fake/model", data_root=tmp_path / "d")
     async with app.run_test(size=SIZE) as pilot:
         await wait_until(pilot, lambda: app.loading is not None
                          and stage in str(app.loading.stage.render()))
+        seen.set()
         await wait_ready(pilot)
         assert app.info.model == "fake/scripted-model"
 
@@ -484,3 +493,30 @@ async def test_load_failure_is_shown_and_the_app_stays_up(tmp_path):
         assert app.is_running
         await pilot.press("ctrl+q")
     assert not app.is_running
+
+
+async def test_live_text_counts_its_wrapped_height_incrementally():
+    """The streaming block's line count (kept per finished line) equals Textual's own."""
+    import random
+
+    from minivllm.tui.widgets.message import LiveText
+    from textual.app import App
+    from textual.geometry import Size
+
+    live = LiveText(classes="live")
+
+    class One(App):
+        def compose(self):
+            yield live
+
+    rng = random.Random(0)
+    words = ["a", "lighthouse", "keeper", "\n", "\n\n", "supercalifragilistic", "-", " "]
+    async with One().run_test(size=(40, 20)) as pilot:
+        await pilot.pause()
+        text = ""
+        for _ in range(200):
+            text += rng.choice(words) + rng.choice([" ", ""])
+            for width in (7, 23):
+                live.update(text, layout=False)
+                assert live._height(text, width) == live.get_content_height(
+                    Size(width, 20), Size(width, 20), width), (width, text)

@@ -385,3 +385,28 @@ def test_export_markdown():
     assert md.startswith("# T\n")
     assert "## System\n\nsys" in md and "## User\n\nhi" in md
     assert "> plan" in md and "Hello" in md and "_[stopped]_" in md
+
+
+def test_bench_tokenizer_keeps_ids_in_the_vocabulary_and_decodes_every_id():
+    """The GPU bench runs a dummy model without tokenizer files through the app."""
+    from minivllm.tui.bench import BenchTokenizer
+    from minivllm.tui.engine_thread import render_prompt
+
+    tok = BenchTokenizer(vocab_size=1000)
+    text = render_prompt(tok, [{"role": "user", "content": "Write a story, please!"}], None)
+    ids = tok.encode(text)
+    assert ids and all(0 <= i < 1000 for i in ids)
+    assert tok.decode(list(range(1000)))  # any id the model may sample has text
+    assert tok.decode(tok.encode(" the keeper.")) == " the keeper."
+
+
+def test_pane_title_condenses_to_fit_keeping_state_and_context():
+    from minivllm.tui.widgets.pane import _k, fit_title
+
+    assert [_k(n) for n in (950, 3120, 8192, 9999, 32768, 131072)] == [
+        "950", "3.1k", "8.2k", "10k", "33k", "131k"]
+    forms = ["#1 idle · ctx 3,120 / 8,192 tok", "#1 idle 3.1k/8.2k"]
+    assert fit_title(forms, 0) == forms[0]  # not laid out yet
+    assert fit_title(forms, 40) == forms[0]
+    assert fit_title(forms, 22) == forms[1]
+    assert fit_title(forms, 5) == forms[1]  # nothing fits: the shortest

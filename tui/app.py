@@ -52,7 +52,7 @@ from .widgets.pane import ConversationPane
 from .widgets.settings_modal import SettingsModal
 
 MAX_PANES = 9
-FLUSH_HZ = 30
+FLUSH_HZ = 10  # streamed text is rendered this often (each render repaints the pane)
 HELP = (
     "Enter sends · ctrl+j newline · Esc or ctrl+c stops · alt+a or /all sends to every pane · "
     "ctrl+r regenerates · ctrl+n/ctrl+w new/close · ctrl+o reopens · alt+1..9 focus · "
@@ -86,7 +86,7 @@ class ChatApp(App):
         keymap: dict[str, str] | None = None,
         export_dir: Path | None = None,
         owns_engine: bool | None = None,
-        stats_interval: float = 0.25,
+        stats_interval: float = 0.5,
         save_sessions: bool = True,
     ) -> None:
         super().__init__()
@@ -618,13 +618,14 @@ class ChatApp(App):
 
     async def on_delta_batch(self, msg: DeltaBatch) -> None:
         for d in msg.deltas:
-            pane = self._requests.get(d.request_id)
+            request_id = int(d.request_id)
+            pane = self._requests.get(request_id)
             if pane is None:
                 continue
-            pane.feed(d.text, d.num_tokens, d.first_at or msg.at, d.last_at or msg.at)
+            pane.feed(d.text, len(d.token_ids), d.at or msg.at)
             if d.finished:
                 status = FINISH_TO_STATUS.get(d.finish_reason, "done")
-                await self._finish(pane, d.request_id, status, d.error)
+                await self._finish(pane, request_id, status, d.error)
 
     async def _finish(self, pane: ConversationPane, request_id: int, status: Status,
                       error: str | None = None) -> None:

@@ -19,10 +19,14 @@ from .engine_thread import EngineFactory
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # Step token budget on a CPU: a step computes at most this many tokens, so a long paste
-# in one pane is prefilled in chunks while the other panes keep streaming. Measured on a
-# 2-core machine with SmolLM2-135M: 128 tokens make a ~0.2 s step (1,024, the engine's
-# default, made 2-4 s steps that froze every other pane).
-CPU_STEP_TOKENS = 128
+# in one pane is prefilled in chunks while the other panes keep streaming. Measured with
+# scripts/cpu_step_budget.py (SmolLM2-135M fp32, a 3,000-word paste beside a streaming
+# reply, 2-core AVX2 machine; PERF_NOTES.md): a step's CPU time was p50 0.59 s at 64
+# tokens, 1.52 s at 128, 2.59 s at 256 and 3.40 s at 512 on one busy core, i.e. about
+# 0.25-0.3 s of wall time at 64 on two idle cores. 64 is the budget nearest a fifth of a
+# second; the paste's own time to first token hardly changes (the same work in more
+# steps). The engine's default (1,024) made 3-4.6 s steps that froze every other pane.
+CPU_STEP_TOKENS = 64
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,7 +9,6 @@ a stats snapshot a few times a second, `EngineDied` if the engine stops for good
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import threading
 import time
@@ -23,22 +22,23 @@ from minivllm.frontend import (
     EngineFrontend,
     GenerateRequest,
     RequestOutput,
+    engine_info,
+    merge_outputs,
     render_chat_prompt,
 )
-from minivllm.frontend import engine_info as frontend_engine_info
 
 from .messages import (
     DeltaBatch,
     EngineDied,
-    EngineInfo,
     EngineReady,
     LoadFailed,
     LoadProgress,
     RequestAccepted,
-    RequestDelta,
     RequestFailed,
     StatsSnapshot,
 )
+
+__all__ = ["EngineFactory", "EngineWorker", "engine_info", "render_prompt"]
 
 # Builds an LLMEngine (or any engine with its API), or returns an unstarted EngineClient
 # (`--url`: a remote server).
@@ -69,11 +69,6 @@ class _Stats:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
-
-
-def engine_info(engine: Any) -> EngineInfo:
-    """What the header shows, read from a built engine (on the thread that owns it)."""
-    return EngineInfo(**dataclasses.asdict(frontend_engine_info(engine)))
 
 
 def render_prompt(
@@ -123,10 +118,10 @@ class EngineWorker:
         # Bridge-thread state.
         self._live: set[int] = set()
         self._no_tokens_yet: list[int] = []  # accepted requests without output, FCFS
-        # Deltas are merged per request and posted at most every `delta_interval`: one UI
+        # Outputs are merged per request and posted at most every `delta_interval`: one UI
         # message per step would cost the UI (and, through the GIL, the engine) more than
         # the text is worth.
-        self._outbox: dict[int, RequestDelta] = {}
+        self._outbox: dict[int, list[RequestOutput]] = {}
         self._next_post = 0.0
         self.died: str | None = None
 
@@ -197,7 +192,7 @@ class EngineWorker:
                 client = EngineFrontend(engine, owns_engine=self._owns)
             self.client = client
         info = client.start(self._on_progress)
-        self._post(EngineReady(EngineInfo(**dataclasses.asdict(info))))
+        self._post(EngineReady(info))
         return client
 
     def _on_progress(self, stage: str, fraction: float) -> None:
@@ -273,26 +268,20 @@ class EngineWorker:
             self._post(RequestAccepted(req, -1, out.opens_thinking))
             if not (out.text or out.token_ids or out.finished):
                 return
+        self._outbox.setdefault(req, []).append(out)
         if req in self._no_tokens_yet and (out.token_ids or out.text):
             self._no_tokens_yet.remove(req)
-        old = self._outbox.get(req)
-        self._outbox[req] = RequestDelta(
-            req,
-            (old.text if old else "") + out.text,
-            (old.num_tokens if old else 0) + len(out.token_ids),
-            out.finished,
-            out.finish_reason,
-            out.error,
-            first_at=old.first_at if old else out.at,
-            last_at=out.at,
-        )
+            # The first tokens go out at once: the pane's TTFT is their `at`, not that
+            # of the end of a batching interval.
+            self._flush_outbox(time.monotonic())
+        elif out.finished:
+            self._flush_outbox(time.monotonic())
         if out.finished:
             self._forget(req)
-            self._flush_outbox(time.monotonic())
 
     def _flush_outbox(self, now: float) -> None:
         if self._outbox:
-            self._post(DeltaBatch(list(self._outbox.values()), now))
+            self._post(DeltaBatch([merge_outputs(o) for o in self._outbox.values()], now))
             self._outbox = {}
         self._next_post = now + self._delta_interval
 

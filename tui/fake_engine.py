@@ -120,6 +120,7 @@ class FakeEngine:
         step_delay: float = 0.0,
         load_delay: float = 0.0,
         frozen_stats: EngineStats | None = None,
+        hold_at: int | None = None,
     ) -> None:
         config = dict(config or {})
         self.config = SimpleNamespace(
@@ -138,6 +139,9 @@ class FakeEngine:
         self.thinking = thinking
         self.step_delay = step_delay
         self.frozen_stats = frozen_stats
+        # Every reply stops after this many tokens, still running, until `release()`: a
+        # test acts on a reply that is surely streaming, however fast or slow the machine.
+        self.hold_at = hold_at
         self.fail_steps = 0  # the next N calls to step() raise
         self.reject_prompts_containing: str | None = None
         self.exited = False
@@ -222,6 +226,10 @@ class FakeEngine:
                     self._emit(seq, [], True, "abort")
                     return
 
+    def release(self) -> None:
+        """Let held replies go on (see `hold_at`). Safe from any thread."""
+        self.hold_at = None
+
     # -- stepping ----------------------------------------------------------------------
 
     def step(self) -> tuple[list[tuple[int, list[int]]], int, bool]:
@@ -236,7 +244,10 @@ class FakeEngine:
             self._running.append(seq)
         self.peak_running = max(self.peak_running, len(self._running))
         outputs: list[tuple[int, list[int]]] = []
+        hold = self.hold_at
         for seq in list(self._running):
+            if hold is not None and len(seq.out_ids) >= hold:
+                continue  # held: running, no new token
             if not seq.prefilled:
                 self._prefill(seq)
                 num_tokens += len(seq.prompt_ids)
@@ -256,8 +267,8 @@ class FakeEngine:
             if done:
                 self._running.remove(seq)
                 outputs.append((seq.seq_id, list(seq.out_ids)))
-        if self.step_delay:
-            time.sleep(self.step_delay)
+        if self.step_delay or hold is not None:
+            time.sleep(max(self.step_delay, 0.005 if hold is not None else 0.0))
         self._num_steps += 1
         self._last_batch = len(self._running) + len(outputs)
         self._last_step_time = time.perf_counter() - t0

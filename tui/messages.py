@@ -2,7 +2,8 @@
 
 The engine thread calls `post(message)` (for the app, `App.post_message`, which is
 thread-safe and does not block). High-rate ones set `can_replace` so the UI's queue keeps
-only the newest.
+only the newest. What the engine says is in the front end's own types
+(`minivllm.frontend`: `EngineInfo`, `RequestOutput`); these messages only carry them.
 """
 
 from __future__ import annotations
@@ -11,34 +12,13 @@ from dataclasses import dataclass, field
 
 from textual.message import Message
 
+from minivllm.frontend import EngineInfo, RequestOutput
 from minivllm.outputs import EngineStats
 
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What the header shows; gathered by the engine thread once the engine is up."""
-
-    model: str
-    device: str
-    dtype: str
-    world_size: int
-    block_size: int
-    num_blocks: int
-    max_len: int
-
-
-@dataclass(frozen=True)
-class RequestDelta:
-    """One request's new output since the previous batch (UI request ids, not seq ids)."""
-
-    request_id: int
-    text: str
-    num_tokens: int
-    finished: bool
-    finish_reason: str | None = None
-    error: str | None = None
-    first_at: float = 0.0  # time.monotonic() of the engine step that produced the first token
-    last_at: float = 0.0  # ... and the last one in this delta
+__all__ = [
+    "DeltaBatch", "EngineDied", "EngineInfo", "EngineReady", "LoadFailed", "LoadProgress",
+    "RequestAccepted", "RequestFailed", "RequestOutput", "StatsSnapshot",
+]
 
 
 @dataclass
@@ -77,8 +57,12 @@ class RequestFailed(Message):
 
 @dataclass
 class DeltaBatch(Message):
-    deltas: list[RequestDelta]
-    at: float  # time.monotonic() when popped from the engine
+    """Each request's output since the previous batch, merged (`merge_outputs`). A
+    request's first tokens come in a batch of their own, so their `at` is when the
+    engine produced the first token (the pane's TTFT)."""
+
+    deltas: list[RequestOutput]
+    at: float  # time.monotonic() when posted
 
 
 @dataclass

@@ -230,7 +230,7 @@ class PlainChat:
                     reply.status, reply.error = "error", msg.error
                 elif isinstance(msg, DeltaBatch):
                     for d in msg.deltas:
-                        if d.request_id != req:
+                        if int(d.request_id) != req:
                             continue
                         text = cleaner.feed(d.text) + (cleaner.finish() if d.finished else "")
                         reply.content += text

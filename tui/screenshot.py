@@ -1,4 +1,5 @@
-"""Save an SVG screenshot of three panes streaming on the real engine.
+"""Save a screenshot of three panes streaming on the real engine: an SVG and, next to
+it, the same screen as text (`.txt`).
 
     python -m minivllm.tui.screenshot [--out docs/screenshot.svg] [--device cpu]
 """
@@ -41,6 +42,9 @@ async def shoot(out: Path, model: str, device: str, min_tokens: int) -> None:
             pane.input.cursor_blink = False
         out.parent.mkdir(parents=True, exist_ok=True)
         app.save_screenshot(filename=out.name, path=str(out.parent))
+        # NOTE: Textual exports SVG only; the text is the compositor's lines (private API).
+        lines = [strip.text.rstrip() for strip in app.screen._compositor.render_strips()]
+        out.with_suffix(".txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
         await pilot.press("ctrl+q")
 
 

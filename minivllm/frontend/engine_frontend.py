@@ -374,6 +374,7 @@ class EngineFrontend:
         live = _Live(request, cmd.on_output, seq_id, num_prompt)
         self._live[request.request_id] = live
         self._by_seq[seq_id] = live
+        self._publish_stats()  # stats() counts the request once its caller hears of it
         opens = isinstance(prompt, str) and prompt.rstrip().endswith("<think>")
         self._emit(live, RequestOutput(request.request_id, num_prompt_tokens=num_prompt,
                                        accepted=True, opens_thinking=opens,
@@ -389,6 +390,10 @@ class EngineFrontend:
 
     def _dispatch(self, deltas: list[Any]) -> None:
         now = time.monotonic()
+        if any(d.finished for d in deltas):
+            # Before the last outputs go out: a caller that hears a request finished and
+            # then reads stats() sees it gone, not a snapshot of up to stats_interval ago.
+            self._publish_stats()
         for d in deltas:
             live = self._by_seq.get(d.seq_id)
             if live is None:

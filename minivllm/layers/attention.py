@@ -71,6 +71,7 @@ class AttentionBackend:
     def __init__(self, kernels: Kernels, block_size: int) -> None:
         self.kernels = kernels
         self.block_size = block_size
+        self.decode_kwargs: dict = {}  # buffers the decode kernel takes from its backend
 
     def finish_metadata(self, meta: AttentionMetadata, num_seqs: int) -> AttentionMetadata:
         """Add what this backend needs beyond the batch (once a step, not once a layer)."""
@@ -101,10 +102,52 @@ class AttentionBackend:
                 meta.block_tables,
                 scale,
                 num_splits=meta.decode_splits,
+                **self.decode_kwargs,
             )
         return kernels.prefill_attention(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale
         )
+
+
+    def forward_qkv(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        num_heads: int,
+        cos_sin_cache: torch.Tensor,  # [max_position, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        q_norm_weight: torch.Tensor | None,
+        k_norm_weight: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Attention from the QKV projection's output with the fused kernels (a set with
+        `qkv_rotary_store`): q/k norm + rotary + KV store, then attention; a decode step in
+        one launch where the set has `qkv_decode_attention`."""
+        kernels = self.kernels
+        if meta.is_decode and kernels.qkv_decode_attention is not None:
+            return kernels.qkv_decode_attention(
+                positions,
+                qkv,
+                num_heads,
+                cos_sin_cache,
+                k_cache,
+                v_cache,
+                meta.slot_mapping,
+                meta.seq_lens,
+                meta.block_tables,
+                scale,
+                q_norm_weight,
+                k_norm_weight,
+                eps,
+                num_splits=meta.decode_splits,
+                **self.decode_kwargs,
+            )
+        q = kernels.qkv_rotary_store(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache,
+                                     meta.slot_mapping, q_norm_weight, k_norm_weight, eps)
+        return self.forward(q, None, None, k_cache, v_cache, meta, scale, kv_stored=True)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -144,13 +187,21 @@ class TritonAttentionBackend(AttentionBackend):
         max_seq_len: int,
         decode_buckets: list[int],
         num_sms: int,
+        device: torch.device,
     ) -> None:
+        from minivllm.kernels.decode_attention import decode_counters
+
         super().__init__(kernels, block_size)
         self.num_kv_heads = num_kv_heads
         self.max_seq_len = max_seq_len
         self.decode_buckets = decode_buckets
         self.num_sms = num_sms
         self._splits: dict[int, int] = {}
+        # NOTE: allocated once, outside every graph: the split kernel's last program of each
+        # (sequence, KV head) merges the partials and zeroes its counter for the next layer.
+        self.decode_kwargs = {
+            "counters": decode_counters(max(decode_buckets), num_kv_heads, device)
+        }
 
     def decode_splits(self, num_seqs: int) -> int:
         splits = self._splits.get(num_seqs)
@@ -186,7 +237,7 @@ def make_backend(
     from minivllm.kernels.dispatch import num_sms
 
     return TritonAttentionBackend(
-        kernels, block_size, num_kv_heads, max_seq_len, decode_buckets, num_sms(device)
+        kernels, block_size, num_kv_heads, max_seq_len, decode_buckets, num_sms(device), device
     )
 
 
@@ -221,6 +272,21 @@ class Attention(nn.Module):
             return no_cache_attention(q, k, v, meta.cu_seqlens_q.tolist(), self.scale)
         return self.backend.forward(
             q, k, v, self.k_cache, self.v_cache, meta, self.scale, kv_stored=kv_stored
+        )
+
+    def forward_qkv(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        q_norm_weight: torch.Tensor | None,
+        k_norm_weight: torch.Tensor | None,
+        eps: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """From the QKV projection's output with the fused kernels (the KV pool exists)."""
+        return self.backend.forward_qkv(
+            positions, qkv, self.num_heads, cos_sin_cache, self.k_cache, self.v_cache,
+            get_attention_metadata(), self.scale, q_norm_weight, k_norm_weight, eps,
         )
 
 

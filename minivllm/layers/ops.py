@@ -35,11 +35,13 @@ class Kernels:
     store_kvcache: Callable
     prefill_attention: Callable
     decode_attention: Callable
-    # The fused decode-path ops (kernels/gemv.py, kernels/qkv_rotary_store.py): Triton
-    # only; None in a set without them, where callers take the unfused path.
+    # The fused decode-path ops (kernels/gemv.py, kernels/qkv_rotary_store.py,
+    # kernels/decode_attention.py): Triton only; None in a set without them, where callers
+    # take the unfused path.
     gemv: Callable | None = None
     rms_norm_gemv: Callable | None = None
     qkv_rotary_store: Callable | None = None
+    qkv_decode_attention: Callable | None = None
 
 
 def _decode_attention_ref(q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits=None):
@@ -81,7 +83,7 @@ class CheckedFirst:
 
 
 def triton_kernels() -> Kernels:
-    from minivllm.kernels.decode_attention import decode_attention
+    from minivllm.kernels.decode_attention import decode_attention, qkv_decode_attention
     from minivllm.kernels.gemv import gemv, rms_norm_gemv
     from minivllm.kernels.prefill_attention import prefill_attention
     from minivllm.kernels.qkv_rotary_store import qkv_rotary_store
@@ -102,6 +104,7 @@ def triton_kernels() -> Kernels:
         gemv=CheckedFirst(gemv),
         rms_norm_gemv=CheckedFirst(rms_norm_gemv),
         qkv_rotary_store=CheckedFirst(qkv_rotary_store),
+        qkv_decode_attention=CheckedFirst(qkv_decode_attention),
     )
 
 

@@ -17,7 +17,7 @@ from ..config import ModelConfig
 from ..distributed import get_tp_size
 from ..layers import ops
 from ..layers.activation import SiluAndMul
-from ..layers.attention import Attention, get_attention_metadata
+from ..layers.attention import Attention
 from ..layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..layers.norm import RMSNorm
@@ -52,22 +52,17 @@ class DecoderAttention(nn.Module):
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """Attention and the output projection, from the QKV projection's output."""
-        fused = self.kernels.qkv_rotary_store
-        if fused is not None and self.attn.k_cache.numel():
-            # One launch for q/k norm + rotary + KV store (Triton; the CPU path is below).
-            q = fused(
+        if self.kernels.qkv_rotary_store is not None and self.attn.k_cache.numel():
+            # q/k norm + rotary + KV store in one launch, or (decode) inside the attention
+            # kernel (Triton; the CPU path is below).
+            o = self.attn.forward_qkv(  # [num_tokens, num_heads, head_dim]
                 positions,
                 qkv,
-                self.num_heads,
                 self.rotary_emb.cos_sin_cache,
-                self.attn.k_cache,
-                self.attn.v_cache,
-                get_attention_metadata().slot_mapping,
                 self.q_norm.weight if self.qk_norm else None,
                 self.k_norm.weight if self.qk_norm else None,
                 self.q_norm.eps if self.qk_norm else 1e-6,
             )
-            o = self.attn(q, None, None, kv_stored=True)  # [num_tokens, num_heads, head_dim]
             return self.o_proj(o.flatten(1))
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim

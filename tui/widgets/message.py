@@ -4,16 +4,81 @@ from __future__ import annotations
 
 from textual.app import ComposeResult
 from textual.containers import Vertical
+from textual.content import Content
 from textual.widgets import Collapsible, Markdown, Static
 
 from ..conversation import Status
 from ..thinking import ThinkParser, split_thinking
 
+# A streaming block grows this many lines at a time: one screen layout per 4 new lines
+# of text instead of one per line (the blank lines below the text fill as it streams).
+RESERVE_LINES = 4
 STATUS_NOTES: dict[str, str] = {
     "stopped": "stopped",
     "interrupted": "interrupted (the app stopped mid-reply)",
     "length": "cut at max tokens",
 }
+
+
+def set_growing_text(widget: Static, text: str, reserve: int = 1) -> None:
+    """Show `text` in a Static that changes often (the stats panel), laying the screen out
+    again only when its height changes.
+
+    NOTE: `Static.update` lays out the whole screen by default, and a layout re-renders
+    every widget on it: with four panes streaming on a 2-core CPU that was most of the
+    UI's time per token. Text that keeps its height only repaints the widget.
+    """
+    region = widget.content_region
+    widget.update(text, layout=False)
+    if region.width <= 0:  # not laid out yet
+        widget.refresh(layout=True)
+        return
+    height = widget.get_content_height(region.size, region.size, region.width)
+    if height != region.height:
+        widget.refresh(layout=True)
+
+
+class LiveText(Static):
+    """Streaming text that only grows: a repaint per update, a screen layout only when
+    the text outgrows its lines (see `set_growing_text`), and then `RESERVE_LINES` lines
+    at a time, so the text fills them without another layout.
+
+    Its height is counted incrementally: the finished lines' wrapped height is kept, so
+    an update wraps only the last line again, not the whole reply.
+    """
+
+    def __init__(self, classes: str) -> None:
+        super().__init__("", markup=False, classes=classes)
+        self._text = ""
+        self._done_len = 0  # text[:_done_len] ends at a newline (or is empty) ...
+        self._done_lines = 0  # ... and wraps to this many lines
+        self._width = 0
+
+    def _lines(self, line: str, width: int) -> int:
+        return Content(line).get_height(self.styles, width)
+
+    def _height(self, text: str, width: int) -> int:
+        if width != self._width or not text.startswith(self._text):
+            self._done_len = self._done_lines = 0  # start over (a resize)
+            self._width = width
+        self._text = text
+        cut = text.rfind("\n") + 1
+        if cut > self._done_len:
+            self._done_lines += sum(self._lines(line, width) for line in
+                                    text[self._done_len:cut - 1].split("\n"))
+            self._done_len = cut
+        return self._done_lines + self._lines(text[self._done_len:], width)
+
+    def set_text(self, text: str) -> None:
+        region = self.content_region
+        self.update(text, layout=False)
+        if region.width <= 0:  # not laid out yet
+            self.refresh(layout=True)
+            return
+        height = self._height(text, region.width)
+        if height > region.height:
+            self.styles.min_height = height + RESERVE_LINES - 1  # a layout, as below
+            self.refresh(layout=True)
 
 
 class UserMessage(Static):
@@ -51,8 +116,8 @@ class AssistantMessage(Vertical):
         self._think_box: Collapsible | None = None
         self._think_md: Markdown | None = None
         self.answer_md = Markdown(self.answer_text.strip() or None, open_links=False)
-        self._live: Static | None = None  # the answer while it streams
-        self._think_live: Static | None = None  # the thinking while it streams
+        self._live: LiveText | None = None  # the answer while it streams
+        self._think_live: LiveText | None = None  # the thinking while it streams
         self._note = Static("", markup=False, classes="note")
 
     def compose(self) -> ComposeResult:
@@ -60,7 +125,7 @@ class AssistantMessage(Vertical):
             self._make_think_box(self.thinking_text.strip(), collapsed=True)
             yield self._think_box
         if self.status == "streaming":
-            self._live = Static("", markup=False, classes="live")
+            self._live = LiveText(classes="live")
             self.answer_md.display = False
             yield self._live
         yield self.answer_md
@@ -73,7 +138,7 @@ class AssistantMessage(Vertical):
         self._think_md = Markdown(text, open_links=False, classes="thinking")
         if text is None:  # streaming: plain text until the reply ends
             self._think_md.display = False
-            self._think_live = Static("", markup=False, classes="thinking live")
+            self._think_live = LiveText(classes="thinking live")
             children = (self._think_live, self._think_md)
         else:
             children = (self._think_md,)
@@ -105,13 +170,13 @@ class AssistantMessage(Vertical):
                 await self.mount(self._think_box, before=self._live or self.answer_md)
             self.thinking_text += text
             if self._think_live is not None:
-                self._think_live.update(self.thinking_text)
+                self._think_live.set_text(self.thinking_text)
             return
         if self._think_box is not None and not self._think_box.collapsed and text.strip():
             self._think_box.collapsed = True  # the answer has started
         self.answer_text += text
         if self._live is not None:
-            self._live.update(self.answer_text.lstrip("\n"))
+            self._live.set_text(self.answer_text.lstrip("\n"))
 
     async def finish(self, status: Status, error: str | None = None) -> None:
         """The reply ended: render the Markdown once and show how it ended."""

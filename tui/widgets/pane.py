@@ -19,7 +19,22 @@ from .chat_input import ChatInput
 from .message import AssistantMessage, UserMessage
 
 BUSY_STATES = ("queued", "prefill", "streaming")
-TITLE_PERIOD = 0.25
+TITLE_PERIOD = 0.5  # seconds between title redraws while streaming
+
+
+def _k(n: int) -> str:
+    """A token count in at most 4 characters: 950, 3.1k, 33k, 131k."""
+    if n < 1000:
+        return str(n)
+    return f"{n / 1000:.1f}k" if n < 9950 else f"{n / 1000:.0f}k"
+
+
+def fit_title(forms: list[str], width: int) -> str:
+    """The first form that fits `width` columns (0: not laid out yet, the first), else the
+    last."""
+    if width <= 0:
+        return forms[0]
+    return next((f for f in forms if len(f) <= width), forms[-1])
 
 
 class ConversationPane(Vertical):
@@ -124,7 +139,7 @@ class ConversationPane(Vertical):
 
     def refresh_title(self, force: bool = False) -> None:
         """Update the title line: at once when `force`d (a state change), else at most
-        4 times a second.
+        twice a second.
 
         NOTE: the title is a one-line widget, not the border title: setting a border
         title repaints the whole pane, which with a few panes streaming cost the engine
@@ -135,25 +150,47 @@ class ConversationPane(Vertical):
             return
         self._title_dirty = False
         self._title_at = now
-        state = self.state_detail or self.state
-        if self.state == "prefill" and self._prefill is not None and not self.state_detail:
-            state = f"prefill {self._prefill[0]:,} / {self._prefill[1]:,}"
-        parts = [f"#{self.number} {state}"]
-        if self.ttft is not None:
-            parts.append(f"TTFT {self.ttft:.2f}s")
-        if self.tokens_per_s is not None:
-            parts.append(f"{self.tokens_per_s:.1f} tok/s")
-        if self._tokens:
-            parts.append(f"{self._tokens} tok")
-        if self.max_len and self.context_tokens:
-            parts.append(f"ctx {self.context_tokens:,} / {self.max_len:,} tok")
-        title = " · ".join(parts)
+        title = fit_title(self._title_forms(), self.title_bar.content_region.width)
         if title != self.title_text:
             self.title_text = title
-            self.title_bar.update(title)
+            self.title_bar.update(title, layout=False)  # one line, whatever it says
         subtitle = self.conversation.settings.summary()
         if subtitle != str(self.border_subtitle or ""):
             self.border_subtitle = Content(subtitle)
+
+    def _title_forms(self) -> list[str]:
+        """The title from fullest to most condensed (`fit_title` takes the first that fits):
+        the state and the context figure are dropped last."""
+        state = short = self.state_detail or self.state
+        if self.state == "prefill" and self._prefill is not None and not self.state_detail:
+            done, total = self._prefill
+            state = f"prefill {done:,} / {total:,}"
+            short = f"prefill {_k(done)}/{_k(total)}"
+        head = f"#{self.number} {state}"
+        ttft = f"TTFT {self.ttft:.2f}s" if self.ttft is not None else ""
+        rate = self.tokens_per_s
+        speed = f"{rate:.1f} tok/s" if rate is not None else ""
+        count = f"{self._tokens} tok" if self._tokens else ""
+        has_ctx = bool(self.max_len and self.context_tokens)
+        ctx = f"ctx {self.context_tokens:,} / {self.max_len:,} tok" if has_ctx else ""
+        ctx_short = f"{_k(self.context_tokens)}/{_k(self.max_len)}" if has_ctx else ""
+        head_short = f"#{self.number} {short}"
+        speed_short = f"{rate:.0f} t/s" if rate is not None else ""
+
+        def join(sep: str, *parts: str) -> str:
+            return sep.join(p for p in parts if p)
+
+        return [
+            join(" · ", head, ttft, speed, count, ctx),
+            join(" · ", head, speed, count, ctx),
+            join(" · ", head, speed, ctx),
+            join(" · ", head, ctx),
+            join(" ", head_short, speed_short, ctx_short),
+            join(" ", head_short, ctx_short),
+        ]
+
+    def on_resize(self) -> None:
+        self.refresh_title(force=True)  # a narrower pane may need a shorter title
 
     def renumber(self, number: int) -> None:
         self.number = number
@@ -202,14 +239,14 @@ class ConversationPane(Vertical):
         if self.state in ("queued", "prefill") and self._first_at is None and not started:
             self.set_state("queued" if queued else "prefill")
 
-    def feed(self, text: str, num_tokens: int, first_at: float, last_at: float) -> None:
-        """Buffer streamed text; `flush()` renders it (at most ~30 times a second)."""
+    def feed(self, text: str, num_tokens: int, at: float) -> None:
+        """Buffer streamed text; `flush()` renders it (FLUSH_HZ times a second at most)."""
         if self._reply is None:
             return
         if num_tokens or text:
             if self._first_at is None:
-                self._first_at = first_at
-            self._last_at = last_at
+                self._first_at = at  # the engine's time of the first token (see DeltaBatch)
+            self._last_at = at
             self._tokens += num_tokens
             self._title_dirty = True
             if self.state != "streaming":

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import time
+
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
+from textual.timer import Timer
 from textual.widgets import Sparkline, Static
 
 from minivllm.outputs import EngineStats
 
 from ..stats import Rates, cache_line, compact_lines, kv_line, queue_line, throughput_line
+from .message import set_growing_text
 
+SPARK_PERIOD = 1.0  # seconds between sparkline redraws
 COMPACT_BELOW = 120  # columns: narrower, the panel condenses and the sparkline goes
 
 
@@ -24,6 +29,8 @@ class StatsPanel(Horizontal):
         self.spark_label = Static("", markup=False, id="stats-spark-label")
         self.lines: list[str] = []
         self._last: tuple[EngineStats, Rates, list[float]] | None = None
+        self._spark_at = 0.0
+        self._spark_timer: Timer | None = None
 
     def compose(self) -> ComposeResult:
         yield self.text
@@ -49,7 +56,22 @@ class StatsPanel(Horizontal):
         else:
             self.lines = [kv_line(stats) + "   " + queue_line(stats), throughput_line(rates),
                           cache_line(stats)]
-        self.text.update("\n".join(self.lines))
-        self.spark.data = spark or [0.0]
+        set_growing_text(self.text, "\n".join(self.lines))  # no layout while it fits
+        # NOTE: the sparkline is the panel's dearest widget to render: once a second is
+        # enough for a minute of history (a skipped redraw happens when the second is up).
+        wait = SPARK_PERIOD - (time.monotonic() - self._spark_at)
+        if wait <= 0 or not self.spark.data:
+            self._draw_spark()
+        elif self._spark_timer is None:
+            self._spark_timer = self.set_timer(wait, self._draw_spark)
+
+    def _draw_spark(self) -> None:
+        self._spark_timer = None
+        self._spark_at = time.monotonic()
+        spark = self._last[2] if self._last is not None else []
+        data = spark or [0.0]
+        if list(self.spark.data or ()) != data:
+            self.spark.data = data
         peak = max(spark) if spark else 0.0
-        self.spark_label.update(f"Generation tok/s, last 60 s (peak {peak:,.1f})")
+        self.spark_label.update(f"Generation tok/s, last 60 s (peak {peak:,.1f})",
+                                layout=False)

@@ -1,0 +1,43 @@
+"""The inner step decode and prefill attention share: one KV tile gathered through the
+block table, folded into a running (online) softmax. Device code only (no kernel here)."""
+
+from __future__ import annotations
+
+from minivllm.kernels.dispatch import tl, triton
+
+LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: scale * log2(e), exp2
+
+
+@triton.jit
+def attend_kv_tile(
+    q,  # [ROWS, HEAD_DIM] in the cache's dtype
+    m,  # [ROWS] running max (base 2)
+    l_sum,  # [ROWS] running sum of exp2(s - m)
+    acc,  # [ROWS, HEAD_DIM] fp32, unnormalised
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table,  # this sequence's row of the block table
+    offs,  # [BLOCK_N] context positions of the tile
+    valid,  # [BLOCK_N] positions that exist (loads are masked with it)
+    visible,  # [ROWS, BLOCK_N] which key each row may see
+    head_offset,  # [1, HEAD_DIM]: kv_head * HEAD_DIM + dims
+    qk_scale,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    page = tl.load(block_table + offs // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    # NOTE: int64: a layer's pool can exceed 2**31 elements.
+    slot = page * BLOCK_SIZE + offs % BLOCK_SIZE  # [BLOCK_N]
+    kv_offsets = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset
+    k = tl.load(k_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(visible, s, float("-inf"))  # [ROWS, BLOCK_N]
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_sum, acc
