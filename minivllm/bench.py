@@ -212,14 +212,9 @@ def bench_latency(args: argparse.Namespace) -> list[Row]:
     ttfts = []
     for i in range(args.ttft_repeats):
         prompt = [rng.randrange(vocab) for _ in range(args.ttft_prompt_len)]
-        sync(llm)
-        start = time.perf_counter()
-        llm.add_prompt(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-        while not llm.scheduler.is_finished():
-            llm.step()
-        sync(llm)
+        seconds = one_token(llm, prompt)
         if i > 0:  # the first one warms up this shape
-            ttfts.append(time.perf_counter() - start)
+            ttfts.append(seconds)
     rows.append(
         Row(
             "TTFT",
