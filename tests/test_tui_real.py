@@ -125,6 +125,9 @@ def test_plain_mode_through_a_pipe_on_the_real_model(tmp_path, engine):
          "--max-model-length", "512", "--temperature", "0", "--max-tokens", "16"],
         input="What is the capital of France?\n/stats\n", capture_output=True, text=True,
         env=env, timeout=600,
+        # As a user runs it: from outside the clone, whose `kernels` folder would shadow
+        # the `kernels` package transformers imports (`python -m` puts the cwd first).
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     reply, _, stats = proc.stdout.partition("KV cache [")
