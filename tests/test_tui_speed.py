@@ -120,6 +120,27 @@ def test_engine_process_death_fails_live_requests_with_a_reason():
         client.close()
 
 
+def test_engine_process_reports_prefill_progress():
+    """A pane's title shows a long prompt's prefill progress: the child sends it with its
+    stats (here a scripted engine that holds every request before its first token)."""
+    client = ProcessClient(EngineSpec("fake", {}, {"hold_at": 0}))
+    client.start()
+    try:
+        got = Collector()
+        client.add_request(GenerateRequest("p", SamplingParams(), prompt="a long prompt"),
+                           got.callback("p"))
+        deadline = time.monotonic() + 30
+        while client.prompt_progress("p") is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        done, total = client.prompt_progress("p")
+        assert done == 0 and total > 0
+        client.abort("p")
+        assert got.wait("p")[-1].finish_reason == "abort"
+        assert client.prompt_progress("unknown") is None
+    finally:
+        client.close()
+
+
 def test_engine_process_load_failure_raises_the_childs_error():
     client = ProcessClient(EngineSpec("llm", {"model_name_or_path": "/nonexistent/model",
                                               "device": "cpu"}))

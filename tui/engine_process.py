@@ -102,6 +102,7 @@ class _Child:
         self.wake = threading.Event()
         self.stopping = False
         self.frontend: EngineFrontend | None = None
+        self.live: set[str] = set()  # requests whose prefill progress the parent may show
 
     def send(self, message: tuple[Any, ...]) -> None:
         with self.send_lock:
@@ -110,6 +111,8 @@ class _Child:
     def on_output(self, out: RequestOutput) -> None:
         with self.lock:
             self.outbox.append(out)
+            if out.finished or out.token_ids:
+                self.live.discard(out.request_id)  # prefill is over
         if out.accepted or out.finished or out.rejected:
             self.wake.set()  # TTFT and the end go out at once; the rest in batches
 
@@ -122,13 +125,17 @@ class _Child:
                 batch, self.outbox = self.outbox, []
             frontend = self.frontend
             now = time.monotonic()
-            stats = None
+            stats = progress = None
             if frontend is not None and now >= next_stats:
                 stats = frontend.stats()
+                with self.lock:
+                    prefilling = list(self.live)
+                progress = {rid: frontend.prompt_progress(rid) for rid in prefilling}
                 next_stats = now + STATS_PERIOD
             if batch or stats is not None:
                 try:
-                    self.send(("out", batch, stats, frontend.error if frontend else None))
+                    self.send(("out", batch, stats, progress,
+                               frontend.error if frontend else None))
                 except (OSError, EOFError, BrokenPipeError):
                     return  # the parent is gone
             if self.stopping and not batch:
@@ -164,6 +171,8 @@ def _child_main(conn: Any, spec: EngineSpec) -> None:
                 break  # the parent died: stop
             what = message[0]
             if what == "add":
+                with child.lock:
+                    child.live.add(message[1].request_id)
                 frontend.add_request(message[1], child.on_output)
             elif what == "abort":
                 frontend.abort(message[1])
@@ -194,6 +203,7 @@ class ProcessClient:
         self._start_timeout = start_timeout
         self._info: EngineInfo | None = None
         self._stats: EngineStats | None = None
+        self._progress: dict[str, tuple[int, int] | None] = {}
         self._error: str | None = None
         self._callbacks: dict[str, OutputCallback] = {}
         self._lock = threading.Lock()
@@ -231,7 +241,12 @@ class ProcessClient:
                     self.close()
                     raise RuntimeError("the engine process did not start in time")
                 continue
-            message = self._conn.recv()
+            try:
+                message = self._conn.recv()
+            except EOFError:
+                self._proc.join(5)
+                raise RuntimeError(f"the engine process exited with status "
+                                   f"{self._proc.exitcode} while loading") from None
             if message[0] == "progress" and on_progress is not None:
                 on_progress(message[1], message[2])
             elif message[0] == "failed":
@@ -276,6 +291,11 @@ class ProcessClient:
     def stats(self) -> EngineStats | None:
         return self._stats
 
+    def prompt_progress(self, request_id: str) -> tuple[int, int] | None:
+        """(prompt tokens computed, prompt tokens) of a request still in prefill, as of the
+        child's last stats message (a long paste's progress in its pane's title)."""
+        return self._progress.get(request_id)
+
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         return stream_outputs(self, request)
 
@@ -316,9 +336,10 @@ class ProcessClient:
                 self._error = f"bad message from the engine process: {exc}"
                 break
             if message[0] == "out":
-                _, batch, stats, error = message
+                _, batch, stats, progress, error = message
                 if stats is not None:
                     self._stats = stats
+                    self._progress = progress or {}
                 self._deliver(batch)
                 if error is not None:
                     self._error = error
