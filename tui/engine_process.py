@@ -17,8 +17,10 @@ and sends the engine's tokenizer (when it pickles) so the app can count prompt t
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import pickle
+import signal
 import threading
 import time
 import traceback
@@ -146,6 +148,9 @@ class _Child:
 
 
 def _child_main(conn: Any, spec: EngineSpec) -> None:
+    # NOTE: Ctrl-C in a terminal signals the whole process group; it is the parent's to
+    # handle (stop a reply), and the child ends when the parent says so or goes away.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     child = _Child(conn)
     try:
         engine = build_engine(spec, lambda stage, fraction: child.send(
@@ -227,10 +232,15 @@ class ProcessClient:
             raise RuntimeError("ProcessClient.start() was already called")
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
+        # NOTE: not a daemon: a tensor-parallel engine starts processes of its own. The
+        # child exits when the pipe closes, so it does not outlive the app.
         self._proc = ctx.Process(target=_child_main, args=(child_conn, self.spec),
-                                 name="minivllm-engine", daemon=True)
+                                 name="minivllm-engine")
         self._proc.start()
         child_conn.close()
+        # multiprocessing joins live non-daemon children at exit: close ours first (atexit
+        # runs handlers last-registered first) so an app that did not close it still exits.
+        atexit.register(self.close, 5.0)
         deadline = time.monotonic() + self._start_timeout
         while True:
             if not self._conn.poll(0.2):
@@ -314,6 +324,7 @@ class ProcessClient:
         self._closed = True
         if self._proc is None:
             return
+        atexit.unregister(self.close)
         self._send(("quit",))
         self._proc.join(timeout)
         if self._proc.is_alive():
