@@ -9,6 +9,7 @@ import argparse
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 
@@ -108,7 +109,8 @@ def test_engine_process_death_fails_live_requests_with_a_reason():
         deadline = time.monotonic() + 30
         while not any(o.token_ids for o in got.outputs["r"]) and time.monotonic() < deadline:
             time.sleep(0.02)
-        os.kill(client._proc.pid, signal.SIGKILL)
+        pid = client._proc.pid
+        os.kill(pid, signal.SIGKILL)
         outs = got.wait("r")
         assert outs[-1].finish_reason == "error" and "engine process exited" in outs[-1].error
         assert client.error is not None
@@ -118,6 +120,9 @@ def test_engine_process_death_fails_live_requests_with_a_reason():
         assert late.wait("late")[0].rejected
     finally:
         client.close()
+    log = os.path.join(tempfile.gettempdir(), f"minivllm-engine-{pid}.log")
+    if os.path.exists(log):  # a killed child leaves its (empty) log behind
+        os.remove(log)
 
 
 def test_engine_process_reports_prefill_progress():
@@ -171,7 +176,7 @@ async def test_app_chats_through_an_engine_process(tmp_path):
     app = create_app(engine_factory=lambda on_progress: client, model="fake",
                      data_root=tmp_path / "d")
     async with app.run_test(size=SIZE) as pilot:
-        await wait_ready(pilot)
+        await wait_ready(pilot, 180)  # the child imports torch: slow on a busy machine
         await type_and_send(pilot, 0, "hello")
         await wait_until(pilot, lambda: app.panes[0].tokens > 0)
         await wait_idle(pilot)

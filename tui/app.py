@@ -623,6 +623,7 @@ class ChatApp(App):
             await self._finish(pane, msg.request_id, "error", msg.error)
 
     async def on_delta_batch(self, msg: DeltaBatch) -> None:
+        ends = []
         for d in msg.deltas:
             request_id = int(d.request_id)
             pane = self._requests.get(request_id)
@@ -631,7 +632,9 @@ class ChatApp(App):
             pane.feed(d.text, len(d.token_ids), d.at or msg.at)
             if d.finished:
                 status = FINISH_TO_STATUS.get(d.finish_reason, "done")
-                await self._finish(pane, request_id, status, d.error)
+                ends.append(self._finish(pane, request_id, status, d.error))
+        # Replies that end together render their Markdown together (one wait, not one each).
+        await asyncio.gather(*ends)
 
     async def _finish(self, pane: ConversationPane, request_id: int, status: Status,
                       error: str | None = None) -> None:

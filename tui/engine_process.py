@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing as mp
+import os
 import pickle
 import signal
+import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -151,6 +154,12 @@ def _child_main(conn: Any, spec: EngineSpec) -> None:
     # NOTE: Ctrl-C in a terminal signals the whole process group; it is the parent's to
     # handle (stop a reply), and the child ends when the parent says so or goes away.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The parent's screen is the terminal: the child's own output (warnings, a consumer's
+    # traceback) goes to a log file instead of over it.
+    log = os.path.join(tempfile.gettempdir(), f"minivllm-engine-{os.getpid()}.log")
+    with open(log, "ab") as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
     child = _Child(conn)
     try:
         engine = build_engine(spec, lambda stage, fraction: child.send(
@@ -193,6 +202,8 @@ def _child_main(conn: Any, spec: EngineSpec) -> None:
         child.stopping = True
         child.wake.set()
         sender.join(5)
+        if os.path.getsize(log) == 0:  # nothing to read
+            os.remove(log)
 
 
 # -- the parent --------------------------------------------------------------------------
@@ -236,7 +247,14 @@ class ProcessClient:
         # child exits when the pipe closes, so it does not outlive the app.
         self._proc = ctx.Process(target=_child_main, args=(child_conn, self.spec),
                                  name="minivllm-engine")
-        self._proc.start()
+        # NOTE: multiprocessing passes sys.stderr's descriptor to the helper processes it
+        # starts; inside a Textual app sys.stderr is a capture object without a real one.
+        saved = sys.stdout, sys.stderr
+        sys.stdout, sys.stderr = sys.__stdout__ or saved[0], sys.__stderr__ or saved[1]
+        try:
+            self._proc.start()
+        finally:
+            sys.stdout, sys.stderr = saved
         child_conn.close()
         # multiprocessing joins live non-daemon children at exit: close ours first (atexit
         # runs handlers last-registered first) so an app that did not close it still exits.
