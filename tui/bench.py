@@ -1,16 +1,26 @@
 """Does the chat app slow the engine down? N panes streaming vs the same load headless.
 
     minivllm-chat --bench [--model M] [--panes 4] [--max-tokens 128] [--rounds 2]
+                          [--engine real|gpu-like] [--engine-process off|on|both]
 
-One engine in one process; rounds alternate headless, app, headless, app, ..., headless,
-so a machine whose load drifts (a shared CI box) biases neither side. A headless round
-sends the requests through the app's engine loop (`EngineFrontend`, its own thread) with
-no UI; an app round drives every pane of the real app through Textual's headless driver
-at 160x48, rendering as it streams, with the engine on the same kind of loop. Same
-greedy requests (the panes' templated prompts) after an untimed warm-up of each. Prints
-generation tok/s of every round and app / headless (the app rounds' mean over the
-headless rounds' mean), and the UI thread's CPU time per generated token (steadier than
-tok/s on a shared machine).
+Rounds alternate headless, app, headless, app, ..., headless, so a machine whose load
+drifts (a shared CI box) biases neither side. A headless round sends the requests through
+the app's engine loop (`EngineFrontend`, its own thread) with no UI; an app round drives
+every pane of the real app through Textual's headless driver at 160x48, rendering as it
+streams. Same greedy requests (the panes' templated prompts) after an untimed warm-up of
+each. Prints generation tok/s of every round and two ratios (the app rounds' mean over the
+headless rounds' mean): until every pane is idle (the replies rendered as Markdown), and
+engine side, until the engine produced the last token (what the app costs the engine);
+and the UI thread's CPU time per generated token (steadier than tok/s on a shared machine).
+
+`--engine gpu-like` measures the GPU case on a CPU: a stand-in engine
+(`fake_engine.GpuLikeEngine`) whose step holds the GIL `--host-ms` (0.3) and then waits
+`--device-ms` (1.0) with it released, as a CUDA sync does, ~3,000 tok/s with 4 panes.
+
+`--engine-process on` runs the engine in a child process (`engine_process.ProcessClient`,
+what `minivllm-chat --engine-process` does); headless rounds then run in the child, on its
+engine, with no UI. `both` interleaves app rounds of both kinds over one headless baseline
+(two engines: not on one GPU).
 
 A model without tokenizer files (`--load-format dummy` on a known config such as
 Qwen/Qwen3-0.6B, as on the GPU machine) gets `BenchTokenizer`: the app needs text, and
