@@ -267,3 +267,26 @@ def test_bench_rejects_bad_counts(capsys):
     assert bench_main(["--engine", "gpu-like", "--panes", "0"]) == 1
     assert "--panes=0" in capsys.readouterr().out
 
+
+
+def test_engine_process_merges_each_requests_outputs_but_not_its_first_tokens():
+    from minivllm.tui.engine_process import merge_batch
+
+    from minivllm.frontend import RequestOutput as Out
+
+    waiting: set[str] = set()
+    batch = [Out("a", accepted=True, at=1.0), Out("b", "x", [1], at=1.1),
+             Out("a", "h", [5], at=1.2), Out("a", "i", [6], at=1.3),
+             Out("b", "y", [2], finished=True, finish_reason="stop", at=1.4)]
+    got = merge_batch(batch, waiting)
+    got.sort(key=lambda o: o.request_id)  # stable: each request's order is kept
+    assert [(o.request_id, o.text, o.token_ids, o.at) for o in got] == [
+        ("a", "", [], 1.0), ("a", "h", [5], 1.2), ("a", "i", [6], 1.3),
+        ("b", "xy", [1, 2], 1.4)]
+    assert got[-1].finished and not waiting
+    # Accepted in one batch, first tokens in the next: those stay on their own too.
+    assert merge_batch([Out("c", accepted=True, at=2.0)], waiting)[0].accepted
+    later = merge_batch([Out("c", "p", [7], at=2.1), Out("c", "q", [8], at=2.2)], waiting)
+    assert [(o.text, o.at) for o in later] == [("p", 2.1), ("q", 2.2)]
+    again = merge_batch([Out("c", "r", [9], at=2.3), Out("c", "s", [10], at=2.4)], waiting)
+    assert [(o.text, o.token_ids, o.at) for o in again] == [("rs", [9, 10], 2.4)]

@@ -37,6 +37,7 @@ from minivllm.frontend import (
     EngineInfo,
     GenerateRequest,
     RequestOutput,
+    merge_outputs,
     stream_outputs,
 )
 from minivllm.frontend.protocol import OutputCallback, ProgressFn
@@ -108,6 +109,7 @@ class _Child:
         self.stopping = False
         self.frontend: EngineFrontend | None = None
         self.live: set[str] = set()  # requests whose prefill progress the parent may show
+        self.waiting: set[str] = set()  # accepted, no tokens sent yet (see merge_batch)
 
     def send(self, message: tuple[Any, ...]) -> None:
         with self.send_lock:
@@ -128,6 +130,7 @@ class _Child:
             self.wake.clear()
             with self.lock:
                 batch, self.outbox = self.outbox, []
+            batch = merge_batch(batch, self.waiting)
             frontend = self.frontend
             now = time.monotonic()
             stats = progress = None
@@ -148,6 +151,30 @@ class _Child:
             # NOTE: a short pause even when woken early, so a burst of first tokens is one
             # batch, not one message each.
             time.sleep(1 / (4 * BATCH_HZ))
+
+
+def merge_batch(batch: list[RequestOutput], waiting: set[str]) -> list[RequestOutput]:
+    """Each request's outputs in `batch` merged into one (`merge_outputs`), except that an
+    acceptance and a request's first tokens stay outputs of their own, so the pane's TTFT
+    is the engine's time of the first token. `waiting`: requests accepted without tokens
+    yet (kept across batches, updated here)."""
+    heads: list[RequestOutput] = []
+    groups: dict[str, list[RequestOutput]] = {}
+    for out in batch:
+        if out.accepted and not (out.token_ids or out.text or out.finished):
+            heads.append(out)
+            waiting.add(out.request_id)
+            continue
+        groups.setdefault(out.request_id, []).append(out)
+    merged = heads
+    for request_id, group in groups.items():
+        if request_id in waiting:
+            waiting.discard(request_id)
+            merged.append(group[0])
+            group = group[1:]
+        if group:
+            merged.append(merge_outputs(group))
+    return merged
 
 
 def _child_main(conn: Any, spec: EngineSpec) -> None:
