@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .cli import add_engine_arguments, engine_config
+from .cli import add_engine_arguments, build_engine
 from .launch import launch_server
 
 
@@ -58,6 +58,10 @@ class Result:
     concurrency: int
     wall_s: float
     traces: list[Trace]
+    # CPU seconds the serving process spent: on its event loop thread, on the others
+    # (the engine's); nan where not measured.
+    loop_cpu_s: float = float("nan")
+    engine_cpu_s: float = float("nan")
 
     @property
     def tokens(self) -> int:
@@ -84,10 +88,38 @@ def workload(n: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
 # -- server -----------------------------------------------------------------------------------
 
 
-def start_server(args: argparse.Namespace, argv: list[str]) -> tuple[subprocess.Popen, str]:
-    log = Path(tempfile.gettempdir()) / f"minivllm-bench-serve-{os.getpid()}.log"
+def start_server(args: argparse.Namespace, argv: list[str], checkout: str | None = None
+                 ) -> tuple[subprocess.Popen, str]:
+    """`minivllm serve` with our engine flags; from `checkout` (another clone of the
+    repository, imported first) when given, for a before/after comparison."""
+    tag = f"-{Path(checkout).name}" if checkout else ""
+    log = Path(tempfile.gettempdir()) / f"minivllm-bench-serve-{os.getpid()}{tag}.log"
+    env = None
+    if checkout:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(Path(checkout).resolve()), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
     return launch_server(["--served-model-name", "bench", *argv], log,
-                         timeout=args.start_timeout)
+                         timeout=args.start_timeout, env=env)
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """(CPU seconds of the process's main thread, of all its other threads) from /proc:
+    the server's event loop runs on its main thread, the engine on another. (nan, nan)
+    where /proc is missing."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    main = other = 0.0
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            used = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+            if int(task) == pid:
+                main += used
+            else:
+                other += used
+    except OSError:
+        return float("nan"), float("nan")
+    return main, other
 
 
 async def _http_request(client: Any, prompt: list[int], max_tokens: int) -> Trace:
@@ -173,82 +205,124 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--modes", nargs="+", default=["server", "frontend", "engine"],
                    choices=["server", "frontend", "engine"])
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat every measurement; the table shows the median round")
+    p.add_argument("--baseline", metavar="CHECKOUT",
+                   help="also serve from this other clone of the repository (imported "
+                   "first), interleaved with this one: mode 'baseline' (stand-in engines "
+                   "only: two servers run at once)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     add_engine_arguments(p)
     return p
 
 
+_OWN_FLAGS = {"--concurrency", "--prompt-len", "--output-len", "--modes", "--start-timeout",
+              "--rounds", "--baseline"}
+
+
 def _engine_argv(argv: list[str]) -> list[str]:
     """The engine flags of our command line, passed on to `minivllm serve` as given."""
-    own = {"--concurrency", "--prompt-len", "--output-len", "--modes", "--start-timeout"}
     out, skip = [], False
     for arg in argv:
         if arg.startswith("--"):
-            skip = arg.split("=", 1)[0] in own
+            skip = arg.split("=", 1)[0] in _OWN_FLAGS
         if not skip:
             out.append(arg)
     return out
 
 
+def _measure_http(mode: str, proc: subprocess.Popen, url: str, prompts: list[list[int]],
+                  max_tokens: int) -> Result:
+    before = cpu_seconds(proc.pid)
+    wall, traces = asyncio.run(run_http(url, prompts, max_tokens))
+    after = cpu_seconds(proc.pid)
+    return Result(mode, len(prompts), wall, traces, after[0] - before[0],
+                  after[1] - before[1])
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.baseline and not args.stand_in_ms:
+        print("minivllm bench serve: --baseline needs --stand-in-ms (two servers at once)",
+              file=sys.stderr)
+        return 1
     results: list[Result] = []
     vocab = 10000
     prompts = {n: workload(n, args.prompt_len, vocab, seed=n) for n in args.concurrency}
     warm = workload(2, args.prompt_len, vocab, seed=12345)
     if "server" in args.modes:
-        proc, url = start_server(args, _engine_argv(argv))
+        servers: dict[str, tuple[subprocess.Popen, str]] = {}
         try:
-            asyncio.run(run_http(url, warm, 4))
-            for n in args.concurrency:
-                wall, traces = asyncio.run(run_http(url, prompts[n], args.output_len))
-                results.append(Result("server", n, wall, traces))
-                print_row(results[-1], results)
+            servers["server"] = start_server(args, _engine_argv(argv))
+            if args.baseline:
+                servers["baseline"] = start_server(args, _engine_argv(argv), args.baseline)
+            for _, url in servers.values():
+                asyncio.run(run_http(url, warm, 4))
+            for _ in range(args.rounds):
+                for n in args.concurrency:
+                    for mode, (proc, url) in servers.items():
+                        results.append(_measure_http(mode, proc, url, prompts[n],
+                                                     args.output_len))
+                        print_row(results[-1], results)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
+            for proc, _ in servers.values():
+                proc.send_signal(signal.SIGTERM)
+            for proc, _ in servers.values():
+                proc.wait(60)
     if "frontend" in args.modes or "engine" in args.modes:
-        from minivllm import LLMEngine
         from minivllm.frontend import EngineFrontend
 
-        llm = LLMEngine(engine_config(args))
+        llm = build_engine(args)
         try:
             run_engine(llm, warm, 4)
-            for n in args.concurrency:
-                if "engine" in args.modes:
-                    wall, traces = run_engine(llm, prompts[n], args.output_len)
-                    results.append(Result("engine", n, wall, traces))
-                    print_row(results[-1], results)
-                if "frontend" in args.modes:
-                    frontend = EngineFrontend(llm, owns_engine=False)
-                    frontend.start()
-                    try:
-                        wall, traces = asyncio.run(run_frontend(frontend, prompts[n],
-                                                                args.output_len))
-                    finally:
-                        frontend.close()
-                    results.append(Result("frontend", n, wall, traces))
-                    print_row(results[-1], results)
+            for _ in range(args.rounds):
+                for n in args.concurrency:
+                    if "engine" in args.modes:
+                        cpu = time.process_time()
+                        wall, traces = run_engine(llm, prompts[n], args.output_len)
+                        results.append(Result("engine", n, wall, traces, float("nan"),
+                                              time.process_time() - cpu))
+                        print_row(results[-1], results)
+                    if "frontend" in args.modes:
+                        frontend = EngineFrontend(llm, owns_engine=False)
+                        frontend.start()
+                        try:
+                            wall, traces = asyncio.run(run_frontend(frontend, prompts[n],
+                                                                    args.output_len))
+                        finally:
+                            frontend.close()
+                        results.append(Result("frontend", n, wall, traces))
+                        print_row(results[-1], results)
         finally:
             llm.exit()
     print_table(results)
     return 0
 
 
+MODES = ("server", "baseline", "frontend", "engine")
 HEADER = (f"{'mode':<9} {'N':>3} {'out tok/s':>10} {'vs engine':>9} {'TTFT p50':>9} "
-          f"{'p90':>8} {'p99':>8} {'ITL p50':>8} {'p90':>8} {'p99':>8}  (ms)")
+          f"{'p90':>8} {'p99':>8} {'ITL p50':>8} {'p90':>8} {'p99':>8} "
+          f"{'loop us/tok':>11} {'engine us/tok':>13}")
+
+
+def _median(results: list[Result], mode: str, n: int) -> Result | None:
+    """The round with the median tok/s for this mode and concurrency."""
+    rs = sorted((r for r in results if r.mode == mode and r.concurrency == n),
+                key=lambda r: r.tok_s)
+    return rs[(len(rs) - 1) // 2] if rs else None
 
 
 def _fmt(r: Result, results: list[Result]) -> str:
-    base = next((b for b in results if b.mode == "engine" and b.concurrency == r.concurrency),
-                None)
+    base = _median(results, "engine", r.concurrency)
     ratio = f"{r.tok_s / base.tok_s:8.0%}" if base is not None else f"{'':>8}"
     ttft = [t.ttft() * 1e3 for t in r.traces]
     itl = [x * 1e3 for t in r.traces for x in t.itls()]
+    per_tok = 1e6 / max(1, r.tokens)
     return (f"{r.mode:<9} {r.concurrency:>3} {r.tok_s:>10.1f} {ratio:>9} "
             f"{pct(ttft, 50):>9.1f} {pct(ttft, 90):>8.1f} {pct(ttft, 99):>8.1f} "
-            f"{pct(itl, 50):>8.1f} {pct(itl, 90):>8.1f} {pct(itl, 99):>8.1f}")
+            f"{pct(itl, 50):>8.1f} {pct(itl, 90):>8.1f} {pct(itl, 99):>8.1f} "
+            f"{r.loop_cpu_s * per_tok:>11.1f} {r.engine_cpu_s * per_tok:>13.1f}")
 
 
 def print_row(r: Result, results: list[Result]) -> None:
@@ -256,15 +330,23 @@ def print_row(r: Result, results: list[Result]) -> None:
 
 
 def print_table(results: list[Result]) -> None:
-    print("\nbench serve: output tok/s, TTFT and inter-token latency (ms) per concurrency")
+    rounds = max((sum(1 for x in results if x.mode == r.mode and x.concurrency == r.concurrency)
+                  for r in results), default=1)
+    print("\nbench serve: output tok/s, TTFT and inter-token latency (ms) per concurrency"
+          + (f" (median of {rounds} rounds)" if rounds > 1 else ""))
+    print("CPU per output token: the server's event loop thread and its other threads "
+          "(engine); for 'engine', the whole process")
     print(HEADER)
-    for n in sorted({r.concurrency for r in results}):
-        for r in results:
-            if r.concurrency == n:
+    concurrencies = sorted({r.concurrency for r in results})
+    for n in concurrencies:
+        for mode in MODES:
+            r = _median(results, mode, n)
+            if r is not None:
                 print(_fmt(r, results))
-    for n in sorted({r.concurrency for r in results}):
-        s = [r for r in results if r.mode == "server" and r.concurrency == n]
-        for mode in ("frontend", "engine"):
-            b = [r for r in results if r.mode == mode and r.concurrency == n]
-            if s and b:
-                print(f"server / in-process {mode} at N={n}: {s[0].tok_s / b[0].tok_s:.0%}")
+    for n in concurrencies:
+        for served in ("server", "baseline"):
+            s = _median(results, served, n)
+            for mode in ("frontend", "engine"):
+                b = _median(results, mode, n)
+                if s is not None and b is not None:
+                    print(f"{served} / in-process {mode} at N={n}: {s.tok_s / b.tok_s:.0%}")

@@ -45,6 +45,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="end-of-sequence id (repeatable; default: the model's)")
     p.add_argument("--max-num-batch-tokens", type=int,
                    help="warm-up batch for memory profiling (default: --max-num-batched-tokens)")
+    p.add_argument("--stand-in-ms", type=float, nargs=2, metavar=("HOST", "DEVICE"),
+                   help="benchmarks only: no model; each step costs HOST ms of Python and "
+                   "DEVICE ms of GIL-free waiting (e.g. 0.3 1.4 is an H200's decode step)")
 
 
 ENGINE_KEYS = ("max_model_length", "max_num_sequences", "max_num_batched_tokens", "block_size",
@@ -60,6 +63,19 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
         if value is not None:
             config[key] = tuple(value) if key == "eos" else value
     return config
+
+
+def build_engine(args: argparse.Namespace, on_progress: Any = None) -> Any:
+    """The engine the flags ask for: the real one, or the benchmark's stand-in."""
+    if getattr(args, "stand_in_ms", None):
+        from .standin import stand_in_engine
+
+        host_ms, device_ms = args.stand_in_ms
+        return stand_in_engine(engine_config(args), host_ms=host_ms, device_ms=device_ms,
+                               on_progress=on_progress)
+    from minivllm import LLMEngine
+
+    return LLMEngine(engine_config(args), on_progress=on_progress)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,13 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port <= 65535:
         print(f"minivllm serve: --port {args.port}: must be in [0, 65535]", file=sys.stderr)
         return 1
-    from minivllm import LLMEngine
-
     from ..frontend import EngineFrontend
     from .api import build_app
 
     try:
-        engine = LLMEngine(engine_config(args), on_progress=_progress)
+        engine = build_engine(args, _progress)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
         print(f"minivllm serve: {exc}", file=sys.stderr)
         return 1

@@ -20,7 +20,8 @@ def free_port() -> int:
 
 
 def launch_server(argv: list[str], log_path: Path, *, cwd: Path | None = None,
-                  timeout: float = 240.0) -> tuple[subprocess.Popen, str]:
+                  timeout: float = 240.0, env: dict[str, str] | None = None
+                  ) -> tuple[subprocess.Popen, str]:
     """Run `minivllm serve <argv> --port P`; return the process and its base URL.
 
     The server's output goes to `log_path`, not a pipe: nobody reads it while the server
@@ -34,7 +35,7 @@ def launch_server(argv: list[str], log_path: Path, *, cwd: Path | None = None,
            *argv, "--port", str(port)]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
