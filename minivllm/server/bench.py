@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .cli import add_engine_arguments, build_engine
-from .launch import launch_server
+from .launch import descendants, launch_server
 
 
 @dataclass
@@ -58,10 +58,12 @@ class Result:
     concurrency: int
     wall_s: float
     traces: list[Trace]
-    # CPU seconds the serving process spent: on its event loop thread, on the others
-    # (the engine's); nan where not measured.
+    # CPU seconds the server spent: its event loop thread, its other threads (the engine
+    # thread, or the thread reading the engine process's outputs), its child processes
+    # (the engine process); nan where not measured.
     loop_cpu_s: float = float("nan")
-    engine_cpu_s: float = float("nan")
+    threads_cpu_s: float = float("nan")
+    children_cpu_s: float = float("nan")
 
     @property
     def tokens(self) -> int:
@@ -94,32 +96,44 @@ def start_server(args: argparse.Namespace, argv: list[str], checkout: str | None
     repository, imported first) when given, for a before/after comparison."""
     tag = f"-{Path(checkout).name}" if checkout else ""
     log = Path(tempfile.gettempdir()) / f"minivllm-bench-serve-{os.getpid()}{tag}.log"
-    env = None
+    env = cwd = None
     if checkout:
+        # `python -c` puts its working folder first on sys.path: run it in the checkout.
+        cwd = Path(checkout).resolve()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-            [str(Path(checkout).resolve()), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-    return launch_server(["--served-model-name", "bench", *argv], log,
+            [str(cwd), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    return launch_server(["--served-model-name", "bench", *argv], log, cwd=cwd,
                          timeout=args.start_timeout, env=env)
 
 
-def cpu_seconds(pid: int) -> tuple[float, float]:
-    """(CPU seconds of the process's main thread, of all its other threads) from /proc:
-    the server's event loop runs on its main thread, the engine on another. (nan, nan)
-    where /proc is missing."""
+def cpu_seconds(pid: int) -> tuple[float, float, float]:
+    """CPU seconds of the server's main thread (the event loop), its other threads, and
+    its child processes (the engine process, its workers) from /proc; nan without it."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    main = other = 0.0
+    main = other = children = 0.0
     try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+        pids = [pid, *descendants(pid)]
+    except OSError:
+        return float("nan"), float("nan"), float("nan")
+    for p in pids:
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{p}/task/{task}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
             used = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
             if int(task) == pid:
                 main += used
-            else:
+            elif p == pid:
                 other += used
-    except OSError:
-        return float("nan"), float("nan")
-    return main, other
+            else:
+                children += used
+    return main, other, children
 
 
 async def _http_request(client: Any, prompt: list[int], max_tokens: int) -> Trace:
@@ -236,8 +250,8 @@ def _measure_http(mode: str, proc: subprocess.Popen, url: str, prompts: list[lis
     before = cpu_seconds(proc.pid)
     wall, traces = asyncio.run(run_http(url, prompts, max_tokens))
     after = cpu_seconds(proc.pid)
-    return Result(mode, len(prompts), wall, traces, after[0] - before[0],
-                  after[1] - before[1])
+    return Result(mode, len(prompts), wall, traces,
+                  *(a - b for a, b in zip(after, before, strict=True)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                         cpu = time.process_time()
                         wall, traces = run_engine(llm, prompts[n], args.output_len)
                         results.append(Result("engine", n, wall, traces, float("nan"),
-                                              time.process_time() - cpu))
+                                              time.process_time() - cpu, 0.0))
                         print_row(results[-1], results)
                     if "frontend" in args.modes:
                         frontend = EngineFrontend(llm, owns_engine=False)
@@ -303,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
 MODES = ("server", "baseline", "frontend", "engine")
 HEADER = (f"{'mode':<9} {'N':>3} {'out tok/s':>10} {'vs engine':>9} {'TTFT p50':>9} "
           f"{'p90':>8} {'p99':>8} {'ITL p50':>8} {'p90':>8} {'p99':>8} "
-          f"{'loop us/tok':>11} {'engine us/tok':>13}")
+          f"{'CPU us/tok: loop':>16} {'threads':>7} {'children':>8}")
 
 
 def _median(results: list[Result], mode: str, n: int) -> Result | None:
@@ -322,7 +336,8 @@ def _fmt(r: Result, results: list[Result]) -> str:
     return (f"{r.mode:<9} {r.concurrency:>3} {r.tok_s:>10.1f} {ratio:>9} "
             f"{pct(ttft, 50):>9.1f} {pct(ttft, 90):>8.1f} {pct(ttft, 99):>8.1f} "
             f"{pct(itl, 50):>8.1f} {pct(itl, 90):>8.1f} {pct(itl, 99):>8.1f} "
-            f"{r.loop_cpu_s * per_tok:>11.1f} {r.engine_cpu_s * per_tok:>13.1f}")
+            f"{r.loop_cpu_s * per_tok:>16.1f} {r.threads_cpu_s * per_tok:>7.1f} "
+            f"{r.children_cpu_s * per_tok:>8.1f}")
 
 
 def print_row(r: Result, results: list[Result]) -> None:
@@ -334,8 +349,9 @@ def print_table(results: list[Result]) -> None:
                   for r in results), default=1)
     print("\nbench serve: output tok/s, TTFT and inter-token latency (ms) per concurrency"
           + (f" (median of {rounds} rounds)" if rounds > 1 else ""))
-    print("CPU per output token: the server's event loop thread and its other threads "
-          "(engine); for 'engine', the whole process")
+    print("CPU per output token (us): the server's event loop thread, its other threads "
+          "(the engine's, or the engine process's reader) and its child processes (the "
+          "engine process); for 'engine', the whole process")
     print(HEADER)
     concurrencies = sorted({r.concurrency for r in results})
     for n in concurrencies:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from typing import Any
 
@@ -92,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients pass as `model` (default: --model)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a child process, so HTTP work does not compete "
+                   "with it for the GIL (default: on)")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_arguments(p)
@@ -110,17 +114,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minivllm serve: --port {args.port}: must be in [0, 65535]", file=sys.stderr)
         return 1
     from ..frontend import EngineFrontend
+    from ..frontend.engine_process import SWITCH_INTERVAL_S, EngineProcessClient
     from .api import build_app
 
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # see its note
+
+    frontend: Any
     try:
-        engine = build_engine(args, _progress)
+        if args.engine_process:
+            frontend = EngineProcessClient(functools.partial(build_engine, args))
+            frontend.start(_progress)
+        else:
+            frontend = EngineFrontend(build_engine(args, _progress), owns_engine=True)
+            frontend.start()
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
         print(f"minivllm serve: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-    frontend = EngineFrontend(engine, owns_engine=True)
-    frontend.start()
     name = args.served_model_name or args.model
     app = build_app(frontend, model_name=name, api_key=args.api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
