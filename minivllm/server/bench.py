@@ -211,6 +211,9 @@ def run_engine(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[flo
 # -- main -------------------------------------------------------------------------------------
 
 
+SERVED_MODES = {"server": [], "server-thread": ["--no-engine-process"]}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minivllm bench serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -218,13 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--modes", nargs="+", default=["server", "frontend", "engine"],
-                   choices=["server", "frontend", "engine"])
+                   choices=[*SERVED_MODES, "frontend", "engine"],
+                   help="server: `minivllm serve` (engine in its own process); "
+                   "server-thread: the same with --no-engine-process; frontend: "
+                   "EngineFrontend in process; engine: the bare step loop")
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat every measurement; the table shows the median round")
     p.add_argument("--baseline", metavar="CHECKOUT",
                    help="also serve from this other clone of the repository (imported "
-                   "first), interleaved with this one: mode 'baseline' (stand-in engines "
-                   "only: two servers run at once)")
+                   "first): mode 'baseline' (with --stand-in-ms, interleaved)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     add_engine_arguments(p)
     return p
@@ -257,20 +262,23 @@ def _measure_http(mode: str, proc: subprocess.Popen, url: str, prompts: list[lis
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    if args.baseline and not args.stand_in_ms:
-        print("minivllm bench serve: --baseline needs --stand-in-ms (two servers at once)",
-              file=sys.stderr)
-        return 1
     results: list[Result] = []
     vocab = 10000
     prompts = {n: workload(n, args.prompt_len, vocab, seed=n) for n in args.concurrency}
     warm = workload(2, args.prompt_len, vocab, seed=12345)
-    if "server" in args.modes:
+    # Each served mode: (the checkout it runs from, extra `minivllm serve` flags).
+    served = {mode: (None, flags) for mode, flags in SERVED_MODES.items() if mode in args.modes}
+    if args.baseline:
+        served["baseline"] = (args.baseline, [])
+    # The stand-in holds no device memory: its servers run side by side, rounds
+    # interleaved. Real engines take turns (one KV pool fits the GPU at a time).
+    groups = [list(served)] if args.stand_in_ms else [[mode] for mode in served]
+    for group in groups:
         servers: dict[str, tuple[subprocess.Popen, str]] = {}
         try:
-            servers["server"] = start_server(args, _engine_argv(argv))
-            if args.baseline:
-                servers["baseline"] = start_server(args, _engine_argv(argv), args.baseline)
+            for mode in group:
+                checkout, flags = served[mode]
+                servers[mode] = start_server(args, [*_engine_argv(argv), *flags], checkout)
             for _, url in servers.values():
                 asyncio.run(run_http(url, warm, 4))
             for _ in range(args.rounds):
@@ -314,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-MODES = ("server", "baseline", "frontend", "engine")
-HEADER = (f"{'mode':<9} {'N':>3} {'out tok/s':>10} {'vs engine':>9} {'TTFT p50':>9} "
+MODES = (*SERVED_MODES, "baseline", "frontend", "engine")
+HEADER = (f"{'mode':<13} {'N':>3} {'out tok/s':>10} {'vs engine':>9} {'TTFT p50':>9} "
           f"{'p90':>8} {'p99':>8} {'ITL p50':>8} {'p90':>8} {'p99':>8} "
           f"{'CPU us/tok: loop':>16} {'threads':>7} {'children':>8}")
 
@@ -333,7 +341,7 @@ def _fmt(r: Result, results: list[Result]) -> str:
     ttft = [t.ttft() * 1e3 for t in r.traces]
     itl = [x * 1e3 for t in r.traces for x in t.itls()]
     per_tok = 1e6 / max(1, r.tokens)
-    return (f"{r.mode:<9} {r.concurrency:>3} {r.tok_s:>10.1f} {ratio:>9} "
+    return (f"{r.mode:<13} {r.concurrency:>3} {r.tok_s:>10.1f} {ratio:>9} "
             f"{pct(ttft, 50):>9.1f} {pct(ttft, 90):>8.1f} {pct(ttft, 99):>8.1f} "
             f"{pct(itl, 50):>8.1f} {pct(itl, 90):>8.1f} {pct(itl, 99):>8.1f} "
             f"{r.loop_cpu_s * per_tok:>16.1f} {r.threads_cpu_s * per_tok:>7.1f} "
@@ -360,7 +368,7 @@ def print_table(results: list[Result]) -> None:
             if r is not None:
                 print(_fmt(r, results))
     for n in concurrencies:
-        for served in ("server", "baseline"):
+        for served in (*SERVED_MODES, "baseline"):
             s = _median(results, served, n)
             for mode in ("frontend", "engine"):
                 b = _median(results, mode, n)
