@@ -19,7 +19,6 @@ when the socket closes, so a parent that dies leaves no engine behind.
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -42,7 +41,7 @@ EngineFactory = Callable[[ProgressFn], Any]
 # stretches (the engine stepping; the event loop writing chunks), so with 5 ms each
 # request handed to the engine and each step's outputs handed to the event loop waited
 # milliseconds: 32 requests sent at once took 100+ ms to all start.
-SWITCH_INTERVAL_S = float(os.environ.get("MINIVLLM_SWITCH_INTERVAL_S", "0.0005"))
+SWITCH_INTERVAL_S = 0.0005
 
 # The exception types a failed start is raised as in the parent (others: RuntimeError).
 _START_ERRORS: dict[str, type[Exception]] = {
