@@ -1,4 +1,6 @@
-"""minivllm-chat's speed work (issue 13, GPU): the engine in a child process, the GIL switch
+"""minivllm-chat's speed work (issue 13, GPU): the engine in a child process
+(`minivllm.frontend.EngineProcessClient` with what the app adds: its tokenizer, prefill
+progress, a log file; built from `tui/engine_spec.py`), the GIL switch
 interval while an in-process engine runs, deferred growth of streaming blocks, and the
 bench's GPU-like stand-in. No timings are asserted: speed is measured by
 `minivllm-chat --bench` (PERF_NOTES.md)."""
@@ -16,7 +18,7 @@ import time
 import pytest
 from minivllm.tui.app import SWITCH_INTERVAL, create_app
 from minivllm.tui.cli import use_engine_process
-from minivllm.tui.engine_process import EngineSpec, ProcessClient
+from minivllm.tui.engine_spec import EngineSpec, engine_process_client
 from minivllm.tui.fake_engine import FakeEngine, GpuLikeEngine, WordTokenizer, gpu_like_reply
 from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_until
 from minivllm.tui.widgets.message import RESERVE_LINES, AssistantMessage, LiveText
@@ -52,11 +54,20 @@ class Collector:
         return self.outputs[rid]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_leftover_logs():
+    """The engine processes of these tests log to one file named after this process."""
+    yield
+    log = os.path.join(tempfile.gettempdir(), f"minivllm-chat-engine-{os.getpid()}.log")
+    if os.path.exists(log):
+        os.remove(log)
+
+
 @pytest.fixture(scope="module")
 def process_client():
     """One engine process (the scripted engine) shared by this module's tests."""
-    client = ProcessClient(EngineSpec("fake", {}, {"reply": "one two three four five six",
-                                                   "step_delay": 0.002}))
+    client = engine_process_client(EngineSpec("fake", {}, {
+        "reply": "one two three four five six", "step_delay": 0.002}))
     progress = []
     client.start(lambda stage, fraction: progress.append((stage, fraction)))
     client.progress = progress
@@ -100,7 +111,8 @@ def test_engine_process_refuses_bad_input_and_aborts(process_client):
 
 
 def test_engine_process_death_fails_live_requests_with_a_reason():
-    client = ProcessClient(EngineSpec("fake", {}, {"reply": "x " * 500, "step_delay": 0.05}))
+    client = engine_process_client(EngineSpec("fake", {}, {"reply": "x " * 500,
+                                                           "step_delay": 0.05}))
     client.start()
     try:
         got = Collector()
@@ -109,8 +121,7 @@ def test_engine_process_death_fails_live_requests_with_a_reason():
         deadline = time.monotonic() + 30
         while not any(o.token_ids for o in got.outputs["r"]) and time.monotonic() < deadline:
             time.sleep(0.02)
-        pid = client._proc.pid
-        os.kill(pid, signal.SIGKILL)
+        os.kill(client.pid, signal.SIGKILL)
         outs = got.wait("r")
         assert outs[-1].finish_reason == "error" and "engine process exited" in outs[-1].error
         assert client.error is not None
@@ -120,15 +131,12 @@ def test_engine_process_death_fails_live_requests_with_a_reason():
         assert late.wait("late")[0].rejected
     finally:
         client.close()
-    log = os.path.join(tempfile.gettempdir(), f"minivllm-engine-{pid}.log")
-    if os.path.exists(log):  # a killed child leaves its (empty) log behind
-        os.remove(log)
 
 
 def test_engine_process_reports_prefill_progress():
     """A pane's title shows a long prompt's prefill progress: the child sends it with its
     stats (here a scripted engine that holds every request before its first token)."""
-    client = ProcessClient(EngineSpec("fake", {}, {"hold_at": 0}))
+    client = engine_process_client(EngineSpec("fake", {}, {"hold_at": 0}))
     client.start()
     try:
         got = Collector()
@@ -147,9 +155,9 @@ def test_engine_process_reports_prefill_progress():
 
 
 def test_engine_process_load_failure_raises_the_childs_error():
-    client = ProcessClient(EngineSpec("llm", {"model_name_or_path": "/nonexistent/model",
-                                              "device": "cpu"}))
-    with pytest.raises(RuntimeError, match="nonexistent"):
+    client = engine_process_client(EngineSpec("llm", {
+        "model_name_or_path": "/nonexistent/model", "device": "cpu"}))
+    with pytest.raises((ValueError, FileNotFoundError, RuntimeError), match="nonexistent"):
         client.start()
     client.close()
 
@@ -172,7 +180,8 @@ def test_engine_process_choice():
 
 
 async def test_app_chats_through_an_engine_process(tmp_path):
-    client = ProcessClient(EngineSpec("fake", {}, {"reply": "**hi** from a child process"}))
+    client = engine_process_client(EngineSpec("fake", {}, {
+        "reply": "**hi** from a child process"}))
     app = create_app(engine_factory=lambda on_progress: client, model="fake",
                      data_root=tmp_path / "d")
     async with app.run_test(size=SIZE) as pilot:
@@ -184,7 +193,7 @@ async def test_app_chats_through_an_engine_process(tmp_path):
         assert reply.answer_md.source == "**hi** from a child process"
         assert app.count_prompt_tokens(app.panes[0].conversation) > 0  # its tokenizer
         await pilot.press("ctrl+q")
-    assert client._proc.exitcode is not None  # the app's close stopped the child
+    assert client._process.poll() is not None  # the app's close stopped the child
 
 
 async def test_switch_interval_is_short_while_the_app_runs_and_restored_after():
@@ -268,25 +277,3 @@ def test_bench_rejects_bad_counts(capsys):
     assert "--panes=0" in capsys.readouterr().out
 
 
-
-def test_engine_process_merges_each_requests_outputs_but_not_its_first_tokens():
-    from minivllm.tui.engine_process import merge_batch
-
-    from minivllm.frontend import RequestOutput as Out
-
-    waiting: set[str] = set()
-    batch = [Out("a", accepted=True, at=1.0), Out("b", "x", [1], at=1.1),
-             Out("a", "h", [5], at=1.2), Out("a", "i", [6], at=1.3),
-             Out("b", "y", [2], finished=True, finish_reason="stop", at=1.4)]
-    got = merge_batch(batch, waiting)
-    got.sort(key=lambda o: o.request_id)  # stable: each request's order is kept
-    assert [(o.request_id, o.text, o.token_ids, o.at) for o in got] == [
-        ("a", "", [], 1.0), ("a", "h", [5], 1.2), ("a", "i", [6], 1.3),
-        ("b", "xy", [1, 2], 1.4)]
-    assert got[-1].finished and not waiting
-    # Accepted in one batch, first tokens in the next: those stay on their own too.
-    assert merge_batch([Out("c", accepted=True, at=2.0)], waiting)[0].accepted
-    later = merge_batch([Out("c", "p", [7], at=2.1), Out("c", "q", [8], at=2.2)], waiting)
-    assert [(o.text, o.at) for o in later] == [("p", 2.1), ("q", 2.2)]
-    again = merge_batch([Out("c", "r", [9], at=2.3), Out("c", "s", [10], at=2.4)], waiting)
-    assert [(o.text, o.token_ids, o.at) for o in again] == [("rs", [9, 10], 2.4)]

@@ -17,10 +17,10 @@ and the UI thread's CPU time per generated token (steadier than tok/s on a share
 (`fake_engine.GpuLikeEngine`) whose step holds the GIL `--host-ms` (0.3) and then waits
 `--device-ms` (1.0) with it released, as a CUDA sync does, ~3,000 tok/s with 4 panes.
 
-`--engine-process on` runs the engine in a child process (`engine_process.ProcessClient`,
-what `minivllm-chat --engine-process` does); headless rounds then run in the child, on its
-engine, with no UI. `both` interleaves app rounds of both kinds over one headless baseline
-(two engines: not on one GPU).
+`--engine-process on` runs the engine in a child process (`EngineProcessClient`, what
+`minivllm-chat --engine-process` does); headless rounds then send the requests to that
+process with no UI (so they include the pipe). `both` interleaves app rounds of both kinds
+over one in-process headless baseline (two engines: not on one GPU).
 
 A model without tokenizer files (`--load-format dummy` on a known config such as
 Qwen/Qwen3-0.6B, as on the GPU machine) gets `BenchTokenizer`: the app needs text, and
@@ -118,7 +118,8 @@ def run_headless(engine: Any, texts: list[str], max_tokens: int,
                  frontend: Any = None) -> tuple[int, float]:
     """The same requests through the app's engine loop (`EngineFrontend`, on its own
     thread as in the app), with no UI: what the engine does without the app. With a
-    running `frontend` (the engine process's), through that one.
+    running `frontend` (any started `EngineClient`, such as the engine process), through
+    that one.
 
     NOTE: not a `step()` loop on the main thread: on a busy 2-core machine torch ran the
     same steps ~15x slower on the main thread than on a worker thread (measured 2 vs 30
@@ -242,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_spec(args: argparse.Namespace) -> Any:
-    from .engine_process import EngineSpec
+    from .engine_spec import EngineSpec
 
     if args.engine == "gpu-like":
         return EngineSpec("gpu-like", options={"host_s": args.host_ms / 1000,
@@ -257,18 +258,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minivllm-chat --bench: error: --panes={args.panes}, --max-tokens="
               f"{args.max_tokens} and --rounds={args.rounds} must be >= 1")
         return 1
-    from .engine_process import ProcessClient, build_engine
+    from .engine_spec import build_engine, engine_process_client
 
     spec = engine_spec(args)
     engine: Any = None
-    client: ProcessClient | None = None
+    client: Any = None
     modes = {"off": ["app"], "on": ["app (engine process)"],
              "both": ["app", "app (engine process)"]}[args.engine_process]
     try:
         if args.engine_process != "on":
             engine = build_engine(spec, lambda stage, fraction: None)
         if args.engine_process != "off":
-            client = ProcessClient(spec)
+            client = engine_process_client(spec)
             client.start()
         tokenizer = engine.tokenizer if engine is not None else client.tokenizer
         if isinstance(tokenizer, BenchTokenizer):
@@ -281,8 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         def headless(max_tokens: int) -> tuple[int, float]:
             if engine is not None:
                 return run_headless(engine, texts, max_tokens)
-            assert client is not None
-            return client.run_headless(texts, max_tokens)
+            return run_headless(None, texts, max_tokens, client)
 
         def app_round(mode: str, max_tokens: int, ui: list[float] | None = None) -> AppRound:
             in_child = mode != "app"

@@ -136,11 +136,11 @@ def engine_factory(args: argparse.Namespace, config: dict[str, Any]) -> EngineFa
 
             return RemoteClient(args.url, args.api_key)
         if use_engine_process(args):
-            from .engine_process import EngineSpec, ProcessClient  # the worker starts it
+            from .engine_spec import EngineSpec, engine_process_client  # the worker starts it
 
             if args.fake:
-                return ProcessClient(EngineSpec("fake", config, FAKE_OPTIONS))
-            return ProcessClient(EngineSpec("llm", config))
+                return engine_process_client(EngineSpec("fake", config, FAKE_OPTIONS))
+            return engine_process_client(EngineSpec("llm", config))
         if args.fake:
             from .fake_engine import FakeEngine
 

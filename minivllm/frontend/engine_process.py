@@ -19,6 +19,7 @@ when the socket closes, so a parent that dies leaves no engine behind.
 
 from __future__ import annotations
 
+import pickle
 import signal
 import socket
 import subprocess
@@ -54,9 +55,17 @@ class EngineProcessClient:
     (pickled, then called there with a progress callback: a module-level function or a
     `functools.partial` of one)."""
 
-    def __init__(self, engine_factory: EngineFactory, *, stats_interval: float = 0.1) -> None:
+    def __init__(self, engine_factory: EngineFactory, *, stats_interval: float = 0.1,
+                 share_tokenizer: bool = False, child_log: str | None = None) -> None:
+        """`share_tokenizer`: the child pickles its engine's tokenizer over (`tokenizer`;
+        the chat app counts prompt tokens with it). `child_log`: a file for the child's
+        output (a full-screen app must keep it off the terminal)."""
         self._factory = engine_factory
         self._stats_interval = stats_interval
+        self._share_tokenizer = share_tokenizer
+        self._child_log = child_log
+        self._tokenizer: Any = None
+        self._progress: dict[str, tuple[int, int] | None] = {}
         self._conn: Connection | None = None
         self._process: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
@@ -82,7 +91,9 @@ class EngineProcessClient:
 
     @property
     def tokenizer(self) -> Any:
-        return None  # it lives in the child; chat templates are applied there
+        """A copy of the child's tokenizer with `share_tokenizer`, else None (chat
+        templates are applied in the child)."""
+        return self._tokenizer
 
     @property
     def alive(self) -> bool:
@@ -99,10 +110,15 @@ class EngineProcessClient:
         ours, theirs = socket.socketpair()
         cmd = [sys.executable, "-c", "from minivllm.frontend.engine_process import "
                "child_entry; child_entry()", str(theirs.fileno())]
-        self._process = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),))
+        if self._child_log is not None:
+            with open(self._child_log, "ab") as log:
+                self._process = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),),
+                                                 stdout=log, stderr=subprocess.STDOUT)
+        else:
+            self._process = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),))
         theirs.close()
         self._conn = conn = Connection(ours.detach())
-        self._send(("start", self._factory, self._stats_interval))
+        self._send(("start", self._factory, self._stats_interval, self._share_tokenizer))
         try:
             while True:
                 try:
@@ -118,6 +134,8 @@ class EngineProcessClient:
                     raise _START_ERRORS.get(msg[1], RuntimeError)(msg[2])
                 elif msg[0] == "ready":
                     self._info, self._stats, self._prefix_counters = msg[1], msg[2], msg[3]
+                    if msg[4] is not None:
+                        self._tokenizer = pickle.loads(msg[4])
                     break
         except BaseException:  # a failed start or Ctrl-C: leave no child behind
             if self._process.poll() is None:
@@ -160,7 +178,9 @@ class EngineProcessClient:
         return self._prefix_counters
 
     def prompt_progress(self, request_id: str) -> tuple[int, int] | None:
-        return None
+        """(prompt tokens computed, prompt tokens) of a request still in prefill, as of
+        the child's latest stats."""
+        return self._progress.get(request_id)
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         return stream_outputs(self, request)
@@ -215,7 +235,7 @@ class EngineProcessClient:
             if kind == "out":
                 self._deliver(msg[1])
             elif kind == "stats":
-                self._stats, self._prefix_counters = msg[1], msg[2]
+                self._stats, self._prefix_counters, self._progress = msg[1], msg[2], msg[3]
             elif kind == "dead":
                 self._error = msg[1]
         if not self._closed and self._error is None:
@@ -263,16 +283,23 @@ def _pack(o: RequestOutput) -> tuple[Any, ...]:
 class _Outbox:
     """Outputs gathered during one turn of the engine loop, sent as one message."""
 
-    def __init__(self, conn: Connection, frontend_stats: Callable[[], Any]) -> None:
+    def __init__(self, conn: Connection, frontend_stats: Callable[[], Any],
+                 progress_of: Callable[[str], Any] = lambda request_id: None) -> None:
         self.conn = conn
         self.items: list[RequestOutput] = []
         self.lock = threading.Lock()
         self.stats_of = frontend_stats
+        self.progress_of = progress_of
         self.sent_stats: Any = None
+        self.prefilling: set[str] = set()  # accepted, no tokens yet: prefill progress
 
     def put(self, output: RequestOutput) -> None:
         with self.lock:
             self.items.append(output)
+            if output.accepted and not (output.token_ids or output.finished):
+                self.prefilling.add(output.request_id)
+            elif output.token_ids or output.finished:
+                self.prefilling.discard(output.request_id)
 
     def send(self, msg: tuple[Any, ...]) -> None:
         with self.lock:  # one writer at a time: messages must not interleave on the pipe
@@ -287,7 +314,8 @@ class _Outbox:
                 # stats() must see it gone (as with the in-process front end).
                 if stats[0] is not self.sent_stats:
                     self.sent_stats = stats[0]
-                    self.conn.send(("stats", *stats))
+                    progress = {r: self.progress_of(r) for r in self.prefilling}
+                    self.conn.send(("stats", *stats, progress))
                 if items:
                     self.conn.send(("out", [_pack(o) for o in items]))
             except (OSError, ValueError):
@@ -300,14 +328,15 @@ def child_entry() -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     conn = Connection(int(sys.argv[1]))
     try:
-        kind, factory, stats_interval = conn.recv()
+        kind, factory, stats_interval, share_tokenizer = conn.recv()
     except (EOFError, OSError):
         return
     assert kind == "start"
-    _child_main(factory, conn, stats_interval)
+    _child_main(factory, conn, stats_interval, share_tokenizer)
 
 
-def _child_main(factory: EngineFactory, conn: Connection, stats_interval: float) -> None:
+def _child_main(factory: EngineFactory, conn: Connection, stats_interval: float,
+                share_tokenizer: bool = False) -> None:
     try:
         engine = factory(lambda stage, fraction: conn.send(("progress", stage, fraction)))
     except BaseException as exc:  # noqa: BLE001 - the parent raises it
@@ -317,12 +346,20 @@ def _child_main(factory: EngineFactory, conn: Connection, stats_interval: float)
             conn.close()
         return
     frontend: EngineFrontend | None = None
-    outbox = _Outbox(conn, lambda: (frontend.stats(), frontend.prefix_cache_counters()))
+    outbox = _Outbox(conn, lambda: (frontend.stats(), frontend.prefix_cache_counters()),
+                     lambda request_id: frontend.prompt_progress(request_id))
+    tokenizer = None
+    if share_tokenizer:
+        try:
+            tokenizer = pickle.dumps(getattr(engine, "tokenizer", None))
+        except Exception:  # noqa: BLE001 - the parent then does without one
+            tokenizer = None
     frontend = EngineFrontend(engine, owns_engine=True, stats_interval=stats_interval,
                               on_iteration=outbox.flush)
     with outbox.lock:  # before the engine thread's first flush
         info = frontend.start()
-        conn.send(("ready", info, frontend.stats(), frontend.prefix_cache_counters()))
+        conn.send(("ready", info, frontend.stats(), frontend.prefix_cache_counters(),
+                   tokenizer))
     dead_reported = False
     try:
         while True:
