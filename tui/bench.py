@@ -31,7 +31,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
+import os
 import re
+import signal
 import statistics
 import threading
 import time
@@ -115,7 +118,7 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_headless(engine: Any, texts: list[str], max_tokens: int,
-                 frontend: Any = None) -> tuple[int, float]:
+                 frontend: Any = None, timeout: float | None = None) -> tuple[int, float]:
     """The same requests through the app's engine loop (`EngineFrontend`, on its own
     thread as in the app), with no UI: what the engine does without the app. With a
     running `frontend` (any started `EngineClient`, such as the engine process), through
@@ -150,7 +153,9 @@ def run_headless(engine: Any, texts: list[str], max_tokens: int,
         start = time.perf_counter()
         for i, text in enumerate(texts):
             frontend.add_request(GenerateRequest(f"bench-{i}", params, prompt=text), on_output)
-        done.wait()
+        if not done.wait(timeout):
+            raise TimeoutError(f"a headless round did not finish within {timeout:.0f} s "
+                               f"({counts['tokens']} tokens so far)")
     finally:
         if own:
             frontend.close()
@@ -183,7 +188,8 @@ class AppRound:
 
 
 async def run_app(engine: Any, users: list[str], max_tokens: int,
-                  ui_cpu: list[float] | None = None, client: Any = None) -> AppRound:
+                  ui_cpu: list[float] | None = None, client: Any = None,
+                  timeout: float = 3600.0) -> AppRound:
     """One round through the app (the engine in this process, or a started `client`);
     appends the UI thread's CPU seconds to `ui_cpu`."""
     from .app import create_app
@@ -198,11 +204,16 @@ async def run_app(engine: Any, users: list[str], max_tokens: int,
     else:
         app = create_app(engine, owns_engine=False, **options)
     async with app.run_test(size=(160, 48)) as pilot:
-        await wait_ready(pilot, 600)
+        await wait_ready(pilot, timeout)
         start, cpu = time.monotonic(), time.thread_time()
         for pane, text in zip(app.panes, users, strict=True):
             await app.send(pane, text)
-        await wait_idle(pilot, 3600)
+        try:
+            await wait_idle(pilot, timeout)
+        except AssertionError:
+            tokens = sum(p.tokens for p in app.panes)
+            raise TimeoutError(f"an app round did not finish within {timeout:.0f} s "
+                               f"({tokens} tokens so far)") from None
         end, cpu = time.monotonic(), time.thread_time() - cpu
         # The engine's time of each pane's last token (RequestOutput.at: monotonic, which
         # is one clock for every process of the machine).
@@ -239,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's; 1 is steadier on a shared machine)")
+    p.add_argument("--round-timeout", type=float, default=300.0, metavar="S",
+                   help="a round that takes longer fails, printing where every thread is "
+                   "(default 300)")
     return p
 
 
@@ -265,12 +279,20 @@ def main(argv: list[str] | None = None) -> int:
     client: Any = None
     modes = {"off": ["app"], "on": ["app (engine process)"],
              "both": ["app", "app (engine process)"]}[args.engine_process]
+    t0 = time.monotonic()
+
+    def note(what: str) -> None:  # progress, so a slow phase shows where it is
+        print(f"  [{time.monotonic() - t0:6.1f} s] {what}", flush=True)
+
+    timeout = args.round_timeout
     try:
         if args.engine_process != "on":
             engine = build_engine(spec, lambda stage, fraction: None)
+            note("engine ready in this process")
         if args.engine_process != "off":
-            client = engine_process_client(spec)
+            client = engine_process_client(spec, quiet=False)
             client.start()
+            note(f"engine process ready (pid {client.pid})")
         tokenizer = engine.tokenizer if engine is not None else client.tokenizer
         if isinstance(tokenizer, BenchTokenizer):
             print("no tokenizer with this model: BenchTokenizer turns ids into Markdown-ish "
@@ -281,17 +303,19 @@ def main(argv: list[str] | None = None) -> int:
 
         def headless(max_tokens: int) -> tuple[int, float]:
             if engine is not None:
-                return run_headless(engine, texts, max_tokens)
-            return run_headless(None, texts, max_tokens, client)
+                return run_headless(engine, texts, max_tokens, timeout=timeout)
+            return run_headless(None, texts, max_tokens, client, timeout=timeout)
 
         def app_round(mode: str, max_tokens: int, ui: list[float] | None = None) -> AppRound:
             in_child = mode != "app"
             return asyncio.run(run_app(None if in_child else engine, users, max_tokens, ui,
-                                       client if in_child else None))
+                                       client if in_child else None, timeout))
 
         headless(WARMUP_TOKENS)
+        note("headless warm-up done")
         for mode in modes:
             app_round(mode, WARMUP_TOKENS)
+            note(f"{mode} warm-up done")
         base: list[float] = []
         rounds: dict[str, list[AppRound]] = {m: [] for m in modes}
         for r in range(2 * args.rounds + 1):
@@ -308,6 +332,13 @@ def main(argv: list[str] | None = None) -> int:
                       f"{a.tokens / a.seconds:8.1f} tok/s (engine's last token at "
                       f"{a.engine_seconds:.2f} s: {a.tokens / a.engine_seconds:.1f} tok/s)",
                       flush=True)
+    except TimeoutError as exc:
+        print(f"minivllm-chat --bench: error: {exc}; every thread's stack follows", flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        if client is not None and client.pid is not None:
+            os.kill(client.pid, signal.SIGUSR1)  # the engine process prints its own
+            time.sleep(1.0)
+        return 1
     finally:
         if client is not None:
             client.close()

@@ -64,9 +64,10 @@ def build_engine(spec: EngineSpec, on_progress: ProgressFn) -> Any:
     return engine
 
 
-def engine_process_client(spec: EngineSpec) -> EngineProcessClient:
+def engine_process_client(spec: EngineSpec, *, quiet: bool = True) -> EngineProcessClient:
     """The engine of `spec` in a child process; its tokenizer comes over (the app counts
-    prompt tokens with it) and its output goes to a log file, not over the screen."""
+    prompt tokens with it). `quiet`: its output goes to a log file in the temp dir, not
+    over the screen (the bench, which has no screen, keeps it visible)."""
     log = os.path.join(tempfile.gettempdir(), f"minivllm-chat-engine-{os.getpid()}.log")
     return EngineProcessClient(functools.partial(build_engine, spec), share_tokenizer=True,
-                               child_log=log)
+                               child_log=log if quiet else None)
