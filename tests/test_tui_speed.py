@@ -277,3 +277,13 @@ def test_bench_rejects_bad_counts(capsys):
     assert "--panes=0" in capsys.readouterr().out
 
 
+
+
+def test_bench_round_that_hangs_fails_with_the_stacks(capsys):
+    """A round past --round-timeout ends the bench (status 1) saying so, instead of
+    hanging a GPU job until its wall-clock limit."""
+    from minivllm.tui.bench import main as bench_main
+
+    assert bench_main(["--engine", "gpu-like", "--panes", "1", "--max-tokens", "5000",
+                       "--device-ms", "5", "--round-timeout", "0.05"]) == 1
+    assert "did not finish within" in capsys.readouterr().out

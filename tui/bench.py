@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import faulthandler
 import os
 import re
 import signal
 import statistics
+import sys
 import threading
 import time
+import traceback
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -334,7 +335,9 @@ def main(argv: list[str] | None = None) -> int:
                       flush=True)
     except TimeoutError as exc:
         print(f"minivllm-chat --bench: error: {exc}; every thread's stack follows", flush=True)
-        faulthandler.dump_traceback(all_threads=True)
+        for thread_id, frame in sys._current_frames().items():
+            print(f"-- thread {thread_id}:\n" + "".join(traceback.format_stack(frame)),
+                  flush=True)
         if client is not None and client.pid is not None:
             os.kill(client.pid, signal.SIGUSR1)  # the engine process prints its own
             time.sleep(1.0)
