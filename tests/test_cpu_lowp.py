@@ -172,3 +172,13 @@ def test_compiled_step_equals_eager_with_int8_weights(tiny_llama, monkeypatch):
     finally:
         llm.exit()
         eager.exit()
+
+
+def test_header_names_the_weight_format():
+    from types import SimpleNamespace
+
+    from minivllm.frontend.engine_frontend import _dtype_label
+
+    engine = SimpleNamespace(dtype=torch.float32, cpu_weight_format="int8")
+    assert _dtype_label(engine) == "float32, int8 weights"
+    assert _dtype_label(SimpleNamespace(dtype=torch.bfloat16)) == "bfloat16"
