@@ -139,6 +139,8 @@ def test_smollm2_bf16_weights_follow_fp32(smollm2, smollm2_bf16):
 def test_compiled_step_equals_eager_with_int8_weights(tiny_llama, monkeypatch):
     """The compiled decode step calls the kernel as one op: it equals the eager step over the
     same int8 weights, and the engine's greedy tokens equal the eager engine's."""
+    from torch._dynamo.utils import counters
+
     from minivllm.engine import cpu_step
 
     monkeypatch.setenv(cpu_step.COMPILE_ENV, "1")
@@ -166,9 +168,15 @@ def test_compiled_step_equals_eager_with_int8_weights(tiny_llama, monkeypatch):
         prompts = [[(7 * i + j) % 512 for j in range(5 + 3 * i)] for i in range(4)]
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         assert eager.runner.cpu_step is None
+        graphs = counters["stats"]["unique_graphs"]
         assert llm.generate(prompts, params)["token_ids"] == (
             eager.generate(prompts, params)["token_ids"]
         )
+        # One sequence alone, then four: the warm-up's graph serves both (no recompile).
+        assert llm.generate(prompts[:1], params)["token_ids"] == (
+            eager.generate(prompts[:1], params)["token_ids"]
+        )
+        assert counters["stats"]["unique_graphs"] == graphs
     finally:
         llm.exit()
         eager.exit()

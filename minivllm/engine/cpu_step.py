@@ -254,7 +254,12 @@ class CPUDecodeStep:
     ) -> torch.Tensor:  # [num_seqs, hidden]
         assert meta.context_slots is not None
         # The new token's own slot is the last column of the longest sequence: drop it.
-        prev_slots = meta.context_slots[:, :-1].contiguous()
+        # NOTE: copied into a fresh tensor, not `.contiguous()`: with one sequence the slice
+        # counts as contiguous and keeps its row stride (max_prev + 1), which fails the
+        # graph's stride guard and recompiled the step at the first batch-1 decode.
+        context = meta.context_slots
+        prev_slots = context.new_empty(context.shape[0], context.shape[1] - 1)
+        prev_slots.copy_(context[:, :-1])
         hidden, new_k, new_v = self.forward(input_ids, positions, prev_slots, meta.seq_lens)
         # This step's K/V into the pool: one copy for K and one for V over all layers.
         cache = self.kv_cache.flatten(2, 3)  # [2, num_layers, num_slots, kv_heads, head_dim]
