@@ -9,8 +9,9 @@ both runs share the prefix up to it).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
+
+import torch
 
 PROMPTS = [
     "What is the capital of France?",
@@ -44,8 +45,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--formats", nargs="+", default=["bfloat16", "int8"])
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    os.environ.setdefault("MINIVLLM_CPU_COMPILE", "0")  # the same weights; eager is enough
+    torch.set_num_threads(args.threads)
 
     from minivllm import LLMEngine, SamplingParams
     from minivllm.loader import resolve_model
