@@ -18,11 +18,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#include <cstring>
 
 namespace {
 
@@ -42,9 +43,7 @@ constexpr int MAX_ROWS = 8;
 // Rows of x kept hot (L2) while a thread's blocks of weights stream past them; a prefill
 // of more rows reads each weight once per tile.
 constexpr int ROW_TILE = 64;
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES 1024
-#endif
+constexpr int PREFETCH_BYTES = 1024;
 
 // L weights -> L fp32 lanes. bf16's bits are fp32's top half; int8 is sign-extended and
 // converted. Intrinsics where they exist (GCC's generic vector conversions split or
@@ -92,8 +91,8 @@ inline void block_sums(const float* x, int64_t ldx, const WT* w, int64_t K, vf* 
   int64_t k = 0;
   for (; k + S <= K; k += S) {
 #if defined(__AVX2__) || defined(__AVX512F__)
-    // The weights are one forward stream; asking for them early measured faster than the
-    // hardware prefetcher alone (which stops at page boundaries).
+    // The weights are one forward stream; asking for them 1 KB early measured 10-25% faster
+    // at one row than the hardware prefetcher alone (AVX2 EPYC, PERF_NOTES.md).
     _mm_prefetch(reinterpret_cast<const char*>(w + k * L) + PREFETCH_BYTES, _MM_HINT_T0);
 #endif
     for (int s = 0; s < S; ++s) {
