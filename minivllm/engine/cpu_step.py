@@ -6,7 +6,9 @@ on this machine, PERF_NOTES.md). Here one function, `decode_layer`, is a whole d
 layer; it is compiled once and called for every layer with that layer's weights as
 arguments, so dynamo traces one layer, not thirty (start-up: a few seconds with warm caches),
 and a step is ~30 calls into inductor's generated C++ plus ~15 eager ops. The matrix
-products stay MKL's, the same kernels as eager.
+products stay the eager ones: MKL's for fp32 weights, or the weight-only bf16 / int8 kernel
+(kernels/cpu_lowp_linear.py, one opaque torch op with a fake implementation) where
+`cpu_weight_dtype` asks for it.
 
 The compiled layer only reads the KV cache: it returns the layer's new K/V, and the caller
 stores all layers' K/V with two `index_copy_` afterwards (an in-place store into the pool
