@@ -20,9 +20,11 @@ block b holds output channels b*L .. b*L+L-1, zero-padded at the end.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -32,6 +34,24 @@ import torch.nn.functional as F
 WEIGHT_DTYPES = {"bfloat16": torch.bfloat16, "int8": torch.int8}
 SOURCE = Path(__file__).with_name("cpu_lowp_linear.cpp")
 OP = "minivllm_cpu::lowp_linear"
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """torch's build runs `ninja` from PATH; the `ninja` package (a dependency) puts it in
+    the virtualenv's bin folder, which is not on PATH when the venv is not activated."""
+    old = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, old])
+        except (ImportError, AttributeError):
+            pass  # the build reports that ninja is missing
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
 
 
 @functools.cache
@@ -45,14 +65,15 @@ def _build() -> str | None:
         # -march=native: the build is for this CPU, so its name carries the CPU's flags
         # (a cache folder shared between machines must not hand one the other's build).
         tag = hashlib.sha1(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
-        cpp_extension.load_inline(
-            name=f"minivllm_cpu_lowp_{tag}",
-            cpp_sources=[SOURCE.read_text()],
-            extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=os.environ.get("MINIVLLM_VERBOSE_BUILD") == "1",
-        )
+        with _ninja_on_path():
+            cpp_extension.load_inline(
+                name=f"minivllm_cpu_lowp_{tag}",
+                cpp_sources=[SOURCE.read_text()],
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=os.environ.get("MINIVLLM_VERBOSE_BUILD") == "1",
+            )
     except Exception as e:  # noqa: BLE001 - a missing compiler, ninja, or a failed build
         lines = str(e).strip().splitlines() or [type(e).__name__]
         return f"{type(e).__name__}: {lines[-1][:200]}"
