@@ -90,14 +90,14 @@ if [ -z "${1:-}" ] || [ "${1:-}" = "all" ] || [ "${1:-}" = "app" ]; then
   # Issue 13: the chat app's cost on the GPU. 4 panes streaming through the real app
   # (Textual's headless driver) vs the same requests headless, interleaved rounds; the
   # Qwen3-0.6B config with random weights (a bench tokenizer stands in for the missing one).
-  # Twice: the engine in this process, then in a child process (`--engine-process on`, the
-  # app's default with a GPU); each run has its own interleaved headless rounds.
+  # Twice: the engine in this process, then in a child process (`--engine-process on`, what
+  # `auto` picks with a GPU); each run has its own interleaved headless rounds.
   if $PY -c "import textual, rich" 2>/dev/null; then
     : >"$OUT/bench-app.log"
     for mode in off on; do
       (cd /tmp && timeout 300 $PY -m minivllm.tui.cli --bench --model Qwen/Qwen3-0.6B \
         --load-format dummy --device cuda --panes 4 --max-tokens 512 --rounds 2 \
-        --engine-process $mode) 2>&1 | grep -v "it/s\]" | tee -a "$OUT/bench-app.log" | tail -9
+        --engine-process $mode) 2>&1 | grep -v "it/s\]" | tee -a "$OUT/bench-app.log" | tail -14
     done
   else
     echo "chat app bench: skipped (textual not importable: put its wheels on PYTHONPATH)" \
