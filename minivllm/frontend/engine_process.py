@@ -19,6 +19,7 @@ when the socket closes, so a parent that dies leaves no engine behind.
 
 from __future__ import annotations
 
+import pickle
 import signal
 import socket
 import subprocess
@@ -27,6 +28,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from ..outputs import EngineStats
@@ -52,11 +54,19 @@ _START_ERRORS: dict[str, type[Exception]] = {
 class EngineProcessClient:
     """An `EngineClient` whose engine lives in a child process built by `engine_factory`
     (pickled, then called there with a progress callback: a module-level function or a
-    `functools.partial` of one)."""
+    `functools.partial` of one).
 
-    def __init__(self, engine_factory: EngineFactory, *, stats_interval: float = 0.1) -> None:
+    The child's stdout and stderr go to `log_path` when given (a full-screen UI must not
+    be written over), else to ours. `tokenizer` is a copy of the engine's, sent once at
+    start (None if it does not pickle); `stats()`, `prefix_cache_counters()` and
+    `prompt_progress()` are snapshots the child sends every `stats_interval`.
+    """
+
+    def __init__(self, engine_factory: EngineFactory, *, stats_interval: float = 0.1,
+                 log_path: str | Path | None = None) -> None:
         self._factory = engine_factory
         self._stats_interval = stats_interval
+        self._log_path = log_path
         self._conn: Connection | None = None
         self._process: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
@@ -66,6 +76,8 @@ class EngineProcessClient:
         self._info: EngineInfo | None = None
         self._stats: EngineStats | None = None
         self._prefix_counters = PrefixCacheCounters(0, 0)
+        self._progresses: dict[str, tuple[int, int]] = {}
+        self._tokenizer: Any = None
         self._error: str | None = None
         self._refusing: str | None = None
         self._closed = False
@@ -82,7 +94,7 @@ class EngineProcessClient:
 
     @property
     def tokenizer(self) -> Any:
-        return None  # it lives in the child; chat templates are applied there
+        return self._tokenizer
 
     @property
     def alive(self) -> bool:
@@ -99,7 +111,12 @@ class EngineProcessClient:
         ours, theirs = socket.socketpair()
         cmd = [sys.executable, "-c", "from minivllm.frontend.engine_process import "
                "child_entry; child_entry()", str(theirs.fileno())]
-        self._process = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),))
+        if self._log_path is not None:
+            with open(self._log_path, "ab") as log:
+                self._process = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),),
+                                                  stdout=log, stderr=subprocess.STDOUT)
+        else:
+            self._process = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),))
         theirs.close()
         self._conn = conn = Connection(ours.detach())
         self._send(("start", self._factory, self._stats_interval))
@@ -117,7 +134,8 @@ class EngineProcessClient:
                     self._process.wait(30)
                     raise _START_ERRORS.get(msg[1], RuntimeError)(msg[2])
                 elif msg[0] == "ready":
-                    self._info, self._stats, self._prefix_counters = msg[1], msg[2], msg[3]
+                    self._info, self._tokenizer = msg[1], msg[2]
+                    self._stats, self._prefix_counters, self._progresses = msg[3:6]
                     break
         except BaseException:  # a failed start or Ctrl-C: leave no child behind
             if self._process.poll() is None:
@@ -160,7 +178,9 @@ class EngineProcessClient:
         return self._prefix_counters
 
     def prompt_progress(self, request_id: str) -> tuple[int, int] | None:
-        return None
+        """(prompt tokens computed, prompt tokens) of a live request, as of the child's
+        last snapshot (at most `stats_interval` old), or None."""
+        return self._progresses.get(request_id)
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         return stream_outputs(self, request)
@@ -215,7 +235,7 @@ class EngineProcessClient:
             if kind == "out":
                 self._deliver(msg[1])
             elif kind == "stats":
-                self._stats, self._prefix_counters = msg[1], msg[2]
+                self._stats, self._prefix_counters, self._progresses = msg[1], msg[2], msg[3]
             elif kind == "dead":
                 self._error = msg[1]
         if not self._closed and self._error is None:
@@ -261,13 +281,14 @@ def _pack(o: RequestOutput) -> tuple[Any, ...]:
 
 
 class _Outbox:
-    """Outputs gathered during one turn of the engine loop, sent as one message."""
+    """Outputs gathered during one turn of the engine loop, sent as one message; with
+    them, a new stats snapshot whenever the front end published one."""
 
-    def __init__(self, conn: Connection, frontend_stats: Callable[[], Any]) -> None:
+    def __init__(self, conn: Connection) -> None:
         self.conn = conn
+        self.frontend: EngineFrontend | None = None
         self.items: list[RequestOutput] = []
         self.lock = threading.Lock()
-        self.stats_of = frontend_stats
         self.sent_stats: Any = None
 
     def put(self, output: RequestOutput) -> None:
@@ -279,19 +300,30 @@ class _Outbox:
             self.conn.send(msg)
 
     def flush(self) -> None:
+        frontend = self.frontend
+        assert frontend is not None
         with self.lock:
             items, self.items = self.items, []
-            stats = self.stats_of()
+            stats = frontend.stats()
             try:
                 # Stats first: a caller that hears a request finished and then reads
                 # stats() must see it gone (as with the in-process front end).
-                if stats[0] is not self.sent_stats:
-                    self.sent_stats = stats[0]
-                    self.conn.send(("stats", *stats))
+                if stats is not self.sent_stats:
+                    self.sent_stats = stats
+                    self.conn.send(("stats", stats, frontend.prefix_cache_counters(),
+                                    frontend.prompt_progresses()))
                 if items:
                     self.conn.send(("out", [_pack(o) for o in items]))
             except (OSError, ValueError):
                 pass  # the parent is gone: the command loop sees EOF and exits
+
+
+def _picklable(value: Any) -> Any:
+    try:
+        pickle.dumps(value)
+    except Exception:  # noqa: BLE001 - a tokenizer holding a lock, say: the parent gets None
+        return None
+    return value
 
 
 def child_entry() -> None:
@@ -316,13 +348,13 @@ def _child_main(factory: EngineFactory, conn: Connection, stats_interval: float)
         finally:
             conn.close()
         return
-    frontend: EngineFrontend | None = None
-    outbox = _Outbox(conn, lambda: (frontend.stats(), frontend.prefix_cache_counters()))
-    frontend = EngineFrontend(engine, owns_engine=True, stats_interval=stats_interval,
-                              on_iteration=outbox.flush)
+    outbox = _Outbox(conn)
+    frontend = outbox.frontend = EngineFrontend(
+        engine, owns_engine=True, stats_interval=stats_interval, on_iteration=outbox.flush)
     with outbox.lock:  # before the engine thread's first flush
         info = frontend.start()
-        conn.send(("ready", info, frontend.stats(), frontend.prefix_cache_counters()))
+        conn.send(("ready", info, _picklable(getattr(engine, "tokenizer", None)),
+                   frontend.stats(), frontend.prefix_cache_counters(), {}))
     dead_reported = False
     try:
         while True:
