@@ -20,6 +20,7 @@ when the socket closes, so a parent that dies leaves no engine behind.
 from __future__ import annotations
 
 import pickle
+import queue
 import signal
 import socket
 import subprocess
@@ -70,7 +71,13 @@ class EngineProcessClient:
         self._conn: Connection | None = None
         self._process: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
-        self._send_lock = threading.Lock()
+        # Commands go out through a writer thread, which sends all that queued up as one
+        # message: a burst of requests costs the engine process one read, not one each
+        # (each read gives the GIL up, and getting it back from the busy engine thread
+        # takes up to a switch interval: 32 requests at once started 30 ms late).
+        self._outq: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
+        self._writer_failed = False
         self._callbacks: dict[str, OutputCallback] = {}
         self._lock = threading.Lock()  # guards _callbacks
         self._info: EngineInfo | None = None
@@ -109,7 +116,11 @@ class EngineProcessClient:
         if self._process is not None:
             raise RuntimeError("EngineProcessClient.start() was already called")
         ours, theirs = socket.socketpair()
-        cmd = [sys.executable, "-c", "from minivllm.frontend.engine_process import "
+        # -P (3.11+): not the working folder first on sys.path. Run from a clone's root,
+        # it would make the clone's `kernels/` shadow the installed `kernels` package
+        # that transformers imports. The working folder itself is kept (relative paths).
+        safe = ["-P"] if sys.version_info >= (3, 11) else []
+        cmd = [sys.executable, *safe, "-c", "from minivllm.frontend.engine_process import "
                "child_entry; child_entry()", str(theirs.fileno())]
         if self._log_path is not None:
             with open(self._log_path, "ab") as log:
@@ -119,7 +130,7 @@ class EngineProcessClient:
             self._process = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),))
         theirs.close()
         self._conn = conn = Connection(ours.detach())
-        self._send(("start", self._factory, self._stats_interval))
+        conn.send(("start", self._factory, self._stats_interval))
         try:
             while True:
                 try:
@@ -145,6 +156,9 @@ class EngineProcessClient:
         self._reader = threading.Thread(target=self._read, name="minivllm-engine-outputs",
                                         daemon=True)
         self._reader.start()
+        self._writer = threading.Thread(target=self._write, name="minivllm-engine-commands",
+                                        daemon=True)
+        self._writer.start()
         return self._info
 
     def add_request(self, request: GenerateRequest, on_output: OutputCallback) -> None:
@@ -191,6 +205,10 @@ class EngineProcessClient:
             return
         self._closed = True
         self._send(("quit",))
+        writer = self._writer
+        if writer is not None:
+            self._outq.put(None)
+            writer.join(5)
         self._stop_child(timeout)
         reader = self._reader
         if reader is not None and reader is not threading.current_thread():
@@ -200,15 +218,31 @@ class EngineProcessClient:
     # -- parent internals ------------------------------------------------------------------
 
     def _send(self, msg: tuple[Any, ...]) -> bool:
+        if self._writer is None or self._writer_failed:
+            return False
+        self._outq.put(msg)
+        return True
+
+    def _write(self) -> None:
+        """The writer thread: everything queued since the last send, as one message."""
         conn = self._conn
-        if conn is None:
-            return False
-        try:
-            with self._send_lock:
-                conn.send(msg)
-            return True
-        except (OSError, ValueError):  # the child is gone (or we closed the pipe)
-            return False
+        assert conn is not None
+        while True:
+            msgs = [self._outq.get()]
+            while True:
+                try:
+                    msgs.append(self._outq.get_nowait())
+                except queue.Empty:
+                    break
+            batch = [m for m in msgs if m is not None]
+            if batch:
+                try:
+                    conn.send(("batch", batch))
+                except (OSError, ValueError):  # the child is gone (the reader says why)
+                    self._writer_failed = True
+                    return
+            if len(batch) < len(msgs):  # None: close() is done sending
+                return
 
     def _stop_child(self, timeout: float) -> None:
         process = self._process
@@ -318,6 +352,24 @@ class _Outbox:
                 pass  # the parent is gone: the command loop sees EOF and exits
 
 
+def _run_commands(frontend: EngineFrontend, outbox: _Outbox, batch: list[tuple[Any, ...]]
+                  ) -> bool:
+    """Apply the parent's commands in order; False once told to quit."""
+    for msg in batch:
+        kind = msg[0]
+        if kind == "add":
+            frontend.add_request(msg[1], outbox.put)
+            if frontend.error is not None or not frontend.alive:
+                outbox.flush()  # refused at once: nobody else will flush it
+        elif kind == "abort":
+            frontend.abort(msg[1])
+        elif kind == "abort_all":
+            frontend.abort_all()
+        elif kind == "quit":
+            return False
+    return True
+
+
 def _picklable(value: Any) -> Any:
     try:
         pickle.dumps(value)
@@ -364,17 +416,9 @@ def _child_main(factory: EngineFactory, conn: Connection, stats_interval: float)
                     outbox.send(("dead", frontend.error))
                     dead_reported = True
                 continue
-            msg = conn.recv()
-            kind = msg[0]
-            if kind == "add":
-                frontend.add_request(msg[1], outbox.put)
-                if frontend.error is not None or not frontend.alive:
-                    outbox.flush()  # refused at once: nobody else will flush it
-            elif kind == "abort":
-                frontend.abort(msg[1])
-            elif kind == "abort_all":
-                frontend.abort_all()
-            elif kind == "quit":
+            kind, batch = conn.recv()
+            assert kind == "batch"
+            if not _run_commands(frontend, outbox, batch):
                 break
     except (EOFError, OSError):
         pass  # the parent is gone
