@@ -129,6 +129,42 @@ def test_engine_process_start_failure_raises_the_engines_error():
     assert client._process.poll() is not None
 
 
+def test_engine_process_sends_tokenizer_and_prompt_progress(smollm2_path):
+    """What the app reads besides outputs: a working tokenizer copy, prompt progress."""
+    args = argparse.Namespace(model=str(smollm2_path), stand_in_ms=[0.1, 1.0],
+                              max_model_length=512, max_num_sequences=4)
+    client = EngineProcessClient(functools.partial(build_engine, args), stats_interval=0.02)
+    client.start()
+    try:
+        assert client.tokenizer is not None
+        assert client.tokenizer.decode(client.tokenizer.encode("Hello there")) == "Hello there"
+        live = Sink()
+        prompt = list(range(100, 120))
+        client.add_request(GenerateRequest("p", LONG, prompt=prompt), live)
+        live.wait_tokens(2)
+        deadline = time.monotonic() + 10
+        while client.prompt_progress("p") != (20, 20):
+            assert time.monotonic() < deadline, client.prompt_progress("p")
+            time.sleep(0.01)
+        client.abort("p")
+        assert live.ended.wait(10) and live.outs[-1].finish_reason == "abort"
+        assert client.prompt_progress("unknown") is None
+    finally:
+        client.close()
+
+
+def test_engine_process_output_goes_to_log_path(tmp_path):
+    """The child prints into the log, not over our terminal. (Its factory here prints
+    and returns no engine: the child dies before it is ready, which start() reports.)"""
+    log = tmp_path / "engine.log"
+    client = EngineProcessClient(functools.partial(print, "hello from the engine process",
+                                                   flush=True), log_path=log)
+    with pytest.raises(RuntimeError, match="before it was ready"):
+        client.start()
+    text = log.read_text()
+    assert "hello from the engine process" in text and "Traceback" in text
+
+
 # -- SSE: outputs that queued up go out as one chunk ------------------------------------------
 
 

@@ -69,5 +69,5 @@ def engine_process_client(spec: EngineSpec, *, quiet: bool = True) -> EngineProc
     prompt tokens with it). `quiet`: its output goes to a log file in the temp dir, not
     over the screen (the bench, which has no screen, keeps it visible)."""
     log = os.path.join(tempfile.gettempdir(), f"minivllm-chat-engine-{os.getpid()}.log")
-    return EngineProcessClient(functools.partial(build_engine, spec), share_tokenizer=True,
-                               child_log=log if quiet else None)
+    return EngineProcessClient(functools.partial(build_engine, spec),
+                               log_path=log if quiet else None)

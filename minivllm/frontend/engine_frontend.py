@@ -324,6 +324,19 @@ class EngineFrontend:
         progress = getattr(self.engine, "prompt_progress", None)
         return progress(live.seq_id) if live is not None and progress is not None else None
 
+    def prompt_progresses(self) -> dict[str, tuple[int, int]]:
+        """`prompt_progress` of every live request (call on the engine thread, or where
+        a snapshot that may be a step old is fine)."""
+        progress = getattr(self.engine, "prompt_progress", None)
+        if progress is None:
+            return {}
+        out = {}
+        for request_id, live in list(self._live.items()):
+            p = progress(live.seq_id)
+            if p is not None:
+                out[request_id] = p
+        return out
+
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         return stream_outputs(self, request)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import faulthandler
 import pickle
+import queue
 import signal
 import socket
 import subprocess
@@ -29,6 +30,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from ..outputs import EngineStats
@@ -54,28 +56,36 @@ _START_ERRORS: dict[str, type[Exception]] = {
 class EngineProcessClient:
     """An `EngineClient` whose engine lives in a child process built by `engine_factory`
     (pickled, then called there with a progress callback: a module-level function or a
-    `functools.partial` of one)."""
+    `functools.partial` of one).
+
+    The child's stdout and stderr go to `log_path` when given (a full-screen UI must not
+    be written over), else to ours. `tokenizer` is a copy of the engine's, sent once at
+    start (None if it does not pickle); `stats()`, `prefix_cache_counters()` and
+    `prompt_progress()` are snapshots the child sends every `stats_interval`.
+    """
 
     def __init__(self, engine_factory: EngineFactory, *, stats_interval: float = 0.1,
-                 share_tokenizer: bool = False, child_log: str | None = None) -> None:
-        """`share_tokenizer`: the child pickles its engine's tokenizer over (`tokenizer`;
-        the chat app counts prompt tokens with it). `child_log`: a file for the child's
-        output (a full-screen app must keep it off the terminal)."""
+                 log_path: str | Path | None = None) -> None:
         self._factory = engine_factory
         self._stats_interval = stats_interval
-        self._share_tokenizer = share_tokenizer
-        self._child_log = child_log
-        self._tokenizer: Any = None
-        self._progress: dict[str, tuple[int, int] | None] = {}
+        self._log_path = log_path
         self._conn: Connection | None = None
         self._process: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
-        self._send_lock = threading.Lock()
+        # Commands go out through a writer thread, which sends all that queued up as one
+        # message: a burst of requests costs the engine process one read, not one each
+        # (each read gives the GIL up, and getting it back from the busy engine thread
+        # takes up to a switch interval: 32 requests at once started 30 ms late).
+        self._outq: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
+        self._writer_failed = False
         self._callbacks: dict[str, OutputCallback] = {}
         self._lock = threading.Lock()  # guards _callbacks
         self._info: EngineInfo | None = None
         self._stats: EngineStats | None = None
         self._prefix_counters = PrefixCacheCounters(0, 0)
+        self._progresses: dict[str, tuple[int, int]] = {}
+        self._tokenizer: Any = None
         self._error: str | None = None
         self._refusing: str | None = None
         self._closed = False
@@ -92,8 +102,6 @@ class EngineProcessClient:
 
     @property
     def tokenizer(self) -> Any:
-        """A copy of the child's tokenizer with `share_tokenizer`, else None (chat
-        templates are applied in the child)."""
         return self._tokenizer
 
     @property
@@ -109,17 +117,21 @@ class EngineProcessClient:
         if self._process is not None:
             raise RuntimeError("EngineProcessClient.start() was already called")
         ours, theirs = socket.socketpair()
-        cmd = [sys.executable, "-c", "from minivllm.frontend.engine_process import "
+        # -P (3.11+): not the working folder first on sys.path. Run from a clone's root,
+        # it would make the clone's `kernels/` shadow the installed `kernels` package
+        # that transformers imports. The working folder itself is kept (relative paths).
+        safe = ["-P"] if sys.version_info >= (3, 11) else []
+        cmd = [sys.executable, *safe, "-c", "from minivllm.frontend.engine_process import "
                "child_entry; child_entry()", str(theirs.fileno())]
-        if self._child_log is not None:
-            with open(self._child_log, "ab") as log:
+        if self._log_path is not None:
+            with open(self._log_path, "ab") as log:
                 self._process = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),),
-                                                 stdout=log, stderr=subprocess.STDOUT)
+                                                  stdout=log, stderr=subprocess.STDOUT)
         else:
             self._process = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),))
         theirs.close()
         self._conn = conn = Connection(ours.detach())
-        self._send(("start", self._factory, self._stats_interval, self._share_tokenizer))
+        conn.send(("start", self._factory, self._stats_interval))
         try:
             while True:
                 try:
@@ -134,9 +146,8 @@ class EngineProcessClient:
                     self._process.wait(30)
                     raise _START_ERRORS.get(msg[1], RuntimeError)(msg[2])
                 elif msg[0] == "ready":
-                    self._info, self._stats, self._prefix_counters = msg[1], msg[2], msg[3]
-                    if msg[4] is not None:
-                        self._tokenizer = pickle.loads(msg[4])
+                    self._info, self._tokenizer = msg[1], msg[2]
+                    self._stats, self._prefix_counters, self._progresses = msg[3:6]
                     break
         except BaseException:  # a failed start or Ctrl-C: leave no child behind
             if self._process.poll() is None:
@@ -146,6 +157,9 @@ class EngineProcessClient:
         self._reader = threading.Thread(target=self._read, name="minivllm-engine-outputs",
                                         daemon=True)
         self._reader.start()
+        self._writer = threading.Thread(target=self._write, name="minivllm-engine-commands",
+                                        daemon=True)
+        self._writer.start()
         return self._info
 
     def add_request(self, request: GenerateRequest, on_output: OutputCallback) -> None:
@@ -179,9 +193,9 @@ class EngineProcessClient:
         return self._prefix_counters
 
     def prompt_progress(self, request_id: str) -> tuple[int, int] | None:
-        """(prompt tokens computed, prompt tokens) of a request still in prefill, as of
-        the child's latest stats."""
-        return self._progress.get(request_id)
+        """(prompt tokens computed, prompt tokens) of a live request, as of the child's
+        last snapshot (at most `stats_interval` old), or None."""
+        return self._progresses.get(request_id)
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         return stream_outputs(self, request)
@@ -192,6 +206,10 @@ class EngineProcessClient:
             return
         self._closed = True
         self._send(("quit",))
+        writer = self._writer
+        if writer is not None:
+            self._outq.put(None)
+            writer.join(5)
         self._stop_child(timeout)
         reader = self._reader
         if reader is not None and reader is not threading.current_thread():
@@ -201,15 +219,31 @@ class EngineProcessClient:
     # -- parent internals ------------------------------------------------------------------
 
     def _send(self, msg: tuple[Any, ...]) -> bool:
+        if self._writer is None or self._writer_failed:
+            return False
+        self._outq.put(msg)
+        return True
+
+    def _write(self) -> None:
+        """The writer thread: everything queued since the last send, as one message."""
         conn = self._conn
-        if conn is None:
-            return False
-        try:
-            with self._send_lock:
-                conn.send(msg)
-            return True
-        except (OSError, ValueError):  # the child is gone (or we closed the pipe)
-            return False
+        assert conn is not None
+        while True:
+            msgs = [self._outq.get()]
+            while True:
+                try:
+                    msgs.append(self._outq.get_nowait())
+                except queue.Empty:
+                    break
+            batch = [m for m in msgs if m is not None]
+            if batch:
+                try:
+                    conn.send(("batch", batch))
+                except (OSError, ValueError):  # the child is gone (the reader says why)
+                    self._writer_failed = True
+                    return
+            if len(batch) < len(msgs):  # None: close() is done sending
+                return
 
     def _stop_child(self, timeout: float) -> None:
         process = self._process
@@ -236,7 +270,7 @@ class EngineProcessClient:
             if kind == "out":
                 self._deliver(msg[1])
             elif kind == "stats":
-                self._stats, self._prefix_counters, self._progress = msg[1], msg[2], msg[3]
+                self._stats, self._prefix_counters, self._progresses = msg[1], msg[2], msg[3]
             elif kind == "dead":
                 self._error = msg[1]
         if not self._closed and self._error is None:
@@ -282,45 +316,67 @@ def _pack(o: RequestOutput) -> tuple[Any, ...]:
 
 
 class _Outbox:
-    """Outputs gathered during one turn of the engine loop, sent as one message."""
+    """Outputs gathered during one turn of the engine loop, sent as one message; with
+    them, a new stats snapshot whenever the front end published one."""
 
-    def __init__(self, conn: Connection, frontend_stats: Callable[[], Any],
-                 progress_of: Callable[[str], Any] = lambda request_id: None) -> None:
+    def __init__(self, conn: Connection) -> None:
         self.conn = conn
+        self.frontend: EngineFrontend | None = None
         self.items: list[RequestOutput] = []
         self.lock = threading.Lock()
-        self.stats_of = frontend_stats
-        self.progress_of = progress_of
         self.sent_stats: Any = None
-        self.prefilling: set[str] = set()  # accepted, no tokens yet: prefill progress
 
     def put(self, output: RequestOutput) -> None:
         with self.lock:
             self.items.append(output)
-            if output.accepted and not (output.token_ids or output.finished):
-                self.prefilling.add(output.request_id)
-            elif output.token_ids or output.finished:
-                self.prefilling.discard(output.request_id)
 
     def send(self, msg: tuple[Any, ...]) -> None:
         with self.lock:  # one writer at a time: messages must not interleave on the pipe
             self.conn.send(msg)
 
     def flush(self) -> None:
+        frontend = self.frontend
+        assert frontend is not None
         with self.lock:
             items, self.items = self.items, []
-            stats = self.stats_of()
+            stats = frontend.stats()
             try:
                 # Stats first: a caller that hears a request finished and then reads
                 # stats() must see it gone (as with the in-process front end).
-                if stats[0] is not self.sent_stats:
-                    self.sent_stats = stats[0]
-                    progress = {r: self.progress_of(r) for r in self.prefilling}
-                    self.conn.send(("stats", *stats, progress))
+                if stats is not self.sent_stats:
+                    self.sent_stats = stats
+                    self.conn.send(("stats", stats, frontend.prefix_cache_counters(),
+                                    frontend.prompt_progresses()))
                 if items:
                     self.conn.send(("out", [_pack(o) for o in items]))
             except (OSError, ValueError):
                 pass  # the parent is gone: the command loop sees EOF and exits
+
+
+def _run_commands(frontend: EngineFrontend, outbox: _Outbox, batch: list[tuple[Any, ...]]
+                  ) -> bool:
+    """Apply the parent's commands in order; False once told to quit."""
+    for msg in batch:
+        kind = msg[0]
+        if kind == "add":
+            frontend.add_request(msg[1], outbox.put)
+            if frontend.error is not None or not frontend.alive:
+                outbox.flush()  # refused at once: nobody else will flush it
+        elif kind == "abort":
+            frontend.abort(msg[1])
+        elif kind == "abort_all":
+            frontend.abort_all()
+        elif kind == "quit":
+            return False
+    return True
+
+
+def _picklable(value: Any) -> Any:
+    try:
+        pickle.dumps(value)
+    except Exception:  # noqa: BLE001 - a tokenizer holding a lock, say: the parent gets None
+        return None
+    return value
 
 
 def child_entry() -> None:
@@ -331,15 +387,14 @@ def child_entry() -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     conn = Connection(int(sys.argv[1]))
     try:
-        kind, factory, stats_interval, share_tokenizer = conn.recv()
+        kind, factory, stats_interval = conn.recv()
     except (EOFError, OSError):
         return
     assert kind == "start"
-    _child_main(factory, conn, stats_interval, share_tokenizer)
+    _child_main(factory, conn, stats_interval)
 
 
-def _child_main(factory: EngineFactory, conn: Connection, stats_interval: float,
-                share_tokenizer: bool = False) -> None:
+def _child_main(factory: EngineFactory, conn: Connection, stats_interval: float) -> None:
     try:
         engine = factory(lambda stage, fraction: conn.send(("progress", stage, fraction)))
     except BaseException as exc:  # noqa: BLE001 - the parent raises it
@@ -348,21 +403,13 @@ def _child_main(factory: EngineFactory, conn: Connection, stats_interval: float,
         finally:
             conn.close()
         return
-    frontend: EngineFrontend | None = None
-    outbox = _Outbox(conn, lambda: (frontend.stats(), frontend.prefix_cache_counters()),
-                     lambda request_id: frontend.prompt_progress(request_id))
-    tokenizer = None
-    if share_tokenizer:
-        try:
-            tokenizer = pickle.dumps(getattr(engine, "tokenizer", None))
-        except Exception:  # noqa: BLE001 - the parent then does without one
-            tokenizer = None
-    frontend = EngineFrontend(engine, owns_engine=True, stats_interval=stats_interval,
-                              on_iteration=outbox.flush)
+    outbox = _Outbox(conn)
+    frontend = outbox.frontend = EngineFrontend(
+        engine, owns_engine=True, stats_interval=stats_interval, on_iteration=outbox.flush)
     with outbox.lock:  # before the engine thread's first flush
         info = frontend.start()
-        conn.send(("ready", info, frontend.stats(), frontend.prefix_cache_counters(),
-                   tokenizer))
+        conn.send(("ready", info, _picklable(getattr(engine, "tokenizer", None)),
+                   frontend.stats(), frontend.prefix_cache_counters(), {}))
     dead_reported = False
     try:
         while True:
@@ -372,17 +419,9 @@ def _child_main(factory: EngineFactory, conn: Connection, stats_interval: float,
                     outbox.send(("dead", frontend.error))
                     dead_reported = True
                 continue
-            msg = conn.recv()
-            kind = msg[0]
-            if kind == "add":
-                frontend.add_request(msg[1], outbox.put)
-                if frontend.error is not None or not frontend.alive:
-                    outbox.flush()  # refused at once: nobody else will flush it
-            elif kind == "abort":
-                frontend.abort(msg[1])
-            elif kind == "abort_all":
-                frontend.abort_all()
-            elif kind == "quit":
+            kind, batch = conn.recv()
+            assert kind == "batch"
+            if not _run_commands(frontend, outbox, batch):
                 break
     except (EOFError, OSError):
         pass  # the parent is gone

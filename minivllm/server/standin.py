@@ -48,10 +48,10 @@ class StandInRunner:
         # Ids past the special tokens at the start of every vocabulary we serve.
         self._low = min(1000, self.vocab - 1)
         self._device_free_at = 0.0
+        self.cpu_weight_format = None  # no weights, so no packed CPU format either
         head_dim = model.head_dim or model.hidden_size // model.num_heads
         self.bytes_per_block = (2 * model.num_layers * model.num_kv_heads * head_dim
                                 * config.block_size * 2)
-        self.cpu_weight_format = None  # what LLMEngine reads of a ModelRunner (fp weights)
 
     def size_kv_pool(self) -> int:
         if self.config.max_cached_blocks is not None:
