@@ -71,8 +71,16 @@ if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
   if $PY -c "import fastapi, uvicorn, httpx, prometheus_client" 2>/dev/null; then
     (cd /tmp && $PY -c "from minivllm.cli import main; main()" bench serve \
       --model Qwen/Qwen3-0.6B --load-format dummy --max-model-len 2048 --max-num-seqs 32 \
-      --prompt-len 128 --output-len 256 --concurrency 1 8 32) 2>&1 \
-      | tee "$OUT/bench-serve.log" | tail -14
+      --prompt-len 128 --output-len 256 --concurrency 1 8 32 \
+      --modes server server-thread frontend engine) 2>&1 \
+      | tee "$OUT/bench-serve.log" | tail -26
+    # The same through the CPU stand-in engine (no GPU: 0.3 ms of Python + 1.4 ms of
+    # GIL-free wait a step), to compare with the stand-in figures measured off the GPU.
+    (cd /tmp && $PY -c "from minivllm.cli import main; main()" bench serve \
+      --model Qwen/Qwen3-0.6B --load-format dummy --max-model-len 2048 --max-num-seqs 32 \
+      --stand-in-ms 0.3 1.4 --prompt-len 128 --output-len 256 --concurrency 8 32 \
+      --modes server server-thread engine) 2>&1 \
+      | tee "$OUT/bench-serve-standin.log" | tail -12
   else
     echo "bench serve: skipped (fastapi/uvicorn/httpx/prometheus_client not installed)"
   fi
@@ -115,6 +123,6 @@ grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -2
 [ -f "$OUT/cpu-tests.log" ] && grep -E "passed|failed|error" "$OUT/cpu-tests.log" | tail -1
 grep -E "^  (throughput|host ms|decode|TTFT|transformers|ratio|minivllm|prefill|chat|cold)|^-- " \
   "$OUT/bench.log" || true
-grep -E "^(server|frontend|engine) |^server / " "$OUT/bench-serve.log" 2>/dev/null || true
+grep -E "^(server|server-thread|frontend|engine) |^server(-thread)? / " "$OUT/bench-serve.log" 2>/dev/null || true
 grep -E "^ *(headless|app):|^app / headless|^UI thread|skipped" "$OUT/bench-app.log" 2>/dev/null \
   | sed 's/^/chat app: /' || true

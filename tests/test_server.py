@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from minivllm import SamplingParams
-from minivllm.server.launch import launch_server
+from minivllm.server.launch import descendants, launch_server
 
 pytestmark = pytest.mark.slow
 
@@ -259,20 +259,6 @@ async def test_app_against_the_server_streams_and_esc_aborts(server, tmp_path):
         await asyncio.to_thread(wait_idle_server, server, 5)
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            if ppid == pid:
-                kids.append(int(entry))
-    return kids
-
-
 def test_sigterm_while_streaming_exits_cleanly(tmp_path, tiny_llama, smollm2_path):
     """Tensor-parallel (2 ranks on CPU) so there is a worker process to leave behind; a
     tiny random model (SmolLM2's heads do not split in two) with SmolLM2's tokenizer."""
@@ -283,8 +269,9 @@ def test_sigterm_while_streaming_exits_cleanly(tmp_path, tiny_llama, smollm2_pat
     proc, url = start_server(tmp_path, str(model), "--device", "cpu",
                              "--tensor-parallel-size", "2", "--block-size", "16",
                              "--num-gpu-blocks-override", "64", "--max-model-len", "512")
-    workers = _children(proc.pid)
-    assert workers, "the tensor-parallel worker is a child process"
+    # The engine process (a child) and its tensor-parallel worker (a grandchild).
+    workers = descendants(proc.pid)
+    assert len(workers) >= 2, f"engine process and worker expected, found {workers}"
     body = {"model": str(model), "prompt": [1, 2, 3, 4], "max_tokens": 400,
             "ignore_eos": True, "temperature": 0, "stream": True}
     lines = []

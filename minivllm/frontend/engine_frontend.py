@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 import traceback
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -97,16 +98,58 @@ class PrefixCacheCounters:
     hits: int  # ... and found there
 
 
+class _LoopWaker:
+    """Wakes the `AsyncOutputs` of one event loop that got outputs from another thread,
+    with one `call_soon_threadsafe` for all of them: the engine thread hands out a step's
+    outputs for N requests with one wake-up of the loop (each one writes to the loop's
+    self-pipe, a system call), not N."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[AsyncOutputs] = []
+        self._scheduled = False
+
+    def wake(self, target: AsyncOutputs) -> None:
+        with self._lock:
+            self._pending.append(target)
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self._loop.call_soon_threadsafe(self._run)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening
+            pass
+
+    def _run(self) -> None:
+        with self._lock:
+            targets, self._pending = self._pending, []
+            self._scheduled = False
+        for target in targets:
+            target._wake()
+
+
+_WAKERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker] = (
+    weakref.WeakKeyDictionary())
+
+
+def _waker(loop: asyncio.AbstractEventLoop) -> _LoopWaker:
+    waker = _WAKERS.get(loop)
+    if waker is None:
+        waker = _WAKERS[loop] = _LoopWaker(loop)
+    return waker
+
+
 class AsyncOutputs:
     """A request's outputs handed from any thread to one asyncio loop.
 
     `put` is thread-safe and wakes the loop at most once per batch, so a consumer that
     falls behind gets several outputs at once (and merges them) instead of one wake-up
-    per token.
+    per token. Create it on the loop's thread.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+        self._waker = _waker(loop)
         self._items: deque[RequestOutput] = deque()
         self._lock = threading.Lock()
         self._event = asyncio.Event()
@@ -118,10 +161,7 @@ class AsyncOutputs:
             if self._wake_pending:
                 return
             self._wake_pending = True
-        try:
-            self._loop.call_soon_threadsafe(self._wake)
-        except RuntimeError:  # the consumer's loop is closed: nobody is listening
-            pass
+        self._waker.wake(self)
 
     def _wake(self) -> None:
         with self._lock:
@@ -187,7 +227,9 @@ class EngineFrontend:
     Give a built `engine`, or an `engine_factory(on_progress)` that `start()` calls on
     the caller's thread (so a UI can show progress and Ctrl-C lands where expected).
     `owns_engine` decides whether `close()` calls `engine.exit()` (default: when the
-    front end built it).
+    front end built it). `on_iteration`, if given, runs on the engine thread after each
+    turn of the loop (after a step's outputs went out): a caller that buffers outputs
+    flushes them there, once a step.
     """
 
     def __init__(
@@ -198,6 +240,7 @@ class EngineFrontend:
         owns_engine: bool | None = None,
         stats_interval: float = 0.1,
         idle_wait: float = 0.05,
+        on_iteration: Callable[[], None] | None = None,
     ) -> None:
         if (engine is None) == (engine_factory is None):
             raise ValueError("give exactly one of engine and engine_factory")
@@ -206,6 +249,7 @@ class EngineFrontend:
         self._owns = owns_engine if owns_engine is not None else engine is None
         self._stats_interval = stats_interval
         self._idle_wait = idle_wait
+        self._on_iteration = on_iteration
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._info: EngineInfo | None = None
@@ -280,6 +324,19 @@ class EngineFrontend:
         progress = getattr(self.engine, "prompt_progress", None)
         return progress(live.seq_id) if live is not None and progress is not None else None
 
+    def prompt_progresses(self) -> dict[str, tuple[int, int]]:
+        """`prompt_progress` of every live request (call on the engine thread, or where
+        a snapshot that may be a step old is fine)."""
+        progress = getattr(self.engine, "prompt_progress", None)
+        if progress is None:
+            return {}
+        out = {}
+        for request_id, live in list(self._live.items()):
+            p = progress(live.seq_id)
+            if p is not None:
+                out[request_id] = p
+        return out
+
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         return stream_outputs(self, request)
 
@@ -345,6 +402,8 @@ class EngineFrontend:
             if now >= next_stats:
                 self._publish_stats()
                 next_stats = now + self._stats_interval
+            if self._on_iteration is not None:
+                self._on_iteration()
 
     def _drain(self, wait: float) -> list[Any]:
         commands: list[Any] = []

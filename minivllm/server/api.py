@@ -103,6 +103,30 @@ class _Chunks:
         return _sse({**self.head, "choices": [], "usage": usage})
 
 
+class _ApiKeyCheck:
+    """401 for /v1 requests without `Authorization: Bearer KEY`.
+
+    NOTE: plain ASGI, not `@app.middleware("http")`: that one (Starlette's
+    BaseHTTPMiddleware) relays every SSE chunk of a streamed body through a memory
+    stream and an extra task, per token per request."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(
+                    401, "invalid or missing API key: send the header "
+                    "'Authorization: Bearer KEY'", "authentication_error",
+                    code="invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(client: Any, *, model_name: str, api_key: str | None = None,
               max_model_len: int | None = None) -> FastAPI:
     """The app around a started client (`EngineFrontend`); `model_name` is what
@@ -115,15 +139,8 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
     app.state.client = client
     app.state.metrics = metrics
 
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next: Any) -> Response:
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(401, "invalid or missing API key: send the header "
-                                      "'Authorization: Bearer KEY'", "authentication_error",
-                                      code="invalid_api_key")
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_ApiKeyCheck, api_key=api_key)
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:

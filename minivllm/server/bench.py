@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .cli import add_engine_arguments, engine_config
-from .launch import launch_server
+from .cli import add_engine_arguments, build_engine
+from .launch import descendants, launch_server
 
 
 @dataclass
@@ -58,6 +58,12 @@ class Result:
     concurrency: int
     wall_s: float
     traces: list[Trace]
+    # CPU seconds the server spent: its event loop thread, its other threads (the engine
+    # thread, or the thread reading the engine process's outputs), its child processes
+    # (the engine process); nan where not measured.
+    loop_cpu_s: float = float("nan")
+    threads_cpu_s: float = float("nan")
+    children_cpu_s: float = float("nan")
 
     @property
     def tokens(self) -> int:
@@ -84,10 +90,50 @@ def workload(n: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
 # -- server -----------------------------------------------------------------------------------
 
 
-def start_server(args: argparse.Namespace, argv: list[str]) -> tuple[subprocess.Popen, str]:
-    log = Path(tempfile.gettempdir()) / f"minivllm-bench-serve-{os.getpid()}.log"
-    return launch_server(["--served-model-name", "bench", *argv], log,
-                         timeout=args.start_timeout)
+def start_server(args: argparse.Namespace, argv: list[str], checkout: str | None = None
+                 ) -> tuple[subprocess.Popen, str]:
+    """`minivllm serve` with our engine flags; from `checkout` (another clone of the
+    repository, imported first) when given, for a before/after comparison."""
+    tag = f"-{Path(checkout).name}" if checkout else ""
+    log = Path(tempfile.gettempdir()) / f"minivllm-bench-serve-{os.getpid()}{tag}.log"
+    env = cwd = None
+    if checkout:
+        # `python -c` puts its working folder first on sys.path: run it in the checkout.
+        cwd = Path(checkout).resolve()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(cwd), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    return launch_server(["--served-model-name", "bench", *argv], log, cwd=cwd,
+                         timeout=args.start_timeout, env=env)
+
+
+def cpu_seconds(pid: int) -> tuple[float, float, float]:
+    """CPU seconds of the server's main thread (the event loop), its other threads, and
+    its child processes (the engine process, its workers) from /proc; nan without it."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    main = other = children = 0.0
+    try:
+        pids = [pid, *descendants(pid)]
+    except OSError:
+        return float("nan"), float("nan"), float("nan")
+    for p in pids:
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{p}/task/{task}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            used = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+            if int(task) == pid:
+                main += used
+            elif p == pid:
+                other += used
+            else:
+                children += used
+    return main, other, children
 
 
 async def _http_request(client: Any, prompt: list[int], max_tokens: int) -> Trace:
@@ -165,6 +211,9 @@ def run_engine(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[flo
 # -- main -------------------------------------------------------------------------------------
 
 
+SERVED_MODES = {"server": [], "server-thread": ["--no-engine-process"]}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minivllm bench serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -172,22 +221,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--modes", nargs="+", default=["server", "frontend", "engine"],
-                   choices=["server", "frontend", "engine"])
+                   choices=[*SERVED_MODES, "frontend", "engine"],
+                   help="server: `minivllm serve` (engine in its own process); "
+                   "server-thread: the same with --no-engine-process; frontend: "
+                   "EngineFrontend in process; engine: the bare step loop")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat every measurement; the table shows the median round")
+    p.add_argument("--baseline", metavar="CHECKOUT",
+                   help="also serve from this other clone of the repository (imported "
+                   "first): mode 'baseline' (with --stand-in-ms, interleaved)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     add_engine_arguments(p)
     return p
 
 
+_OWN_FLAGS = {"--concurrency", "--prompt-len", "--output-len", "--modes", "--start-timeout",
+              "--rounds", "--baseline"}
+
+
 def _engine_argv(argv: list[str]) -> list[str]:
     """The engine flags of our command line, passed on to `minivllm serve` as given."""
-    own = {"--concurrency", "--prompt-len", "--output-len", "--modes", "--start-timeout"}
     out, skip = [], False
     for arg in argv:
         if arg.startswith("--"):
-            skip = arg.split("=", 1)[0] in own
+            skip = arg.split("=", 1)[0] in _OWN_FLAGS
         if not skip:
             out.append(arg)
     return out
+
+
+def _measure_http(mode: str, proc: subprocess.Popen, url: str, prompts: list[list[int]],
+                  max_tokens: int) -> Result:
+    before = cpu_seconds(proc.pid)
+    wall, traces = asyncio.run(run_http(url, prompts, max_tokens))
+    after = cpu_seconds(proc.pid)
+    return Result(mode, len(prompts), wall, traces,
+                  *(a - b for a, b in zip(after, before, strict=True)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,58 +266,86 @@ def main(argv: list[str] | None = None) -> int:
     vocab = 10000
     prompts = {n: workload(n, args.prompt_len, vocab, seed=n) for n in args.concurrency}
     warm = workload(2, args.prompt_len, vocab, seed=12345)
-    if "server" in args.modes:
-        proc, url = start_server(args, _engine_argv(argv))
+    # Each served mode: (the checkout it runs from, extra `minivllm serve` flags).
+    served = {mode: (None, flags) for mode, flags in SERVED_MODES.items() if mode in args.modes}
+    if args.baseline:
+        served["baseline"] = (args.baseline, [])
+    # The stand-in holds no device memory: its servers run side by side, rounds
+    # interleaved. Real engines take turns (one KV pool fits the GPU at a time).
+    groups = [list(served)] if args.stand_in_ms else [[mode] for mode in served]
+    for group in groups:
+        servers: dict[str, tuple[subprocess.Popen, str]] = {}
         try:
-            asyncio.run(run_http(url, warm, 4))
-            for n in args.concurrency:
-                wall, traces = asyncio.run(run_http(url, prompts[n], args.output_len))
-                results.append(Result("server", n, wall, traces))
-                print_row(results[-1], results)
+            for mode in group:
+                checkout, flags = served[mode]
+                servers[mode] = start_server(args, [*_engine_argv(argv), *flags], checkout)
+            for _, url in servers.values():
+                asyncio.run(run_http(url, warm, 4))
+            for _ in range(args.rounds):
+                for n in args.concurrency:
+                    for mode, (proc, url) in servers.items():
+                        results.append(_measure_http(mode, proc, url, prompts[n],
+                                                     args.output_len))
+                        print_row(results[-1], results)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(60)
+            for proc, _ in servers.values():
+                proc.send_signal(signal.SIGTERM)
+            for proc, _ in servers.values():
+                proc.wait(60)
     if "frontend" in args.modes or "engine" in args.modes:
-        from minivllm import LLMEngine
         from minivllm.frontend import EngineFrontend
 
-        llm = LLMEngine(engine_config(args))
+        llm = build_engine(args)
         try:
             run_engine(llm, warm, 4)
-            for n in args.concurrency:
-                if "engine" in args.modes:
-                    wall, traces = run_engine(llm, prompts[n], args.output_len)
-                    results.append(Result("engine", n, wall, traces))
-                    print_row(results[-1], results)
-                if "frontend" in args.modes:
-                    frontend = EngineFrontend(llm, owns_engine=False)
-                    frontend.start()
-                    try:
-                        wall, traces = asyncio.run(run_frontend(frontend, prompts[n],
-                                                                args.output_len))
-                    finally:
-                        frontend.close()
-                    results.append(Result("frontend", n, wall, traces))
-                    print_row(results[-1], results)
+            for _ in range(args.rounds):
+                for n in args.concurrency:
+                    if "engine" in args.modes:
+                        cpu = time.process_time()
+                        wall, traces = run_engine(llm, prompts[n], args.output_len)
+                        results.append(Result("engine", n, wall, traces, float("nan"),
+                                              time.process_time() - cpu, 0.0))
+                        print_row(results[-1], results)
+                    if "frontend" in args.modes:
+                        frontend = EngineFrontend(llm, owns_engine=False)
+                        frontend.start()
+                        try:
+                            wall, traces = asyncio.run(run_frontend(frontend, prompts[n],
+                                                                    args.output_len))
+                        finally:
+                            frontend.close()
+                        results.append(Result("frontend", n, wall, traces))
+                        print_row(results[-1], results)
         finally:
             llm.exit()
     print_table(results)
     return 0
 
 
-HEADER = (f"{'mode':<9} {'N':>3} {'out tok/s':>10} {'vs engine':>9} {'TTFT p50':>9} "
-          f"{'p90':>8} {'p99':>8} {'ITL p50':>8} {'p90':>8} {'p99':>8}  (ms)")
+MODES = (*SERVED_MODES, "baseline", "frontend", "engine")
+HEADER = (f"{'mode':<13} {'N':>3} {'out tok/s':>10} {'vs engine':>9} {'TTFT p50':>9} "
+          f"{'p90':>8} {'p99':>8} {'ITL p50':>8} {'p90':>8} {'p99':>8} "
+          f"{'CPU us/tok: loop':>16} {'threads':>7} {'children':>8}")
+
+
+def _median(results: list[Result], mode: str, n: int) -> Result | None:
+    """The round with the median tok/s for this mode and concurrency."""
+    rs = sorted((r for r in results if r.mode == mode and r.concurrency == n),
+                key=lambda r: r.tok_s)
+    return rs[(len(rs) - 1) // 2] if rs else None
 
 
 def _fmt(r: Result, results: list[Result]) -> str:
-    base = next((b for b in results if b.mode == "engine" and b.concurrency == r.concurrency),
-                None)
+    base = _median(results, "engine", r.concurrency)
     ratio = f"{r.tok_s / base.tok_s:8.0%}" if base is not None else f"{'':>8}"
     ttft = [t.ttft() * 1e3 for t in r.traces]
     itl = [x * 1e3 for t in r.traces for x in t.itls()]
-    return (f"{r.mode:<9} {r.concurrency:>3} {r.tok_s:>10.1f} {ratio:>9} "
+    per_tok = 1e6 / max(1, r.tokens)
+    return (f"{r.mode:<13} {r.concurrency:>3} {r.tok_s:>10.1f} {ratio:>9} "
             f"{pct(ttft, 50):>9.1f} {pct(ttft, 90):>8.1f} {pct(ttft, 99):>8.1f} "
-            f"{pct(itl, 50):>8.1f} {pct(itl, 90):>8.1f} {pct(itl, 99):>8.1f}")
+            f"{pct(itl, 50):>8.1f} {pct(itl, 90):>8.1f} {pct(itl, 99):>8.1f} "
+            f"{r.loop_cpu_s * per_tok:>16.1f} {r.threads_cpu_s * per_tok:>7.1f} "
+            f"{r.children_cpu_s * per_tok:>8.1f}")
 
 
 def print_row(r: Result, results: list[Result]) -> None:
@@ -256,15 +353,24 @@ def print_row(r: Result, results: list[Result]) -> None:
 
 
 def print_table(results: list[Result]) -> None:
-    print("\nbench serve: output tok/s, TTFT and inter-token latency (ms) per concurrency")
+    rounds = max((sum(1 for x in results if x.mode == r.mode and x.concurrency == r.concurrency)
+                  for r in results), default=1)
+    print("\nbench serve: output tok/s, TTFT and inter-token latency (ms) per concurrency"
+          + (f" (median of {rounds} rounds)" if rounds > 1 else ""))
+    print("CPU per output token (us): the server's event loop thread, its other threads "
+          "(the engine's, or the engine process's reader) and its child processes (the "
+          "engine process); for 'engine', the whole process")
     print(HEADER)
-    for n in sorted({r.concurrency for r in results}):
-        for r in results:
-            if r.concurrency == n:
+    concurrencies = sorted({r.concurrency for r in results})
+    for n in concurrencies:
+        for mode in MODES:
+            r = _median(results, mode, n)
+            if r is not None:
                 print(_fmt(r, results))
-    for n in sorted({r.concurrency for r in results}):
-        s = [r for r in results if r.mode == "server" and r.concurrency == n]
-        for mode in ("frontend", "engine"):
-            b = [r for r in results if r.mode == mode and r.concurrency == n]
-            if s and b:
-                print(f"server / in-process {mode} at N={n}: {s[0].tok_s / b[0].tok_s:.0%}")
+    for n in concurrencies:
+        for served in (*SERVED_MODES, "baseline"):
+            s = _median(results, served, n)
+            for mode in ("frontend", "engine"):
+                b = _median(results, mode, n)
+                if s is not None and b is not None:
+                    print(f"{served} / in-process {mode} at N={n}: {s.tok_s / b.tok_s:.0%}")

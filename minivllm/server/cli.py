@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from typing import Any
 
@@ -45,6 +46,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="end-of-sequence id (repeatable; default: the model's)")
     p.add_argument("--max-num-batch-tokens", type=int,
                    help="warm-up batch for memory profiling (default: --max-num-batched-tokens)")
+    p.add_argument("--stand-in-ms", type=float, nargs=2, metavar=("HOST", "DEVICE"),
+                   help="benchmarks only: no model; each step costs HOST ms of Python and "
+                   "DEVICE ms of GIL-free waiting (e.g. 0.3 1.4 is an H200's decode step)")
 
 
 ENGINE_KEYS = ("max_model_length", "max_num_sequences", "max_num_batched_tokens", "block_size",
@@ -62,6 +66,19 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
     return config
 
 
+def build_engine(args: argparse.Namespace, on_progress: Any = None) -> Any:
+    """The engine the flags ask for: the real one, or the benchmark's stand-in."""
+    if getattr(args, "stand_in_ms", None):
+        from .standin import stand_in_engine
+
+        host_ms, device_ms = args.stand_in_ms
+        return stand_in_engine(engine_config(args), host_ms=host_ms, device_ms=device_ms,
+                               on_progress=on_progress)
+    from minivllm import LLMEngine
+
+    return LLMEngine(engine_config(args), on_progress=on_progress)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="minivllm serve",
@@ -76,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients pass as `model` (default: --model)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a child process, so HTTP work does not compete "
+                   "with it for the GIL (default: on)")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_arguments(p)
@@ -93,20 +113,25 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port <= 65535:
         print(f"minivllm serve: --port {args.port}: must be in [0, 65535]", file=sys.stderr)
         return 1
-    from minivllm import LLMEngine
-
     from ..frontend import EngineFrontend
+    from ..frontend.engine_process import SWITCH_INTERVAL_S, EngineProcessClient
     from .api import build_app
 
+    sys.setswitchinterval(SWITCH_INTERVAL_S)  # see its note
+
+    frontend: Any
     try:
-        engine = LLMEngine(engine_config(args), on_progress=_progress)
+        if args.engine_process:
+            frontend = EngineProcessClient(functools.partial(build_engine, args))
+            frontend.start(_progress)
+        else:
+            frontend = EngineFrontend(build_engine(args, _progress), owns_engine=True)
+            frontend.start()
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
         print(f"minivllm serve: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-    frontend = EngineFrontend(engine, owns_engine=True)
-    frontend.start()
     name = args.served_model_name or args.model
     app = build_app(frontend, model_name=name, api_key=args.api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

@@ -6,6 +6,7 @@ port of 127.0.0.1, its output in a file, and a clear error with that output when
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -19,8 +20,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (the engine process, its tensor-parallel workers)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
 def launch_server(argv: list[str], log_path: Path, *, cwd: Path | None = None,
-                  timeout: float = 240.0) -> tuple[subprocess.Popen, str]:
+                  timeout: float = 240.0, env: dict[str, str] | None = None
+                  ) -> tuple[subprocess.Popen, str]:
     """Run `minivllm serve <argv> --port P`; return the process and its base URL.
 
     The server's output goes to `log_path`, not a pipe: nobody reads it while the server
@@ -34,7 +55,7 @@ def launch_server(argv: list[str], log_path: Path, *, cwd: Path | None = None,
            *argv, "--port", str(port)]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
-                                start_new_session=True)
+                                start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -111,6 +111,11 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency",
                              _E2E_BUCKETS)
         self._model = model_name
+        # The labelled children, looked up once (labels() per token costs a dict lookup
+        # under a lock on the event loop).
+        self.generation_tokens_of = self.generation_tokens.labels(model_name)
+        self.ttft_of = self.ttft.labels(model_name)
+        self.itl_of = self.itl.labels(model_name)
 
     def request(self) -> RequestTimer:
         return RequestTimer(self)
@@ -134,16 +139,17 @@ class RequestTimer:
     def output(self, at: float, num_new_tokens: int) -> None:
         if num_new_tokens <= 0 or self.start is None:
             return
-        m, model = self.m, self.m._model
-        m.generation_tokens.labels(model).inc(num_new_tokens)
+        m = self.m
+        m.generation_tokens_of.inc(num_new_tokens)
         if self.last is None:
-            m.ttft.labels(model).observe(max(0.0, at - self.start))
+            m.ttft_of.observe(max(0.0, at - self.start))
             num_new_tokens -= 1
         elif num_new_tokens:
             # Several tokens arriving together share the gap evenly.
             gap = max(0.0, at - self.last) / num_new_tokens
+            observe = m.itl_of.observe
             for _ in range(num_new_tokens):
-                m.itl.labels(model).observe(gap)
+                observe(gap)
         self.last = at
         self.num_generated += num_new_tokens
 
