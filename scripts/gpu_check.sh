@@ -90,10 +90,15 @@ if [ -z "${1:-}" ] || [ "${1:-}" = "all" ] || [ "${1:-}" = "app" ]; then
   # Issue 13: the chat app's cost on the GPU. 4 panes streaming through the real app
   # (Textual's headless driver) vs the same requests headless, interleaved rounds; the
   # Qwen3-0.6B config with random weights (a bench tokenizer stands in for the missing one).
+  # Twice: the engine in this process, then in a child process (`--engine-process on`, what
+  # `auto` picks with a GPU); each run has its own interleaved headless rounds.
   if $PY -c "import textual, rich" 2>/dev/null; then
-    (cd /tmp && timeout 300 $PY -m minivllm.tui.cli --bench --model Qwen/Qwen3-0.6B \
-      --load-format dummy --device cuda --panes 4 --max-tokens 512 --rounds 2) 2>&1 \
-      | grep -v "it/s\]" | tee "$OUT/bench-app.log" | tail -8
+    : >"$OUT/bench-app.log"
+    for mode in off on; do
+      (cd /tmp && timeout 300 $PY -m minivllm.tui.cli --bench --model Qwen/Qwen3-0.6B \
+        --load-format dummy --device cuda --panes 4 --max-tokens 512 --rounds 2 \
+        --engine-process $mode) 2>&1 | grep -v "it/s\]" | tee -a "$OUT/bench-app.log" | tail -14
+    done
   else
     echo "chat app bench: skipped (textual not importable: put its wheels on PYTHONPATH)" \
       | tee "$OUT/bench-app.log"
@@ -124,5 +129,6 @@ grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -2
 grep -E "^  (throughput|host ms|decode|TTFT|transformers|ratio|minivllm|prefill|chat|cold)|^-- " \
   "$OUT/bench.log" || true
 grep -E "^(server|server-thread|frontend|engine) |^server(-thread)? / " "$OUT/bench-serve.log" 2>/dev/null || true
-grep -E "^ *(headless|app):|^app / headless|^UI thread|skipped" "$OUT/bench-app.log" 2>/dev/null \
+grep -E "^ *(headless|app|app \(engine process\)):|^app / headless|^UI thread|skipped" \
+  "$OUT/bench-app.log" 2>/dev/null \
   | sed 's/^/chat app: /' || true

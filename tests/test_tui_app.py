@@ -495,13 +495,16 @@ async def test_load_failure_is_shown_and_the_app_stays_up(tmp_path):
     assert not app.is_running
 
 
-async def test_live_text_counts_its_wrapped_height_incrementally():
-    """The streaming block's line count (kept per finished line) equals Textual's own."""
+async def test_live_text_renders_and_counts_lines_as_textual_does():
+    """The streaming block keeps its finished paragraphs' lines between updates; what it
+    renders, and its height, equal Textual's own rendering of the whole text."""
     import random
 
     from minivllm.tui.widgets.message import LiveText
     from textual.app import App
-    from textual.geometry import Size
+    from textual.content import Content
+    from textual.style import Style
+    from textual.visual import RenderOptions
 
     live = LiveText(classes="live")
 
@@ -510,13 +513,23 @@ async def test_live_text_counts_its_wrapped_height_incrementally():
             yield live
 
     rng = random.Random(0)
-    words = ["a", "lighthouse", "keeper", "\n", "\n\n", "supercalifragilistic", "-", " "]
+    words = ["a", "lighthouse", "keeper", "\n", "\n\n", "supercalifragilistic", "-", " ",
+             "**bold**", "  "]
     async with One().run_test(size=(40, 20)) as pilot:
         await pilot.pause()
+        options = RenderOptions(live._get_style, live.styles)
+        style = Style()
         text = ""
-        for _ in range(200):
+        for i in range(300):
             text += rng.choice(words) + rng.choice([" ", ""])
+            if i == 150:
+                text = text[:-7]  # not a continuation: starts over
+            live.set_text(text)
+            assert live.text == text
             for width in (7, 23):
-                live.update(text, layout=False)
-                assert live._height(text, width) == live.get_content_height(
-                    Size(width, 20), Size(width, 20), width), (width, text)
+                visual = live.render()
+                assert visual.get_height(live.styles, width) == Content(text).get_height(
+                    live.styles, width), (width, text)
+                got = visual.render_strips(width, None, style, options)
+                want = Content(text).render_strips(width, None, style, options)
+                assert [s.text for s in got] == [s.text for s in want], (width, text)

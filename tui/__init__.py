@@ -3,11 +3,13 @@
 `create_app(engine=...)` builds the Textual app around an engine (real or fake);
 `minivllm.tui.cli:main` is the `minivllm-chat` console script; `--plain` runs
 `minivllm.tui.plain`. Module map: engine_thread (the bridge to the engine's front end),
+engine_spec (what `--engine-process` builds in the child: minivllm.frontend's
+EngineProcessClient),
 messages (what it posts to the UI), conversation / store (data and the session file:
 created at the first message, validated on replay, memory-only when it cannot be
 written), thinking / sanitize / stats (pure helpers), widgets/ (one widget per module),
 app (wiring), bench (`minivllm-chat --bench`: the app's cost), fake_engine (a scripted
-engine for tests and demos).
+engine for tests and demos, and the bench's GPU-like stand-in).
 """
 
 from __future__ import annotations

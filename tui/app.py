@@ -52,7 +52,12 @@ from .widgets.pane import ConversationPane
 from .widgets.settings_modal import SettingsModal
 
 MAX_PANES = 9
+SWITCH_INTERVAL = 0.001  # seconds; see on_mount
 FLUSH_HZ = 10  # streamed text is rendered this often (each render repaints the pane)
+# Streaming blocks that outgrew their lines are laid out again at most this often, all in
+# one screen layout: a layout re-renders the screen, and at GPU speed (~25 new lines a
+# second per pane) growing each block as soon as it filled cost most of the UI's time.
+GROW_HZ = 2
 HELP = (
     "Enter sends · ctrl+j newline · Esc or ctrl+c stops · alt+a or /all sends to every pane · "
     "ctrl+r regenerates · ctrl+n/ctrl+w new/close · ctrl+o reopens · alt+1..9 focus · "
@@ -117,6 +122,7 @@ class ChatApp(App):
         self._requests: dict[int, ConversationPane] = {}
         self._next_request = 1
         self._quitting = False
+        self._grow_slot = 0
         self.save_sessions = save_sessions
         self.store, conversations_ = self._open_session(resume, conversations)
         self._next_key = max((c.key for c in conversations_), default=0) + 1
@@ -172,7 +178,7 @@ class ChatApp(App):
         # the engine thread back in sooner after each step's host work (measured: the
         # fake engine under three streaming panes finishes ~25% sooner).
         self._switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._switch_interval, 0.001))
+        sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL))
         if self._keymap:
             self.set_keymap(self._keymap)
         self.worker.start()
@@ -617,6 +623,7 @@ class ChatApp(App):
             await self._finish(pane, msg.request_id, "error", msg.error)
 
     async def on_delta_batch(self, msg: DeltaBatch) -> None:
+        ends = []
         for d in msg.deltas:
             request_id = int(d.request_id)
             pane = self._requests.get(request_id)
@@ -625,7 +632,9 @@ class ChatApp(App):
             pane.feed(d.text, len(d.token_ids), d.at or msg.at)
             if d.finished:
                 status = FINISH_TO_STATUS.get(d.finish_reason, "done")
-                await self._finish(pane, request_id, status, d.error)
+                ends.append(self._finish(pane, request_id, status, d.error))
+        # Replies that end together render their Markdown together (one wait, not one each).
+        await asyncio.gather(*ends)
 
     async def _finish(self, pane: ConversationPane, request_id: int, status: Status,
                       error: str | None = None) -> None:
@@ -660,11 +669,15 @@ class ChatApp(App):
 
     async def _flush_panes(self) -> None:
         progress = getattr(self.worker.client, "prompt_progress", None)  # a remote has none
+        # Every GROW_HZ-th of a second one tick may lay out (the same one for all panes).
+        slot = int(time.monotonic() * GROW_HZ)
+        grow = slot != self._grow_slot
+        self._grow_slot = slot
         for pane in self.panes:
             if progress is not None and pane.state in ("queued", "prefill") \
                     and pane.request_id is not None:
                 pane.set_prefill_progress(progress(str(pane.request_id)))
-            text = await pane.flush()
+            text = await pane.flush(grow)
             if text:
                 self.store.chunk(pane.conversation.key, text)
 

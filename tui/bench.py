@@ -1,16 +1,26 @@
 """Does the chat app slow the engine down? N panes streaming vs the same load headless.
 
     minivllm-chat --bench [--model M] [--panes 4] [--max-tokens 128] [--rounds 2]
+                          [--engine real|gpu-like] [--engine-process off|on|both]
 
-One engine in one process; rounds alternate headless, app, headless, app, ..., headless,
-so a machine whose load drifts (a shared CI box) biases neither side. A headless round
-sends the requests through the app's engine loop (`EngineFrontend`, its own thread) with
-no UI; an app round drives every pane of the real app through Textual's headless driver
-at 160x48, rendering as it streams, with the engine on the same kind of loop. Same
-greedy requests (the panes' templated prompts) after an untimed warm-up of each. Prints
-generation tok/s of every round and app / headless (the app rounds' mean over the
-headless rounds' mean), and the UI thread's CPU time per generated token (steadier than
-tok/s on a shared machine).
+Rounds alternate headless, app, headless, app, ..., headless, so a machine whose load
+drifts (a shared CI box) biases neither side. A headless round sends the requests through
+the app's engine loop (`EngineFrontend`, its own thread) with no UI; an app round drives
+every pane of the real app through Textual's headless driver at 160x48, rendering as it
+streams. Same greedy requests (the panes' templated prompts) after an untimed warm-up of
+each. Prints generation tok/s of every round and two ratios (the app rounds' mean over the
+headless rounds' mean): until every pane is idle (the replies rendered as Markdown), and
+engine side, until the engine produced the last token (what the app costs the engine);
+and the UI thread's CPU time per generated token (steadier than tok/s on a shared machine).
+
+`--engine gpu-like` measures the GPU case on a CPU: a stand-in engine
+(`fake_engine.GpuLikeEngine`) whose step holds the GIL `--host-ms` (0.3) and then waits
+`--device-ms` (1.0) with it released, as a CUDA sync does, ~3,000 tok/s with 4 panes.
+
+`--engine-process on` runs the engine in a child process (`EngineProcessClient`, what
+`minivllm-chat --engine-process` does); headless rounds then send the requests to that
+process with no UI (so they include the pipe). `both` interleaves app rounds of both kinds
+over one in-process headless baseline (two engines: not on one GPU).
 
 A model without tokenizer files (`--load-format dummy` on a known config such as
 Qwen/Qwen3-0.6B, as on the GPU machine) gets `BenchTokenizer`: the app needs text, and
@@ -21,11 +31,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
+import signal
 import statistics
+import sys
 import threading
 import time
+import traceback
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 from minivllm.sampling_params import SamplingParams
@@ -103,9 +118,12 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
     return config
 
 
-def run_headless(engine: Any, texts: list[str], max_tokens: int) -> tuple[int, float]:
+def run_headless(engine: Any, texts: list[str], max_tokens: int,
+                 frontend: Any = None, timeout: float | None = None) -> tuple[int, float]:
     """The same requests through the app's engine loop (`EngineFrontend`, on its own
-    thread as in the app), with no UI: what the engine does without the app.
+    thread as in the app), with no UI: what the engine does without the app. With a
+    running `frontend` (any started `EngineClient`, such as the engine process), through
+    that one.
 
     NOTE: not a `step()` loop on the main thread: on a busy 2-core machine torch ran the
     same steps ~15x slower on the main thread than on a worker thread (measured 2 vs 30
@@ -114,8 +132,10 @@ def run_headless(engine: Any, texts: list[str], max_tokens: int) -> tuple[int, f
     from minivllm.frontend import EngineFrontend, GenerateRequest
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    frontend = EngineFrontend(engine, owns_engine=False)
-    frontend.start()
+    own = frontend is None
+    if own:
+        frontend = EngineFrontend(engine, owns_engine=False)
+        frontend.start()
     lock = threading.Lock()
     done = threading.Event()
     counts = {"tokens": 0, "live": len(texts)}
@@ -134,36 +154,94 @@ def run_headless(engine: Any, texts: list[str], max_tokens: int) -> tuple[int, f
         start = time.perf_counter()
         for i, text in enumerate(texts):
             frontend.add_request(GenerateRequest(f"bench-{i}", params, prompt=text), on_output)
-        done.wait()
+        if not done.wait(timeout):
+            raise TimeoutError(f"a headless round did not finish within {timeout:.0f} s "
+                               f"({counts['tokens']} tokens so far)")
     finally:
-        frontend.close()
+        if own:
+            frontend.close()
     return counts["tokens"], end[0] - start
 
 
+class _Borrowed:
+    """A started client lent to one app round: the app's `start()` gets its info and its
+    `close()` leaves it running for the next round."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    def start(self, on_progress: Any = None) -> Any:
+        return self._client.info
+
+    def close(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+@dataclass
+class AppRound:
+    tokens: int
+    seconds: float  # from the first send until every pane is idle (Markdown rendered)
+    engine_seconds: float  # ... until the engine produced the last token
+    ui_cpu: float  # the UI thread's CPU seconds over `seconds`
+
+
 async def run_app(engine: Any, users: list[str], max_tokens: int,
-                  ui_cpu: list[float] | None = None) -> tuple[int, float]:
-    """One round through the app; appends the UI thread's CPU seconds to `ui_cpu`."""
+                  ui_cpu: list[float] | None = None, client: Any = None,
+                  timeout: float = 3600.0) -> AppRound:
+    """One round through the app (the engine in this process, or a started `client`);
+    appends the UI thread's CPU seconds to `ui_cpu`."""
     from .app import create_app
     from .testing import wait_idle, wait_ready
 
-    app = create_app(engine, owns_engine=False, conversations=len(users), save_sessions=False,
-                     settings=Settings(temperature=0.0, top_p=1.0, max_tokens=max_tokens))
+    settings = Settings(temperature=0.0, top_p=1.0, max_tokens=max_tokens)
+    options: dict[str, Any] = {"conversations": len(users), "save_sessions": False,
+                               "settings": settings}
+    if client is not None:
+        borrowed = _Borrowed(client)
+        app = create_app(engine_factory=lambda on_progress: borrowed, **options)
+    else:
+        app = create_app(engine, owns_engine=False, **options)
     async with app.run_test(size=(160, 48)) as pilot:
-        await wait_ready(pilot, 600)
-        start, cpu = time.perf_counter(), time.thread_time()
+        await wait_ready(pilot, timeout)
+        start, cpu = time.monotonic(), time.thread_time()
         for pane, text in zip(app.panes, users, strict=True):
             await app.send(pane, text)
-        await wait_idle(pilot, 3600)
-        result = sum(p.tokens for p in app.panes), time.perf_counter() - start
+        try:
+            await wait_idle(pilot, timeout)
+        except AssertionError:
+            tokens = sum(p.tokens for p in app.panes)
+            raise TimeoutError(f"an app round did not finish within {timeout:.0f} s "
+                               f"({tokens} tokens so far)") from None
+        end, cpu = time.monotonic(), time.thread_time() - cpu
+        # The engine's time of each pane's last token (RequestOutput.at: monotonic, which
+        # is one clock for every process of the machine).
+        last = max(p.last_token_at for p in app.panes)
+        result = AppRound(sum(p.tokens for p in app.panes), end - start, last - start, cpu)
         if ui_cpu is not None:
-            ui_cpu.append(time.thread_time() - cpu)
+            ui_cpu.append(cpu)
         await pilot.press("ctrl+q")
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="minivllm-chat --bench",
                                 description="generation tok/s with the chat app vs headless")
+    p.add_argument("--engine", default="real", choices=["real", "gpu-like"],
+                   help="real: the model (default); gpu-like: a stand-in with a GPU engine's "
+                   "timing (each step holds the GIL --host-ms, then waits --device-ms with it "
+                   "released; ~3,000 tok/s with 4 panes), to measure the GPU case on a CPU")
+    p.add_argument("--host-ms", type=float, default=0.3,
+                   help="gpu-like: host (GIL-held) ms per step (default 0.3)")
+    p.add_argument("--device-ms", type=float, default=1.0,
+                   help="gpu-like: GIL-free device wait ms per step (default 1.0)")
+    p.add_argument("--engine-process", choices=["off", "on", "both"], default="off",
+                   help="run the engine in a child process, as `minivllm-chat "
+                   "--engine-process` does: on (every round), both (app rounds in-process "
+                   "and with the engine process, interleaved; two engines, so not on one "
+                   "GPU); default off")
     p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     p.add_argument("--panes", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -173,46 +251,115 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's; 1 is steadier on a shared machine)")
-    args = p.parse_args(argv)
-    if args.threads:
-        import torch
+    p.add_argument("--round-timeout", type=float, default=300.0, metavar="S",
+                   help="a round that takes longer fails, printing where every thread is "
+                   "(default 300)")
+    return p
 
-        torch.set_num_threads(args.threads)
 
-    from minivllm import LLMEngine
+def engine_spec(args: argparse.Namespace) -> Any:
+    from .engine_spec import EngineSpec
 
-    engine = LLMEngine(engine_config(args))
+    if args.engine == "gpu-like":
+        return EngineSpec("gpu-like", options={"host_s": args.host_ms / 1000,
+                                               "device_s": args.device_ms / 1000},
+                          threads=args.threads)
+    return EngineSpec("llm", engine_config(args), bench_tokenizer=True, threads=args.threads)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.panes < 1 or args.max_tokens < 1 or args.rounds < 1:
+        print(f"minivllm-chat --bench: error: --panes={args.panes}, --max-tokens="
+              f"{args.max_tokens} and --rounds={args.rounds} must be >= 1")
+        return 1
+    from .engine_spec import build_engine, engine_process_client
+
+    spec = engine_spec(args)
+    engine: Any = None
+    client: Any = None
+    modes = {"off": ["app"], "on": ["app (engine process)"],
+             "both": ["app", "app (engine process)"]}[args.engine_process]
+    t0 = time.monotonic()
+
+    def note(what: str) -> None:  # progress, so a slow phase shows where it is
+        print(f"  [{time.monotonic() - t0:6.1f} s] {what}", flush=True)
+
+    timeout = args.round_timeout
     try:
-        if ensure_tokenizer(engine):
+        if args.engine_process != "on":
+            engine = build_engine(spec, lambda stage, fraction: None)
+            note("engine ready in this process")
+        if args.engine_process != "off":
+            client = engine_process_client(spec, quiet=False)
+            client.start()
+            note(f"engine process ready (pid {client.pid})")
+        tokenizer = engine.tokenizer if engine is not None else client.tokenizer
+        if isinstance(tokenizer, BenchTokenizer):
             print("no tokenizer with this model: BenchTokenizer turns ids into Markdown-ish "
                   "words", flush=True)
         users = prompts(args.panes)
-        texts = [render_prompt(engine.tokenizer, [{"role": "user", "content": u}], True)
+        texts = [render_prompt(tokenizer, [{"role": "user", "content": u}], True)
                  for u in users]
-        run_headless(engine, texts, WARMUP_TOKENS)
-        asyncio.run(run_app(engine, users, WARMUP_TOKENS))
-        rates: dict[str, list[float]] = {"headless": [], "app": []}
-        ui_cpu: list[float] = []
-        tokens_app = 0
+
+        def headless(max_tokens: int) -> tuple[int, float]:
+            if engine is not None:
+                return run_headless(engine, texts, max_tokens, timeout=timeout)
+            return run_headless(None, texts, max_tokens, client, timeout=timeout)
+
+        def app_round(mode: str, max_tokens: int, ui: list[float] | None = None) -> AppRound:
+            in_child = mode != "app"
+            return asyncio.run(run_app(None if in_child else engine, users, max_tokens, ui,
+                                       client if in_child else None, timeout))
+
+        headless(WARMUP_TOKENS)
+        note("headless warm-up done")
+        for mode in modes:
+            app_round(mode, WARMUP_TOKENS)
+            note(f"{mode} warm-up done")
+        base: list[float] = []
+        rounds: dict[str, list[AppRound]] = {m: [] for m in modes}
         for r in range(2 * args.rounds + 1):
-            name = "headless" if r % 2 == 0 else "app"
-            if name == "headless":
-                tokens, seconds = run_headless(engine, texts, args.max_tokens)
-            else:
-                tokens, seconds = asyncio.run(run_app(engine, users, args.max_tokens, ui_cpu))
-                tokens_app += tokens
-            rates[name].append(tokens / seconds)
-            print(f"{name:>9}: {tokens:6d} tokens in {seconds:7.2f} s = "
-                  f"{rates[name][-1]:8.1f} tok/s", flush=True)
+            if r % 2 == 0:
+                tokens, seconds = headless(args.max_tokens)
+                base.append(tokens / seconds)
+                print(f"{'headless':>9}: {tokens:6d} tokens in {seconds:7.2f} s = "
+                      f"{base[-1]:8.1f} tok/s", flush=True)
+                continue
+            for mode in (modes if r % 4 == 1 else modes[::-1]):
+                a = app_round(mode, args.max_tokens)
+                rounds[mode].append(a)
+                print(f"{mode:>9}: {a.tokens:6d} tokens in {a.seconds:7.2f} s = "
+                      f"{a.tokens / a.seconds:8.1f} tok/s (engine's last token at "
+                      f"{a.engine_seconds:.2f} s: {a.tokens / a.engine_seconds:.1f} tok/s)",
+                      flush=True)
+    except TimeoutError as exc:
+        print(f"minivllm-chat --bench: error: {exc}; every thread's stack follows", flush=True)
+        for thread_id, frame in sys._current_frames().items():
+            print(f"-- thread {thread_id}:\n" + "".join(traceback.format_stack(frame)),
+                  flush=True)
+        if client is not None and client.pid is not None:
+            os.kill(client.pid, signal.SIGUSR1)  # the engine process prints its own
+            time.sleep(1.0)
+        return 1
     finally:
-        engine.exit()
-    base = statistics.mean(rates["headless"])
-    app = statistics.mean(rates["app"])
-    print(f"app / headless: {app / base:.2f} ({args.panes} panes streaming, {args.max_tokens} "
-          f"tokens each; mean of {len(rates['app'])} app rounds over "
-          f"{len(rates['headless'])} interleaved headless rounds)")
-    # CPU time is steadier than tok/s on a shared machine: what the UI thread spent.
-    print(f"UI thread CPU: {1000 * sum(ui_cpu) / max(1, tokens_app):.2f} ms per generated token")
+        if client is not None:
+            client.close()
+        if engine is not None:
+            engine.exit()
+    mean_base = statistics.mean(base)
+    for mode, done in rounds.items():
+        app = statistics.mean(a.tokens / a.seconds for a in done)
+        eng = statistics.mean(a.tokens / a.engine_seconds for a in done)
+        label = "" if mode == "app" else " [engine process]"
+        print(f"app / headless: {app / mean_base:.2f}{label} ({args.panes} panes streaming, "
+              f"{args.max_tokens} tokens each; mean of {len(done)} app rounds over "
+              f"{len(base)} interleaved headless rounds; until every pane is idle)")
+        print(f"app / headless, engine side: {eng / mean_base:.2f}{label} (until the engine's "
+              "last token, without the final Markdown render)")
+        # CPU time is steadier than tok/s on a shared machine: what the UI thread spent.
+        ui = 1000 * sum(a.ui_cpu for a in done) / max(1, sum(a.tokens for a in done))
+        print(f"UI thread CPU: {ui:.2f} ms per generated token{label}")
     return 0
 
 

@@ -29,6 +29,7 @@ DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # second; the paste's own time to first token hardly changes (the same work in more
 # steps). The engine's default (1,024) made 3-4.6 s steps that froze every other pane.
 CPU_STEP_TOKENS = 64
+FAKE_OPTIONS: dict[str, Any] = {"thinking": True, "step_delay": 0.02, "load_delay": 1.0}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "loading a model here")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="with --url: the server's API key")
+    # NOTE: off by default until the engine process is measured on a GPU with the app
+    # (PERF_NOTES.md, "The app at GPU speed"); then `auto` is the intended default.
+    p.add_argument("--engine-process", default="off", choices=["auto", "on", "off"],
+                   help="run the engine in a child process, so the screen never holds the "
+                   "engine up (one GIL per process); auto: on with a GPU, off on a CPU "
+                   "(default: off)")
     p.add_argument("--fake", action="store_true", help=argparse.SUPPRESS)  # scripted engine
     return p
 
@@ -119,17 +126,34 @@ def _runs_on_cpu(device: str) -> bool:
     return not torch.cuda.is_available()
 
 
+def use_engine_process(args: argparse.Namespace) -> bool:
+    """`--engine-process`: auto is on where the engine runs on a GPU. NOTE: there its step
+    is short and mostly a device wait, and in one process the UI thread took the GIL at
+    every wait (PERF_NOTES.md, "The chat app's cost")."""
+    choice = getattr(args, "engine_process", "off")
+    if getattr(args, "url", None) or choice == "off":
+        return False
+    if choice == "on":
+        return True
+    return not args.fake and not _runs_on_cpu(args.device)
+
+
 def engine_factory(args: argparse.Namespace, config: dict[str, Any]) -> EngineFactory:
     def build(on_progress: Any) -> Any:
         if getattr(args, "url", None):
             from .remote import RemoteClient  # an EngineClient: the worker starts it
 
             return RemoteClient(args.url, args.api_key)
+        if use_engine_process(args):
+            from .engine_spec import EngineSpec, engine_process_client  # the worker starts it
+
+            if args.fake:
+                return engine_process_client(EngineSpec("fake", config, FAKE_OPTIONS))
+            return engine_process_client(EngineSpec("llm", config))
         if args.fake:
             from .fake_engine import FakeEngine
 
-            return FakeEngine(config, on_progress, thinking=True, step_delay=0.02,
-                              load_delay=1.0)
+            return FakeEngine(config, on_progress, **FAKE_OPTIONS)
         from minivllm import LLMEngine
 
         params = inspect.signature(LLMEngine).parameters

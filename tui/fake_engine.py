@@ -35,6 +35,13 @@ class FakeTokenizer:
         self._pieces: list[str] = []
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:  # the lock does not pickle
+        return {"_ids": dict(self._ids), "_pieces": list(self._pieces)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def _id(self, piece: str) -> int:
         with self._lock:
             if piece not in self._ids:
@@ -357,3 +364,84 @@ class FakeEngine:
 
     def exit(self) -> None:
         self.exited = True
+
+
+# Markdown-ish prose for the GPU-like stand-in: words, punctuation, paragraphs, lists and
+# a code fence, so the app renders roughly what a real reply costs it.
+_PROSE_WORDS = (
+    "the a of and to in is was that it for on with as his her they at be this from keeper "
+    "light sea ship night storm lamp tower waves stone old young lonely bright dark cold "
+    "warm slowly quietly every long story began when would could never always"
+).split()
+
+
+def gpu_like_reply(seed: int, words: int = 900) -> str:
+    """A long reply of prose with Markdown (a heading, lists, emphasis, a code fence)."""
+    import random
+
+    rng = random.Random(seed)
+    parts = ["## A story\n\n"]
+    for i in range(words):
+        word = rng.choice(_PROSE_WORDS)
+        if i % 97 == 40:
+            parts.append("\n\n```python\nfor wave in sea:\n    print(wave)\n```\n\n")
+        elif i % 61 == 30:
+            parts.append(f"\n- **{word}**")
+            continue
+        elif i % 23 == 0 and i:
+            parts.append(".\n\n" if i % 3 == 0 else ". ")
+            parts.append(word.capitalize())
+            continue
+        parts.append(f" {word}" if parts[-1][-1:] not in ("\n", "") else word)
+    return "".join(parts) + ".\n"
+
+
+class WordTokenizer(FakeTokenizer):
+    """`FakeTokenizer` with a word (and its leading space) per token, ~5 characters, near
+    what a BPE tokenizer makes of English prose."""
+
+    def tokenize(self, text: str) -> list[str]:
+        return _WORD_PIECES.findall(text)
+
+
+_WORD_PIECES = re.compile(r"\s*\w+|\s*[^\w\s]|\s+")
+
+
+class GpuLikeEngine(FakeEngine):
+    """A stand-in with a GPU engine's timing, for `minivllm-chat --bench --engine gpu-like`
+    on a machine without one.
+
+    Each step holds the GIL for `host_s` (pure-Python work: scheduling, inputs, detokenizing)
+    and then waits `device_s` with the GIL released (what a CUDA sync does), producing one
+    token for each running request. The defaults (0.3 ms + 1.0 ms, 4 requests) make about
+    3,000 tok/s, as Qwen3-0.6B on an H200 does with 4 panes. Replies are Markdown-ish prose
+    (`gpu_like_reply`). Only for benchmarks: its timing is what it is for.
+    """
+
+    def __init__(
+        self,
+        config: dict[str, Any] | None = None,
+        on_progress: Callable[[str, float], None] | None = None,
+        *,
+        host_s: float = 0.0003,
+        device_s: float = 0.001,
+    ) -> None:
+        if host_s < 0 or device_s < 0:
+            raise ValueError(f"host_s={host_s}, device_s={device_s}: must be >= 0")
+        replies = [gpu_like_reply(seed) for seed in range(8)]
+        super().__init__(config, on_progress, reply=replies)
+        self.config.model_name_or_path = "fake/gpu-like"
+        self.tokenizer = WordTokenizer()
+        self.host_s = host_s
+        self.device_s = device_s
+
+    def step(self) -> tuple[list[tuple[int, list[int]]], int, bool]:
+        t0 = time.perf_counter()
+        result = super().step()
+        # NOTE: a busy loop, not a sleep: host work holds the GIL, as Python code does.
+        end = t0 + self.host_s
+        while time.perf_counter() < end:
+            pass
+        if self.device_s:
+            time.sleep(self.device_s)  # the GIL is free while the "device" works
+        return result

@@ -19,6 +19,7 @@ when the socket closes, so a parent that dies leaves no engine behind.
 
 from __future__ import annotations
 
+import faulthandler
 import pickle
 import queue
 import signal
@@ -381,6 +382,8 @@ def _picklable(value: Any) -> Any:
 def child_entry() -> None:
     """`python -c` entry of the engine process: argv[1] is its end of the socket pair."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    # `kill -USR1 <pid>` prints every thread's stack to the child's stderr (a hang's where).
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     conn = Connection(int(sys.argv[1]))
     try:

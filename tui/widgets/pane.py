@@ -119,6 +119,11 @@ class ConversationPane(Vertical):
         return self._tokens
 
     @property
+    def last_token_at(self) -> float:
+        """The engine's time (`time.monotonic()`) of the reply's latest token."""
+        return self._last_at
+
+    @property
     def ttft(self) -> float | None:
         return None if self._first_at is None else self._first_at - self._sent_at
 
@@ -258,14 +263,17 @@ class ConversationPane(Vertical):
             self._pending.append(text)
             self.conversation.messages[-1].content += text
 
-    async def flush(self) -> str:
-        """Render buffered text; returns it (for the session file)."""
+    async def flush(self, grow: bool = True) -> str:
+        """Render buffered text; returns it (for the session file). `grow=False` defers a
+        layout the new text needs (see `LiveText.set_text`); `grow=True` applies it."""
         text = "".join(self._pending)
         self._pending.clear()
-        if text and self._reply is not None:
+        if self._reply is not None and (text or grow):
             near_bottom = self.transcript.scroll_y >= self.transcript.max_scroll_y - 1
-            await self._reply.append(text)
-            if near_bottom:
+            if text:
+                await self._reply.append(text, grow)
+            grew = grow and self._reply.grow()
+            if near_bottom and (text or grew):
                 self.transcript.anchor()  # NOTE: anchor does not re-engage by itself
         self.refresh_title()
         return text
