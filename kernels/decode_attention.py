@@ -13,10 +13,16 @@ The Triton version is bound by the bytes of K/V it reads, so:
 from __future__ import annotations
 
 import torch
-from minivllm.kernels.attention_tile import LOG2E, attend_kv_tile
+from minivllm.kernels.attention_tile import (
+    LOG2E,
+    attend_kv_tile,
+    attend_loaded_tile,
+    load_kv_tile,
+)
 from minivllm.kernels.dispatch import check_paged_attention, check_tensor, num_sms, tl, triton
 from minivllm.kernels.pdl import attention_pdl
 from minivllm.kernels.qkv_rotary_store import check_qkv_inputs, qkv_rotary_store_ref
+from minivllm.kernels.tuning import decode_prefetch
 
 
 def decode_attention_ref(
@@ -181,6 +187,7 @@ def _decode_attention_kernel(
     QK_NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PREFETCH: tl.constexpr,  # FROM_QKV only: the first K/V tile is loaded before the wait
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -196,9 +203,6 @@ def _decode_attention_kernel(
         cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + dims % (HEAD_DIM // 2)).to(tl.float32)
         sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HEAD_DIM // 2 + dims % (HEAD_DIM // 2))
         sin = tl.where(dims < HEAD_DIM // 2, -sin.to(tl.float32), sin.to(tl.float32))
-    if PDL:
-        # q (or QKV), the cache and the counters come from the kernels before.
-        tl.extra.cuda.gdc_wait()
     # Splits divide the actual context (in whole tiles), not the grid's capacity, so a
     # launch sized for the longest context stays balanced for shorter ones. `used` splits
     # hold context; at least one, so an empty context still writes its (zero) output.
@@ -208,6 +212,19 @@ def _decode_attention_kernel(
         return
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    block_table = block_tables_ptr + seq.to(tl.int64) * bt_stride_s
+    head_offset = kv_head * HEAD_DIM + dims[None, :]  # [1, HEAD_DIM]
+    if PREFETCH:
+        # This layer's cache is written only by this kernel (the new token, below), so
+        # the split's first tile can be loaded before the wait, while the kernels before
+        # it finish; the new token's row is spliced in from registers after it.
+        offs0 = start + tl.arange(0, BLOCK_N)
+        valid0 = offs0 < end
+        k0, v0 = load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, offs0, valid0,
+                              head_offset, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    if PDL:
+        # q (or QKV), the cache and the counters come from the kernels before.
+        tl.extra.cuda.gdc_wait()
 
     rows = tl.arange(0, GROUP_PAD)
     row_mask = rows < GROUP
@@ -236,6 +253,10 @@ def _decode_attention_kernel(
             # Every thread's stores are visible to the whole program after the barrier:
             # the loop below reads this token back from the cache.
             tl.debug_barrier()
+            if PREFETCH:
+                new_row = (offs0 == seq_len - 1)[:, None]  # [BLOCK_N, 1]
+                k0 = tl.where(new_row, k.to(k_cache_ptr.dtype.element_ty), k0)
+                v0 = tl.where(new_row, v.to(v_cache_ptr.dtype.element_ty)[None, :], v0)
     else:
         q = tl.load(q_rows + dims[None, :], mask=row_mask[:, None], other=0.0)
     q = q.to(k_cache_ptr.dtype.element_ty)  # [GROUP_PAD, HEAD_DIM]
@@ -243,9 +264,12 @@ def _decode_attention_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    block_table = block_tables_ptr + seq.to(tl.int64) * bt_stride_s
-    head_offset = kv_head * HEAD_DIM + dims[None, :]  # [1, HEAD_DIM]
-    for tile_start in range(start, end, BLOCK_N):
+    loop_start = start
+    if PREFETCH:
+        m, l_sum, acc = attend_loaded_tile(q, m, l_sum, acc, k0, v0, valid0[None, :],
+                                           qk_scale, DOT_PRECISION)
+        loop_start = start + BLOCK_N
+    for tile_start in range(loop_start, end, BLOCK_N):
         offs = tile_start + tl.arange(0, BLOCK_N)
         valid = offs < end
         m, l_sum, acc = attend_kv_tile(q, m, l_sum, acc, k_cache_ptr, v_cache_ptr, block_table,
@@ -390,12 +414,15 @@ def qkv_decode_attention(
     num_splits: int | None = None,
     counters: torch.Tensor | None = None,
     tile_config: dict | None = None,
+    prefetch: bool | None = None,
     check: bool = True,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Triton version of `qkv_decode_attention_ref` in one launch (one token per
     sequence): `qkv_rotary_store`'s work in the attention kernel's prologue. Every split
     program normalises and rotates its q heads; the one holding the new token stores its
-    K/V first. Arguments as `qkv_rotary_store` and `decode_attention`."""
+    K/V first. Arguments as `qkv_rotary_store` and `decode_attention`; `prefetch` (default:
+    MINIVLLM_DECODE_PREFETCH, kernels/tuning.py) loads each split's first K/V tile before
+    the PDL wait (same result, bit for bit)."""
     if check:
         check_qkv_inputs(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache,
                          slot_mapping, q_norm_weight, k_norm_weight)
@@ -404,7 +431,8 @@ def qkv_decode_attention(
     return _launch(qkv, num_heads, qkv.stride(0), k_cache.shape[3], k_cache, v_cache, seq_lens,
                    block_tables, scale, max_seq_len, num_splits, counters, tile_config,
                    qkv=(positions, cos_sin_cache, q_norm_weight, k_norm_weight, slot_mapping,
-                        eps))
+                        eps),
+                   prefetch=decode_prefetch() if prefetch is None else prefetch)
 
 
 def _check_decode_rows(num_seqs: int, seq_lens: torch.Tensor, block_tables: torch.Tensor,
@@ -434,6 +462,7 @@ def _launch(
     counters: torch.Tensor | None,
     tile_config: dict | None,
     qkv: tuple | None = None,  # (positions, cos_sin, q_norm_w, k_norm_w, slot_mapping, eps)
+    prefetch: bool = False,  # with `qkv` only
 ) -> torch.Tensor:
     device = k_cache.device
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -506,6 +535,7 @@ def _launch(
         FROM_QKV=qkv is not None,
         QK_NORM=qkv is not None and qk_norm,
         PDL=pdl,
+        PREFETCH=prefetch and qkv is not None,
         **config,
         **launch,
     )

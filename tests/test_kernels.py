@@ -408,10 +408,21 @@ def check_qkv_decode_attention() -> None:
             k_out, v_out = cache.k_cache.clone(), cache.v_cache.clone()
             out = qkv_decode_attention(positions, qkv, num_heads, cos_sin, k_out, v_out,
                                        slots, *step, **weights, num_splits=splits,
-                                       counters=counters)
+                                       counters=counters, prefetch=False)
             _assert_close(f"{name} splits {splits}", out, ref, TOL[dtype])
             _assert_close(f"{name} splits {splits} k_cache", k_out, k_ref, TOL[dtype])
             assert torch.equal(v_out, v_ref), f"{name}: v_cache (a copy)"
+            assert not counters.any()
+            # The first tile loaded before the (PDL) wait, the new token spliced in from
+            # registers (in the first tile with 4 splits, in a later one with 1): the
+            # same bits, the same cache.
+            k_pre, v_pre = cache.k_cache.clone(), cache.v_cache.clone()
+            pre = qkv_decode_attention(positions, qkv, num_heads, cos_sin, k_pre, v_pre,
+                                       slots, *step, **weights, num_splits=splits,
+                                       counters=counters, prefetch=True)
+            real = slice(0, len(seq_lens) - 1)  # the padding row's output is not used
+            assert torch.equal(pre[real], out[real]), f"{name} splits {splits}: prefetch"
+            assert torch.equal(k_pre, k_out) and torch.equal(v_pre, v_out), name
             assert not counters.any()
         k_two, v_two = cache.k_cache.clone(), cache.v_cache.clone()
         q = qkv_rotary_store(positions, qkv, num_heads, cos_sin, k_two, v_two, slots, **weights)
@@ -461,12 +472,15 @@ def check_compile_sm90() -> None:
                positions_ptr="*i64", slot_mapping_ptr="*i64", q_norm_ptr="*bf16",
                k_norm_ptr="*bf16", qk_scale="fp32", eps="fp32")
     # Direct write; split + merge in one chunk; in four; with q/k norm + rotary + store.
-    for splits, from_qkv in ((1, False), (32, False), (128, False), (32, True)):
+    # The last two: the first K/V tile loaded before the PDL wait.
+    for splits, from_qkv, prefetch in ((1, False, False), (32, False, False),
+                                       (128, False, False), (32, True, False),
+                                       (32, True, True), (1, True, True)):
         _compile_sm90(_decode_attention_kernel, sig,
                       dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128,
                            BLOCK_SIZE=256, BLOCK_N=128, NUM_SPLITS=splits,
                            MERGE_CHUNK=min(splits, 32), FROM_QKV=from_qkv, QK_NORM=from_qkv,
-                           DOT_PRECISION="tf32", PDL=True), 4, 2)
+                           DOT_PRECISION="tf32", PDL=True, PREFETCH=prefetch), 4, 2)
 
 
 # Subprocess groups: each start costs seconds (torch + triton imports), so the cheap

@@ -1,0 +1,49 @@
+"""Decode-path switches, read once per process from the environment (A/B runs).
+
+Each switch names a choice that only a measurement on the GPU can settle; the default is
+the measured winner. `scripts/decode_ab.py` runs one process per setting and prints the
+batch-1 / 32k / batch-8 figures side by side.
+
+- MINIVLLM_GEMV_MAX_K (2048 | 4096): the widest K tile of a one-row GEMV. With 4096,
+  a projection with K <= 4096 (Qwen3's down: K = 3072) is one tile, so its weights are
+  loaded before the PDL wait, while the kernel before it runs.
+- MINIVLLM_DECODE_PREFETCH (0 | 1): decode attention loads its first K/V tile before the
+  PDL wait (the cache is not written by the kernels before it) and splices the new token
+  in from registers.
+- MINIVLLM_GRAPH_GREEDY (0 | 1): the decode CUDA graphs also take the previous step's
+  tokens as input and produce the greedy tokens, so an all-greedy decode step is two
+  host-to-device copies, one replay and one copy back (engine side: cuda_graph.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+
+def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = os.environ.get(name, default)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
+@functools.cache
+def gemv_max_k_tile() -> int:
+    return int(_choice("MINIVLLM_GEMV_MAX_K", "2048", ("2048", "4096")))
+
+
+@functools.cache
+def decode_prefetch() -> bool:
+    return _choice("MINIVLLM_DECODE_PREFETCH", "0", ("0", "1")) == "1"
+
+
+@functools.cache
+def graph_greedy() -> bool:
+    return _choice("MINIVLLM_GRAPH_GREEDY", "0", ("0", "1")) == "1"
+
+
+def clear() -> None:
+    """Forget the values read (tests that change the environment)."""
+    for fn in (gemv_max_k_tile, decode_prefetch, graph_greedy):
+        fn.cache_clear()
