@@ -22,7 +22,7 @@ from minivllm.kernels.attention_tile import (
 from minivllm.kernels.dispatch import check_paged_attention, check_tensor, num_sms, tl, triton
 from minivllm.kernels.pdl import attention_pdl
 from minivllm.kernels.qkv_rotary_store import check_qkv_inputs, qkv_rotary_store_ref
-from minivllm.kernels.tuning import decode_prefetch
+from minivllm.kernels.tuning import decode_min_split, decode_prefetch
 
 
 def decode_attention_ref(
@@ -188,6 +188,7 @@ def _decode_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
     PREFETCH: tl.constexpr,  # FROM_QKV only: the first K/V tile is loaded before the wait
+    MIN_SPLIT_LEN: tl.constexpr,  # context positions a split takes at least (BLOCK_N's multiple)
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -206,7 +207,10 @@ def _decode_attention_kernel(
     # Splits divide the actual context (in whole tiles), not the grid's capacity, so a
     # launch sized for the longest context stays balanced for shorter ones. `used` splits
     # hold context; at least one, so an empty context still writes its (zero) output.
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    # At least MIN_SPLIT_LEN a split: a short context stays in one program (no partials,
+    # no merge on its critical path).
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N,
+                           MIN_SPLIT_LEN)
     used = tl.maximum(tl.cdiv(seq_len, tl.maximum(split_len, 1)), 1)
     if split >= used:  # an empty split writes nothing and is not counted
         return
@@ -355,6 +359,7 @@ def decode_attention(
     num_splits: int | None = None,
     counters: torch.Tensor | None = None,  # from `decode_counters`
     tile_config: dict | None = None,
+    min_split_len: int | None = None,
     check: bool = True,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Triton version of `decode_attention_ref`: one launch, no host sync.
@@ -362,7 +367,9 @@ def decode_attention(
     The split count comes from the batch size and `max_seq_len` (default: the block
     table's capacity, block_tables.shape[1] * block_size), never from `seq_lens`' values,
     so the launch is graph-capturable. `num_splits` (a power of two) and `tile_config`
-    override the choices (tests, benchmarks); `check=False` skips the input checks (an
+    override the choices (tests, benchmarks); so does `min_split_len` (context positions a
+    split takes at least; default MINIVLLM_DECODE_MIN_SPLIT, kernels/tuning.py, else one
+    tile); `check=False` skips the input checks (an
     engine checks each kernel's first launch). Without `counters` each call allocates
     zeroed ones (one memset launch more).
     """
@@ -370,7 +377,8 @@ def decode_attention(
         check_paged_attention(k_cache, v_cache, seq_lens, block_tables, q=q)
         _check_decode_rows(q.shape[0], seq_lens, block_tables, counters)
     return _launch(q, q.shape[1], q.stride(0), q.stride(1), k_cache, v_cache, seq_lens,
-                   block_tables, scale, max_seq_len, num_splits, counters, tile_config)
+                   block_tables, scale, max_seq_len, num_splits, counters, tile_config,
+                   min_split_len=min_split_len)
 
 
 def qkv_decode_attention_ref(
@@ -415,6 +423,7 @@ def qkv_decode_attention(
     counters: torch.Tensor | None = None,
     tile_config: dict | None = None,
     prefetch: bool | None = None,
+    min_split_len: int | None = None,
     check: bool = True,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Triton version of `qkv_decode_attention_ref` in one launch (one token per
@@ -432,7 +441,8 @@ def qkv_decode_attention(
                    block_tables, scale, max_seq_len, num_splits, counters, tile_config,
                    qkv=(positions, cos_sin_cache, q_norm_weight, k_norm_weight, slot_mapping,
                         eps),
-                   prefetch=decode_prefetch() if prefetch is None else prefetch)
+                   prefetch=decode_prefetch() if prefetch is None else prefetch,
+                   min_split_len=min_split_len)
 
 
 def _check_decode_rows(num_seqs: int, seq_lens: torch.Tensor, block_tables: torch.Tensor,
@@ -463,6 +473,7 @@ def _launch(
     tile_config: dict | None,
     qkv: tuple | None = None,  # (positions, cos_sin, q_norm_w, k_norm_w, slot_mapping, eps)
     prefetch: bool = False,  # with `qkv` only
+    min_split_len: int | None = None,
 ) -> torch.Tensor:
     device = k_cache.device
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -478,6 +489,9 @@ def _launch(
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     config = _tile_config(k_cache.dtype) if tile_config is None else tile_config
+    if min_split_len is None:
+        min_split_len = decode_min_split()
+    block_n = config["BLOCK_N"]
     pdl = attention_pdl(device)
     launch = {"launch_pdl": True} if pdl else {}
 
@@ -536,6 +550,7 @@ def _launch(
         QK_NORM=qkv is not None and qk_norm,
         PDL=pdl,
         PREFETCH=prefetch and qkv is not None,
+        MIN_SPLIT_LEN=triton.cdiv(max(min_split_len, 1), block_n) * block_n,
         **config,
         **launch,
     )

@@ -10,6 +10,9 @@ batch-1 / 32k / batch-8 figures side by side.
 - MINIVLLM_DECODE_PREFETCH (0 | 1): decode attention loads its first K/V tile before the
   PDL wait (the cache is not written by the kernels before it) and splices the new token
   in from registers.
+- MINIVLLM_DECODE_MIN_SPLIT (0 | 256 | 512 | 1024): context positions a decode split takes
+  at least (0: one tile). A context up to that length is one program per KV head that
+  writes its output directly: no partials and no merge on the step's critical path.
 - MINIVLLM_GRAPH_GREEDY (0 | 1): the decode CUDA graphs also take the previous step's
   tokens as input and produce the greedy tokens, so an all-greedy decode step is two
   host-to-device copies, one replay and one copy back (engine side: cuda_graph.py).
@@ -39,11 +42,16 @@ def decode_prefetch() -> bool:
 
 
 @functools.cache
+def decode_min_split() -> int:
+    return int(_choice("MINIVLLM_DECODE_MIN_SPLIT", "0", ("0", "256", "512", "1024")))
+
+
+@functools.cache
 def graph_greedy() -> bool:
     return _choice("MINIVLLM_GRAPH_GREEDY", "0", ("0", "1")) == "1"
 
 
 def clear() -> None:
     """Forget the values read (tests that change the environment)."""
-    for fn in (gemv_max_k_tile, decode_prefetch, graph_greedy):
+    for fn in (gemv_max_k_tile, decode_prefetch, decode_min_split, graph_greedy):
         fn.cache_clear()

@@ -424,6 +424,17 @@ def check_qkv_decode_attention() -> None:
             assert torch.equal(pre[real], out[real]), f"{name} splits {splits}: prefetch"
             assert torch.equal(k_pre, k_out) and torch.equal(v_pre, v_out), name
             assert not counters.any()
+        # Splits of at least 64 positions: 37 and 64 in one program (direct write), 129 in
+        # three; with and without the prefetched first tile (which puts the padding row's
+        # unstored token in its output: not compared).
+        for prefetch in (False, True):
+            k_min, v_min = cache.k_cache.clone(), cache.v_cache.clone()
+            got = qkv_decode_attention(positions, qkv, num_heads, cos_sin, k_min, v_min, slots,
+                                       *step, **weights, num_splits=4, counters=counters,
+                                       prefetch=prefetch, min_split_len=64)
+            _assert_close(f"{name} min split 64 prefetch={prefetch}", got[real], ref[real],
+                          TOL[dtype])
+            assert torch.equal(v_min, v_ref) and not counters.any()
         k_two, v_two = cache.k_cache.clone(), cache.v_cache.clone()
         q = qkv_rotary_store(positions, qkv, num_heads, cos_sin, k_two, v_two, slots, **weights)
         two = decode_attention(q, k_two, v_two, *step, num_splits=4)
@@ -480,7 +491,8 @@ def check_compile_sm90() -> None:
                       dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128,
                            BLOCK_SIZE=256, BLOCK_N=128, NUM_SPLITS=splits,
                            MERGE_CHUNK=min(splits, 32), FROM_QKV=from_qkv, QK_NORM=from_qkv,
-                           DOT_PRECISION="tf32", PDL=True, PREFETCH=prefetch), 4, 2)
+                           DOT_PRECISION="tf32", PDL=True, PREFETCH=prefetch,
+                           MIN_SPLIT_LEN=512 if prefetch else 128), 4, 2)
 
 
 # Subprocess groups: each start costs seconds (torch + triton imports), so the cheap
