@@ -131,6 +131,23 @@ def check_silu_and_mul() -> None:
             _assert_close(f"silu_and_mul {dtype} {inter}", silu_and_mul(x), ref, TOL[dtype])
 
 
+def check_fill_tokens() -> None:
+    from minivllm.kernels.fill_tokens import fill_tokens, fill_tokens_ref
+
+    prev = torch.tensor([101, 102, 103, 104, 105, 106, 107, 108])
+    ids = torch.tensor([5, -1, 7, -1, 0])
+    fill = torch.tensor([-1, 3, -1, 0, -1])  # rows 1 and 3 take the previous step's tokens
+    want = torch.tensor([5, 104, 7, 101, 0])
+    assert torch.equal(fill_tokens_ref(ids, fill, prev), want)
+    assert torch.equal(fill_tokens(ids, fill, prev), want)
+    assert torch.equal(fill_tokens(ids[:1], fill[:1], prev), want[:1])
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 8, 17):  # padded to 16 / 32 rows
+        ids = torch.randint(0, 1000, (n,), generator=g)
+        fill = torch.randint(-1, 8, (n,), generator=g)
+        assert torch.equal(fill_tokens(ids, fill, prev), fill_tokens_ref(ids, fill, prev))
+
+
 # Each dtype meets each block size and each GQA group (the interpreter is too slow for the
 # full product).
 ATTENTION_CASES = [
@@ -499,7 +516,7 @@ def check_compile_sm90() -> None:
 # kernels share one.
 CHECKS = {
     "elementwise": [check_store_kvcache, check_rms_norm, check_rotary, check_silu_and_mul,
-                    check_wrapper_errors],
+                    check_fill_tokens, check_wrapper_errors],
     "prefill_attention": [check_prefill_attention],
     "decode_attention": [check_decode_attention, check_decode_attention_many_splits],
     "fused_decode": [check_gemv, check_qkv_rotary_store, check_fused_wrapper_errors],
