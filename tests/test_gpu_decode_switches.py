@@ -99,10 +99,12 @@ def _dummy_tokens(env: dict[str, str], switches, **kw) -> list[list[int]]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", [*SWITCHES, "all"])
+@pytest.mark.parametrize("name", ["greedy_graph", "all"])
 def test_switch_graph_equals_eager_bf16(name, switches):
-    """bf16, random Qwen3-0.6B: with each switch (and all at once) the graph replays give
-    the eager steps' tokens bit for bit (the eager path runs the same kernels)."""
+    """bf16, random Qwen3-0.6B: with the greedy graphs alone and with every switch on, the
+    graph replays give the eager steps' tokens bit for bit (the eager path runs the same
+    kernels; each kernel switch alone is checked against its reference in
+    test_kernels_gpu.py)."""
     env = ALL_ON if name == "all" else SWITCHES[name]
     graphed = _dummy_tokens(env, switches)
     eager = _dummy_tokens(env, switches, enforce_eager=True)

@@ -1,0 +1,143 @@
+"""A/B of the decode-path switches (kernels/tuning.py) on the GPU, in one call.
+
+python3 scripts/decode_ab.py [--variants base,k4096,...] [--rounds 1] [--new-tokens 128]
+
+Each variant runs in its own process (the switches are read once per process) with the
+engine's defaults (overlapped scheduling, CUDA graphs): decode-only tok/s at batch 1 with a
+128-token prompt, batch 8 with 128-token prompts, batch 1 with a 32k prompt (Qwen3-0.6B
+config, random bf16 weights). With several rounds the variants are interleaved (A B C A B
+C) and each figure is the median over rounds. A table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+VARIANTS: dict[str, dict[str, str]] = {
+    "base": {},
+    "k4096": {"MINIVLLM_GEMV_MAX_K": "4096"},
+    "prefetch": {"MINIVLLM_DECODE_PREFETCH": "1"},
+    "split512": {"MINIVLLM_DECODE_MIN_SPLIT": "512"},
+    "greedy": {"MINIVLLM_GRAPH_GREEDY": "1"},
+    "kernels": {"MINIVLLM_GEMV_MAX_K": "4096", "MINIVLLM_DECODE_PREFETCH": "1",
+                "MINIVLLM_DECODE_MIN_SPLIT": "512"},
+    "all": {"MINIVLLM_GEMV_MAX_K": "4096", "MINIVLLM_DECODE_PREFETCH": "1",
+            "MINIVLLM_DECODE_MIN_SPLIT": "512", "MINIVLLM_GRAPH_GREEDY": "1"},
+}
+SHAPES = [("b1 128", 1, 128), ("b8 128", 8, 128), ("b1 32k", 1, 32768)]
+
+
+def measure(new_tokens: int, repeats: int, model: str, long: int) -> dict[str, float]:
+    """This process's figures: decode-only tok/s per shape (median of `repeats`)."""
+    import torch
+
+    from minivllm import LLMEngine, SamplingParams
+
+    def sync() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    llm = LLMEngine({
+        "model_name_or_path": model,
+        "load_format": "dummy",
+        "max_model_length": long + new_tokens + 64,
+        "max_num_sequences": 8,
+        "max_num_batched_tokens": 8192,
+        "gpu_memory_utilization": 0.3,
+        "seed": 0,
+    })
+    rng = random.Random(0)
+    vocab = min(150000, llm.config.model.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    out = {}
+    try:
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        for name, batch, context in SHAPES:
+            context = long if context == 32768 else context
+            rates = []
+            for _ in range(repeats if context < 8192 else max(1, repeats - 1)):
+                # Fresh prompts each time: no prefix hit, the same context lengths.
+                for _ in range(batch):
+                    llm.add_prompt([rng.randrange(vocab) for _ in range(context)], params)
+                first = None
+                while not llm.scheduler.is_finished():
+                    llm.step()
+                    if first is None and not llm.scheduler.waiting and all(
+                        s.num_completion_tokens > 0 for s in llm.scheduler.running
+                    ):
+                        sync()
+                        first = time.perf_counter()
+                sync()
+                rates.append(batch * (new_tokens - 1) / (time.perf_counter() - first))
+            out[name] = statistics.median(rates)
+    finally:
+        llm.exit()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--variants", default="base,all,k4096,prefetch,split512,greedy",
+                        help="comma-separated; a name given twice is run twice (median)")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", default="Qwen/Qwen3-0.6B")
+    parser.add_argument("--long", type=int, default=32768, help="the long context (b1 32k)")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    opts = parser.parse_args()
+    if opts.child:
+        figures = measure(opts.new_tokens, opts.repeats, opts.model, opts.long)
+        print("RESULT " + json.dumps(figures), flush=True)
+        return
+    names = opts.variants.split(",")
+    for name in names:
+        if name not in VARIANTS:
+            sys.exit(f"--variants: unknown variant {name!r} (known: {', '.join(VARIANTS)})")
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for r in range(opts.rounds):
+        for name in names:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("MINIVLLM_")}
+            env.update(VARIANTS[name])
+            t0 = time.perf_counter()
+            proc = subprocess.run(
+                [sys.executable, __file__, "--child", "--new-tokens", str(opts.new_tokens),
+                 "--repeats", str(opts.repeats), "--model", opts.model, "--long", str(opts.long)],
+                env=env, capture_output=True, text=True, timeout=300,
+            )
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if proc.returncode or line is None:
+                print(f"{name}: failed (rc {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+                continue
+            figures = json.loads(line[7:])
+            results[name].append(figures)
+            print(f"round {r + 1} {name:9} {time.perf_counter() - t0:5.1f} s  "
+                  + "  ".join(f"{k} {v:8.1f}" for k, v in figures.items()), flush=True)
+    print("\n== decode A/B (decode-only tok/s; ms a step in brackets; median over rounds) ==")
+    print(f"{'variant':10}" + "".join(f"{name:>22}" for name, _, _ in SHAPES) + "  env")
+    base = results.get("base") or []
+    for name in dict.fromkeys(names):
+        runs = results[name]
+        if not runs:
+            print(f"{name:10} failed")
+            continue
+        cells = []
+        for shape, batch, _ in SHAPES:
+            v = statistics.median(run[shape] for run in runs)
+            ratio = ""
+            if base and name != "base":
+                ratio = f" {v / statistics.median(run[shape] for run in base):.2f}x"
+            cells.append(f"{v:8.0f} ({1e3 * batch / v:5.3f}){ratio:>6}")
+        env = " ".join(f"{k[9:]}={v}" for k, v in VARIANTS[name].items()) or "defaults"
+        print(f"{name:10}" + "".join(f"{c:>22}" for c in cells) + f"  {env}")
+
+
+if __name__ == "__main__":
+    main()
