@@ -22,7 +22,7 @@ from minivllm.kernels.attention_tile import (
 from minivllm.kernels.dispatch import check_paged_attention, check_tensor, num_sms, tl, triton
 from minivllm.kernels.pdl import attention_pdl
 from minivllm.kernels.qkv_rotary_store import check_qkv_inputs, qkv_rotary_store_ref
-from minivllm.kernels.tuning import decode_min_split, decode_prefetch
+from minivllm.kernels.tuning import decode_late_trigger, decode_min_split, decode_prefetch
 
 
 def decode_attention_ref(
@@ -189,15 +189,20 @@ def _decode_attention_kernel(
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
     PREFETCH: tl.constexpr,  # FROM_QKV only: the first K/V tile is loaded before the wait
     MIN_SPLIT_LEN: tl.constexpr,  # context positions a split takes at least (BLOCK_N's multiple)
+    LATE_TRIGGER: tl.constexpr,  # PDL: contexts longer than this launch the next kernel late
 ):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     dims = tl.arange(0, HEAD_DIM)
     # Step inputs no kernel writes: read before the wait.
     seq_len = tl.load(seq_lens_ptr + seq)
+    if PDL:
+        # The next kernel (the o projection) may launch now and stream its weights, unless
+        # the context is long: then its waiting programs would sit beside this kernel's
+        # second wave, and it launches once this program's K/V loop is done.
+        if LATE_TRIGGER == 0 or seq_len <= LATE_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
     if FROM_QKV:
         partner_dims = (dims + HEAD_DIM // 2) % HEAD_DIM
         pos = tl.load(positions_ptr + seq).to(tl.int64)
@@ -279,6 +284,9 @@ def _decode_attention_kernel(
         m, l_sum, acc = attend_kv_tile(q, m, l_sum, acc, k_cache_ptr, v_cache_ptr, block_table,
                                        offs, valid, valid[None, :], head_offset, qk_scale,
                                        BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, DOT_PRECISION)
+    if PDL:
+        if LATE_TRIGGER > 0 and seq_len > LATE_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
 
     if NUM_SPLITS == 1:
         _store_output(out_ptr, seq, heads, dims, row_mask, acc, l_sum, out_stride_s,
@@ -551,6 +559,7 @@ def _launch(
         PDL=pdl,
         PREFETCH=prefetch and qkv is not None,
         MIN_SPLIT_LEN=triton.cdiv(max(min_split_len, 1), block_n) * block_n,
+        LATE_TRIGGER=decode_late_trigger(),
         **config,
         **launch,
     )

@@ -13,6 +13,10 @@ batch-1 / 32k / batch-8 figures side by side.
 - MINIVLLM_DECODE_MIN_SPLIT (0 | 256 | 512 | 1024): context positions a decode split takes
   at least (0: one tile). A context up to that length is one program per KV head that
   writes its output directly: no partials and no merge on the step's critical path.
+- MINIVLLM_DECODE_LATE_TRIGGER (0 | 4096): with PDL, decode attention over a context longer
+  than this lets the next kernel launch only after its K/V loop (0: at its start). Long
+  contexts run the split kernel in two waves; the o projection's waiting programs would
+  take room from the second.
 - MINIVLLM_GRAPH_GREEDY (0 | 1): the decode CUDA graphs also take the previous step's
   tokens as input and produce the greedy tokens, so an all-greedy decode step is two
   host-to-device copies, one replay and one copy back (engine side: cuda_graph.py).
@@ -47,11 +51,17 @@ def decode_min_split() -> int:
 
 
 @functools.cache
+def decode_late_trigger() -> int:
+    return int(_choice("MINIVLLM_DECODE_LATE_TRIGGER", "0", ("0", "4096")))
+
+
+@functools.cache
 def graph_greedy() -> bool:
     return _choice("MINIVLLM_GRAPH_GREEDY", "0", ("0", "1")) == "1"
 
 
 def clear() -> None:
     """Forget the values read (tests that change the environment)."""
-    for fn in (gemv_max_k_tile, decode_prefetch, decode_min_split, graph_greedy):
+    for fn in (gemv_max_k_tile, decode_prefetch, decode_min_split, decode_late_trigger,
+               graph_greedy):
         fn.cache_clear()

@@ -26,6 +26,8 @@ VARIANTS: dict[str, dict[str, str]] = {
     "prefetch": {"MINIVLLM_DECODE_PREFETCH": "1"},
     "split512": {"MINIVLLM_DECODE_MIN_SPLIT": "512"},
     "greedy": {"MINIVLLM_GRAPH_GREEDY": "1"},
+    "late": {"MINIVLLM_DECODE_LATE_TRIGGER": "4096"},
+    "pdl1": {"MINIVLLM_PDL": "1"},
     "kernels": {"MINIVLLM_GEMV_MAX_K": "4096", "MINIVLLM_DECODE_PREFETCH": "1",
                 "MINIVLLM_DECODE_MIN_SPLIT": "512"},
     "all": {"MINIVLLM_GEMV_MAX_K": "4096", "MINIVLLM_DECODE_PREFETCH": "1",

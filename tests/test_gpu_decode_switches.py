@@ -20,6 +20,7 @@ SWITCHES = {
     "prefetch": {"MINIVLLM_DECODE_PREFETCH": "1"},
     "min_split512": {"MINIVLLM_DECODE_MIN_SPLIT": "512"},
     "greedy_graph": {"MINIVLLM_GRAPH_GREEDY": "1"},
+    "late_trigger": {"MINIVLLM_DECODE_LATE_TRIGGER": "4096"},
 }
 ALL_ON = {k: v for env in SWITCHES.values() for k, v in env.items()}
 
@@ -80,7 +81,7 @@ def _dummy_tokens(env: dict[str, str], switches, **kw) -> list[list[int]]:
         "model_name_or_path": "Qwen/Qwen3-0.6B",
         "load_format": "dummy",
         "gpu_memory_utilization": 0.2,
-        "max_model_length": 2048,
+        "max_model_length": 6144,
         "max_num_sequences": 8,
         "seed": 0,
         **kw,
@@ -88,9 +89,10 @@ def _dummy_tokens(env: dict[str, str], switches, **kw) -> list[list[int]]:
     llm = LLMEngine(config)
     try:
         g = torch.Generator().manual_seed(1)
-        # Contexts of 1.3k-1.9k: several decode splits, so min_split and prefetch matter.
+        # Contexts of 40 to 5k: one split or several (min_split, prefetch), past the late
+        # trigger's 4096.
         ps = [torch.randint(0, 151936, (int(n),), generator=g).tolist()
-              for n in (1300, 40, 700, 1900, 5)]
+              for n in (5000, 40, 700, 1900, 5)]
         greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
         one = llm.generate(ps[:1], greedy)["token_ids"]  # batch 1
         return one + llm.generate(ps, greedy)["token_ids"]  # batch 5 (bucket 8)

@@ -509,7 +509,8 @@ def check_compile_sm90() -> None:
                            BLOCK_SIZE=256, BLOCK_N=128, NUM_SPLITS=splits,
                            MERGE_CHUNK=min(splits, 32), FROM_QKV=from_qkv, QK_NORM=from_qkv,
                            DOT_PRECISION="tf32", PDL=True, PREFETCH=prefetch,
-                           MIN_SPLIT_LEN=512 if prefetch else 128), 4, 2)
+                           MIN_SPLIT_LEN=512 if prefetch else 128,
+                           LATE_TRIGGER=4096 if prefetch else 0), 4, 2)
 
 
 # Subprocess groups: each start costs seconds (torch + triton imports), so the cheap
