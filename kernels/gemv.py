@@ -33,7 +33,7 @@ from minivllm.kernels.dispatch import (
 from minivllm.kernels.pdl import gemv_pdl
 from minivllm.kernels.rms_norm import check_norm_inputs, rms_norm_ref
 from minivllm.kernels.silu_and_mul import silu_and_mul_ref
-from minivllm.kernels.tuning import gemv_max_k_tile
+from minivllm.kernels.tuning import gemv_max_k_tile, gemv_silu_tile
 
 MAX_ROWS = 8  # larger batches are matrix-matrix products: cuBLAS
 
@@ -217,12 +217,19 @@ def _gemv_kernel(
 def default_config(
     m: int, n: int, k: int, dtype: torch.dtype, sms: int = 132, silu_mul: bool = False
 ) -> dict:
-    return _default_config(m, n, k, dtype, sms, silu_mul, gemv_max_k_tile())
+    return _default_config(m, n, k, dtype, sms, silu_mul, gemv_max_k_tile(), gemv_silu_tile())
 
 
 @functools.cache
 def _default_config(
-    m: int, n: int, k: int, dtype: torch.dtype, sms: int, silu_mul: bool, max_k_tile: int
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    sms: int,
+    silu_mul: bool,
+    max_k_tile: int = 2048,
+    silu_tile: int = 4096,
 ) -> dict:
     """Tiles per shape; `n` counts output columns (half the weight's rows with silu_mul).
 
@@ -235,19 +242,21 @@ def _default_config(
     Several rows use one configuration whatever their number, so a row's result never
     depends on how many rows share the launch. One row's widest K tile is `max_k_tile`
     (kernels/tuning.py): a projection that fits one tile streams its weights before the
-    PDL wait."""
+    PDL wait; `silu_tile` is the size of each of gate_up's two tiles (8192: half as many
+    programs, 8 warps)."""
     precision = "ieee" if dtype == torch.float32 else "tf32"
     if m > 1:
         block_n, block_k = (32, 256) if n > 2048 else (16, 512)
         return dict(BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=True, DOT_PRECISION=precision,
                     num_warps=4, num_stages=3)
     block_k = min(triton.next_power_of_2(k), max_k_tile)
-    budget = 4096 if silu_mul else 8192  # elements of W a tile (silu_mul loads two tiles)
+    budget = silu_tile if silu_mul else 8192  # elements of W a tile (silu_mul loads two)
     block_n = max(budget // block_k, 1)
     while block_n > 2 and triton.cdiv(n, block_n) < 2 * sms:
         block_n //= 2
+    warps = 8 if silu_mul and block_n * block_k > 4096 else 4
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=False, DOT_PRECISION=precision,
-                num_warps=4, num_stages=1)
+                num_warps=warps, num_stages=1)
 
 
 # Where the Triton GEMV beats cuBLAS: (row bucket, N, K) -> bool, measured on the H200

@@ -7,6 +7,10 @@ batch-1 / 32k / batch-8 figures side by side.
 - MINIVLLM_GEMV_MAX_K (2048 | 4096): the widest K tile of a one-row GEMV. With 4096,
   a projection with K <= 4096 (Qwen3's down: K = 3072) is one tile, so its weights are
   loaded before the PDL wait, while the kernel before it runs.
+- MINIVLLM_GEMV_SILU_TILE (4096 | 8192): elements of each of the one-row gate_up GEMV's two
+  weight tiles (8192: half as many programs, 8 warps each). Under PDL a kernel's programs
+  wait beside the previous kernel's, so how many fit decides how much of its weights load
+  early.
 - MINIVLLM_DECODE_PREFETCH (0 | 1): decode attention loads its first K/V tile before the
   PDL wait (the cache is not written by the kernels before it) and splices the new token
   in from registers.
@@ -41,6 +45,11 @@ def gemv_max_k_tile() -> int:
 
 
 @functools.cache
+def gemv_silu_tile() -> int:
+    return int(_choice("MINIVLLM_GEMV_SILU_TILE", "4096", ("4096", "8192")))
+
+
+@functools.cache
 def decode_prefetch() -> bool:
     return _choice("MINIVLLM_DECODE_PREFETCH", "0", ("0", "1")) == "1"
 
@@ -62,6 +71,6 @@ def graph_greedy() -> bool:
 
 def clear() -> None:
     """Forget the values read (tests that change the environment)."""
-    for fn in (gemv_max_k_tile, decode_prefetch, decode_min_split, decode_late_trigger,
-               graph_greedy):
+    for fn in (gemv_max_k_tile, gemv_silu_tile, decode_prefetch, decode_min_split,
+               decode_late_trigger, graph_greedy):
         fn.cache_clear()

@@ -21,6 +21,7 @@ SWITCHES = {
     "min_split512": {"MINIVLLM_DECODE_MIN_SPLIT": "512"},
     "greedy_graph": {"MINIVLLM_GRAPH_GREEDY": "1"},
     "late_trigger": {"MINIVLLM_DECODE_LATE_TRIGGER": "4096"},
+    "silu_tile": {"MINIVLLM_GEMV_SILU_TILE": "8192"},
 }
 ALL_ON = {k: v for env in SWITCHES.values() for k, v in env.items()}
 

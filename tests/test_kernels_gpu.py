@@ -276,6 +276,13 @@ def test_gemv(model) -> None:
                                             config=cfg)
                     _assert_close(f"rms_norm_gemv {name} K tiles of 128", got2, want,
                                   TOL[torch.bfloat16])
+                    # MINIVLLM_GEMV_SILU_TILE=8192 / MINIVLLM_GEMV_MAX_K=4096's tiles.
+                    cfg = _default_config(1, n // (2 if silu else 1), k, torch.bfloat16, 132,
+                                          silu, 4096, 8192)
+                    got3, _ = rms_norm_gemv(x, residual, norm_w, 1e-6, w, silu_mul=silu,
+                                            config=cfg)
+                    _assert_close(f"rms_norm_gemv {name} {cfg}", got3, want,
+                                  TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
