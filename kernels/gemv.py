@@ -33,7 +33,7 @@ from minivllm.kernels.dispatch import (
 from minivllm.kernels.pdl import gemv_pdl
 from minivllm.kernels.rms_norm import check_norm_inputs, rms_norm_ref
 from minivllm.kernels.silu_and_mul import silu_and_mul_ref
-from minivllm.kernels.tuning import gemv_max_k_tile, gemv_silu_tile
+from minivllm.kernels.tuning import gemv_max_k_tile, gemv_silu_tile, gemv_wide
 
 MAX_ROWS = 8  # larger batches are matrix-matrix products: cuBLAS
 
@@ -290,8 +290,12 @@ def _wins_by_default(m: int) -> bool:
     return m == 1
 
 
-@functools.cache
 def gemv_wins(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
+    return _gemv_wins(m, n, k, dtype, gemv_wide())
+
+
+@functools.cache
+def _gemv_wins(m: int, n: int, k: int, dtype: torch.dtype, wide: bool = False) -> bool:
     """Whether `gemv` should replace F.linear for an [m, k] x [n, k]^T product on CUDA.
 
     Decided per power-of-two row bucket (1, 2, 4, 8: the CUDA-graph buckets), so a batch
@@ -301,6 +305,10 @@ def gemv_wins(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
     if not HAS_TRITON or dtype not in (torch.bfloat16, torch.float16) or not 1 <= m <= MAX_ROWS:
         return False
     bucket = triton.next_power_of_2(m)
+    if bucket > 1 and wide and n <= 16384:
+        # MINIVLLM_GEMV_WIDE=1: several rows take the GEMV for every projection, so the
+        # layer keeps its norm and SiLU fused (five launches, not eight).
+        return True
     return MEASURED_WINS.get((bucket, n, k), _wins_by_default(bucket))
 
 

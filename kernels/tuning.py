@@ -11,6 +11,9 @@ batch-1 / 32k / batch-8 figures side by side.
   weight tiles (8192: half as many programs, 8 warps each). Under PDL a kernel's programs
   wait beside the previous kernel's, so how many fit decides how much of its weights load
   early.
+- MINIVLLM_GEMV_WIDE (0 | 1): batches of 2-8 rows take the GEMV for every projection but the
+  LM head (cuBLAS measured faster for the wide ones alone, but without them the layer's
+  norms and SiLU are separate launches again: eight a layer instead of five).
 - MINIVLLM_DECODE_PREFETCH (0 | 1): decode attention loads its first K/V tile before the
   PDL wait (the cache is not written by the kernels before it) and splices the new token
   in from registers.
@@ -50,6 +53,11 @@ def gemv_silu_tile() -> int:
 
 
 @functools.cache
+def gemv_wide() -> bool:
+    return _choice("MINIVLLM_GEMV_WIDE", "0", ("0", "1")) == "1"
+
+
+@functools.cache
 def decode_prefetch() -> bool:
     return _choice("MINIVLLM_DECODE_PREFETCH", "0", ("0", "1")) == "1"
 
@@ -71,6 +79,6 @@ def graph_greedy() -> bool:
 
 def clear() -> None:
     """Forget the values read (tests that change the environment)."""
-    for fn in (gemv_max_k_tile, gemv_silu_tile, decode_prefetch, decode_min_split,
+    for fn in (gemv_max_k_tile, gemv_silu_tile, gemv_wide, decode_prefetch, decode_min_split,
                decode_late_trigger, graph_greedy):
         fn.cache_clear()

@@ -28,6 +28,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     "greedy": {"MINIVLLM_GRAPH_GREEDY": "1"},
     "late": {"MINIVLLM_DECODE_LATE_TRIGGER": "4096"},
     "silu8k": {"MINIVLLM_GEMV_SILU_TILE": "8192"},
+    "wide": {"MINIVLLM_GEMV_WIDE": "1"},
     "pdl1": {"MINIVLLM_PDL": "1"},
     "kernels": {"MINIVLLM_GEMV_MAX_K": "4096", "MINIVLLM_DECODE_PREFETCH": "1",
                 "MINIVLLM_DECODE_MIN_SPLIT": "512"},

@@ -25,7 +25,7 @@ if [ "${1:-}" = "decode-ab" ]; then
   (cd /tmp && $PY -m pytest "$REPO/tests/test_kernels_gpu.py" -k "gemv or decode or fill" \
     "$REPO/tests/test_gpu_decode_switches.py" -q -p no:cacheprovider 2>&1 \
     | tee "$OUT/gpu-tests.log" | tail -15)
-  $PY scripts/decode_ab.py --variants base,all,k4096,prefetch,split512,greedy,late,silu8k,pdl1 2>&1 \
+  $PY scripts/decode_ab.py --variants base,all,k4096,prefetch,split512,greedy,late,silu8k,wide,pdl1 2>&1 \
     | tee "$OUT/decode-ab.log" | tail -40
   echo; echo "== summary =="; grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -2
   exit 0

@@ -22,6 +22,7 @@ SWITCHES = {
     "greedy_graph": {"MINIVLLM_GRAPH_GREEDY": "1"},
     "late_trigger": {"MINIVLLM_DECODE_LATE_TRIGGER": "4096"},
     "silu_tile": {"MINIVLLM_GEMV_SILU_TILE": "8192"},
+    "gemv_wide": {"MINIVLLM_GEMV_WIDE": "1"},
 }
 ALL_ON = {k: v for env in SWITCHES.values() for k, v in env.items()}
 

@@ -564,7 +564,7 @@ def test_gemv_choice_is_per_row_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
     from minivllm.kernels import gemv
 
     monkeypatch.setattr(gemv, "MEASURED_WINS", {(4, 64, 32): True, (8, 64, 32): False})
-    gemv.gemv_wins.cache_clear()
+    gemv._gemv_wins.cache_clear()
     try:
         assert gemv.gemv_wins(3, 64, 32, torch.bfloat16) and gemv.gemv_wins(4, 64, 32,
                                                                             torch.float16)
@@ -574,7 +574,7 @@ def test_gemv_choice_is_per_row_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
         assert not gemv.gemv_wins(1, 64, 32, torch.float32), "fp32 stays on cuBLAS"
         assert gemv.gemv_wins(1, 7, 5, torch.bfloat16) == gemv._wins_by_default(1)
     finally:
-        gemv.gemv_wins.cache_clear()
+        gemv._gemv_wins.cache_clear()
 
 
 def test_kernel_modules_import_without_triton() -> None:
