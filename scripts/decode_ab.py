@@ -38,7 +38,8 @@ VARIANTS: dict[str, dict[str, str]] = {
 SHAPES = [("b1 128", 1, 128), ("b8 128", 8, 128), ("b1 32k", 1, 32768)]
 
 
-def measure(new_tokens: int, repeats: int, model: str, long: int) -> dict[str, float]:
+def measure(new_tokens: int, repeats: int, model: str, long: int,
+            profile: bool = False) -> dict[str, float]:
     """This process's figures: decode-only tok/s per shape (median of `repeats`)."""
     import torch
 
@@ -81,9 +82,68 @@ def measure(new_tokens: int, repeats: int, model: str, long: int) -> dict[str, f
                 sync()
                 rates.append(batch * (new_tokens - 1) / (time.perf_counter() - first))
             out[name] = statistics.median(rates)
+        if profile:
+            print(f"== {os.environ.get('DECODE_AB_NAME', '?')}: GPU timeline ==", flush=True)
+            timeline(llm, 1, 128)
+            timeline(llm, 1, long)
     finally:
         llm.exit()
     return out
+
+
+def timeline(llm, batch: int, context: int, steps: int = 10) -> None:
+    """Print where `steps` decode steps' GPU time goes: busy / idle, kernels a step, and per
+    kernel name the time by which each of its launches moved the step's end forward (under
+    PDL kernels overlap; these increments add up to the busy time)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from minivllm import SamplingParams
+
+    rng = random.Random(1)
+    vocab = min(150000, llm.config.model.vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=steps + 40, ignore_eos=True)
+    for _ in range(batch):
+        llm.add_prompt([rng.randrange(vocab) for _ in range(context)], params)
+    while llm.scheduler.waiting or any(s.num_completion_tokens == 0
+                                       for s in llm.scheduler.running):
+        llm.step()
+    for _ in range(5):
+        llm.step()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            llm.step()
+        if cuda:
+            torch.cuda.synchronize()
+    while not llm.scheduler.is_finished():
+        llm.step()
+    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    if not events:
+        print("  (no CUDA events)")
+        return
+    span = events[-1].time_range.end - events[0].time_range.start
+    busy, end = 0.0, None
+    moved: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for e in events:
+        start, stop = e.time_range.start, e.time_range.end
+        name = e.name[:44]
+        gain = stop - start if end is None else max(0.0, stop - max(start, end))
+        busy += gain
+        end = stop if end is None else max(end, stop)
+        moved[name] = moved.get(name, 0.0) + gain
+        count[name] = count.get(name, 0) + 1
+    print(f"  timeline b{batch} ctx {context}: {span / steps:7.1f} us a step, GPU busy "
+          f"{busy / steps:7.1f}, idle {(span - busy) / steps:6.1f}; "
+          f"{len(events) / steps:.0f} kernels a step")
+    for name, t in sorted(moved.items(), key=lambda kv: -kv[1])[:14]:
+        print(f"    {name:46} {count[name] / steps:6.1f}/step  {t / steps:8.1f} us/step "
+              f"(moves the end {t / count[name]:6.2f} us each)")
 
 
 def main() -> None:
@@ -95,10 +155,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model", default="Qwen/Qwen3-0.6B")
     parser.add_argument("--long", type=int, default=32768, help="the long context (b1 32k)")
+    parser.add_argument("--profile", default="base,all",
+                        help="variants whose first run also prints a GPU timeline")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.child:
-        figures = measure(opts.new_tokens, opts.repeats, opts.model, opts.long)
+        figures = measure(opts.new_tokens, opts.repeats, opts.model, opts.long,
+                          profile=os.environ.get("DECODE_AB_PROFILE") == "1")
         print("RESULT " + json.dumps(figures), flush=True)
         return
     names = opts.variants.split(",")
@@ -110,6 +173,8 @@ def main() -> None:
         for name in names:
             env = {k: v for k, v in os.environ.items() if not k.startswith("MINIVLLM_")}
             env.update(VARIANTS[name])
+            env["DECODE_AB_NAME"] = name
+            env["DECODE_AB_PROFILE"] = str(int(r == 0 and name in opts.profile.split(",")))
             t0 = time.perf_counter()
             proc = subprocess.run(
                 [sys.executable, __file__, "--child", "--new-tokens", str(opts.new_tokens),
@@ -120,6 +185,9 @@ def main() -> None:
             if proc.returncode or line is None:
                 print(f"{name}: failed (rc {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
                 continue
+            for text in proc.stdout.splitlines():
+                if text.startswith(("==", "  ")):
+                    print(text, flush=True)  # the timeline
             figures = json.loads(line[7:])
             results[name].append(figures)
             print(f"round {r + 1} {name:9} {time.perf_counter() - t0:5.1f} s  "
