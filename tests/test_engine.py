@@ -323,3 +323,28 @@ def test_import_kernels_never_resolves_into_this_repo(tmp_path):
     import minivllm.kernels
 
     assert minivllm.kernels.__file__.startswith(os.path.join(repo, "kernels"))
+
+
+def test_bare_kernels_import_from_the_clone_gets_the_installed_package(tmp_path):
+    """Run from the clone's root (`python -m ...`), the folder is found first as a bare
+    `kernels`; it hands that name to Hugging Face's package when one is installed (which
+    transformers then imports) and otherwise fails as a missing package does."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    installed = tmp_path / "site" / "kernels"
+    installed.mkdir(parents=True)
+    (installed / "__init__.py").write_text("CUDAProperties = 'installed'\n")
+    code = "import kernels; print(kernels.CUDAProperties, kernels.__file__)"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    run = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith(f"installed {installed}")
+    # Without it: the environment's own package if it has one (transformers >= 5.25
+    # installs it), else the error a missing package gives; never this folder.
+    env["PYTHONPATH"] = ""
+    run = subprocess.run([sys.executable, "-c", "import kernels; print(kernels.__file__)"],
+                         cwd=repo, env=env, capture_output=True, text=True)
+    if run.returncode == 0:
+        assert not run.stdout.startswith(os.path.join(repo, "kernels") + os.sep)
+    else:
+        assert "ModuleNotFoundError: No module named 'kernels'" in run.stderr
