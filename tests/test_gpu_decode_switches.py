@@ -51,8 +51,9 @@ def test_greedy_graphs_give_the_eager_tokens(tiny_qwen3, switches):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (5, 40, 17, 9)]
     greedy = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
     sampled = SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, seed=11)
-    params = [greedy, sampled, greedy, greedy]
+    params = [greedy, sampled, short, greedy]  # the batch shrinks twice: rows move
     settings = dict(max_num_batched_tokens=64, max_num_sequences=4, max_model_length=256,
                     async_scheduling=True)
     outputs = []
