@@ -22,7 +22,7 @@ from minivllm.kernels.attention_tile import (
 from minivllm.kernels.dispatch import check_paged_attention, check_tensor, num_sms, tl, triton
 from minivllm.kernels.pdl import attention_pdl
 from minivllm.kernels.qkv_rotary_store import check_qkv_inputs, qkv_rotary_store_ref
-from minivllm.kernels.tuning import decode_late_trigger, decode_min_split, decode_prefetch
+from minivllm.kernels.tuning import decode_late_trigger, decode_prefetch
 
 
 def decode_attention_ref(
@@ -376,8 +376,8 @@ def decode_attention(
     table's capacity, block_tables.shape[1] * block_size), never from `seq_lens`' values,
     so the launch is graph-capturable. `num_splits` (a power of two) and `tile_config`
     override the choices (tests, benchmarks); so does `min_split_len` (context positions a
-    split takes at least; default MINIVLLM_DECODE_MIN_SPLIT, kernels/tuning.py, else one
-    tile); `check=False` skips the input checks (an
+    split takes at least; default one tile; an engine passes MINIVLLM_DECODE_MIN_SPLIT,
+    kernels/tuning.py); `check=False` skips the input checks (an
     engine checks each kernel's first launch). Without `counters` each call allocates
     zeroed ones (one memset launch more).
     """
@@ -497,9 +497,9 @@ def _launch(
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     config = _tile_config(k_cache.dtype) if tile_config is None else tile_config
-    if min_split_len is None:
-        min_split_len = decode_min_split()
     block_n = config["BLOCK_N"]
+    if min_split_len is None:
+        min_split_len = block_n
     pdl = attention_pdl(device)
     launch = {"launch_pdl": True} if pdl else {}
 

@@ -4,8 +4,8 @@
 #   bash scripts/gpu_check.sh [quick|profile|decode|decode-ab|host|app|all]
 # (no argument: tests + benchmarks; quick: tests; profile: tests + step profile;
 #  decode: tests + batch-1/long-context decode benchmarks, kernel table, per-kernel profile;
-#  decode-ab: only the decode-path tests, then scripts/decode_ab.py (kernels/tuning.py's
-#  switches side by side, ~3 minutes);
+#  decode-ab: the decode switches' tests, then scripts/decode_ab.py (kernels/tuning.py's
+#  switches side by side; DECODE_AB_VARIANTS picks them; ~2.5 minutes);
 #  host: tests + issue 9's benchmarks (throughput overlapped vs synchronous, prefill TTFT
 #  per length, the chat workload, a cold start); app: tests + the chat app's bench;
 #  all: everything)
@@ -20,12 +20,11 @@ $PY -m pip install -q -e . --no-deps --no-build-isolation >"$OUT/install.log" 2>
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 
 if [ "${1:-}" = "decode-ab" ]; then
-  # Issue 11's switches: their tests (kernels at model shapes, graphs == eager, fp32 tokens),
-  # then one process per variant, interleaved; the table is printed last.
-  (cd /tmp && $PY -m pytest "$REPO/tests/test_kernels_gpu.py" -k "gemv or decode or fill" \
-    "$REPO/tests/test_gpu_decode_switches.py" -q -p no:cacheprovider 2>&1 \
-    | tee "$OUT/gpu-tests.log" | tail -15)
-  $PY scripts/decode_ab.py --variants base,all,k4096,prefetch,split512,greedy,late,silu8k,wide,pdl1 2>&1 \
+  # Issue 11's switches: their GPU tests (graphs == eager with the defaults and with every
+  # switch on, fp32 tokens), then one process per variant (~20 s each); a table last.
+  (cd /tmp && $PY -m pytest "$REPO/tests/test_gpu_decode_switches.py" -m gpu -q \
+    -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -5)
+  $PY scripts/decode_ab.py --variants "${DECODE_AB_VARIANTS:-default,off,late,silu8k}" 2>&1 \
     | tee "$OUT/decode-ab.log" | tail -40
   echo; echo "== summary =="; grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -2
   exit 0
