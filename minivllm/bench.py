@@ -53,6 +53,8 @@ def build_engine(args: argparse.Namespace, **overrides) -> LLMEngine:
     config["load_format"] = load_format(args)
     if args.dtype:
         config["dtype"] = args.dtype
+    if getattr(args, "cpu_weight_dtype", None):
+        config["cpu_weight_dtype"] = args.cpu_weight_dtype
     if args.world_size > 1:
         config["world_size"] = args.world_size
     config.update(overrides)
@@ -617,6 +619,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--cpu-weight-dtype", default=None, metavar="{auto,float32,bfloat16,int8}",
+                   help="CPU linear weights (default: auto; latency --device cpu: "
+                   "minivllm generate's default)")
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--max-model-length", type=int, default=4096)

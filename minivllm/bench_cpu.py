@@ -1,6 +1,8 @@
 """`minivllm bench latency --device cpu`: minivllm and transformers side by side.
 
-Both engines run the same token-id prompts in the same process, interleaved round by round
+minivllm runs with `minivllm generate`'s CPU weights (`--cpu-weight-dtype`, default bf16
+weights with fp32 compute), transformers in the engine's compute dtype (fp32 here). Both
+engines run the same token-id prompts in the same process, interleaved round by round
 (minivllm, then transformers, for every figure), so a machine shared with other work slows
 both alike; each figure is the median over the rounds. Figures (issue 10):
 
@@ -24,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from . import LLMEngine, SamplingParams
+from .config import APP_CPU_WEIGHT_DTYPE
 
 # Greedy tokens compared with transformers once a round (the engine's pool must hold them).
 PARITY_TOKENS = 32
@@ -35,7 +38,14 @@ def _mv_engine(args: argparse.Namespace) -> LLMEngine:
     # A pool for the 8 sequences of the batch figure, not the CPU's 2 GiB default.
     max_len = max(args.prompt_len, args.ttft_prompt_len) + max(args.new_tokens, PARITY_TOKENS)
     blocks_per_seq = -(-max_len // args.block_size)
-    return build_engine(args, max_model_length=max_len, max_cached_blocks=9 * blocks_per_seq)
+    # The precision a user gets from `minivllm generate` unless asked otherwise.
+    weights = args.cpu_weight_dtype or APP_CPU_WEIGHT_DTYPE
+    return build_engine(
+        args,
+        max_model_length=max_len,
+        max_cached_blocks=9 * blocks_per_seq,
+        cpu_weight_dtype=weights,
+    )
 
 
 def _mv_generate(llm: LLMEngine, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
@@ -129,7 +139,8 @@ def bench_latency_cpu(args: argparse.Namespace):
     def med(engine: str, figure: str) -> float:
         return statistics.median(times[engine][figure])
 
-    dt = str(dtype).replace("torch.", "")
+    hf_dt = str(dtype).replace("torch.", "")
+    mv_dt = hf_dt + (f", {llm.cpu_weight_format} weights" if llm.cpu_weight_format else "")
     rounds = f"median of {args.repeats} interleaved rounds, {torch.get_num_threads()} threads"
     rows = []
     for engine, label in (("mv", "minivllm"), ("hf", "transformers")):
@@ -138,7 +149,8 @@ def bench_latency_cpu(args: argparse.Namespace):
                 f"{label} batch-1 decode",
                 med(engine, "decode"),
                 "tok/s",
-                f"{dt}; {args.prompt_len}-token prompt, {new_tokens} greedy tokens; {rounds}",
+                f"{mv_dt if engine == 'mv' else hf_dt}; {args.prompt_len}-token prompt, "
+                f"{new_tokens} greedy tokens; {rounds}",
             ),
             Row(f"{label} TTFT {args.prompt_len}", med(engine, "ttft128") * 1e3, "ms", ""),
             Row(

@@ -11,6 +11,7 @@ import re
 import sys
 from typing import Any
 
+from .config import APP_CPU_WEIGHT_DTYPE
 from .progress import print_progress
 
 DEFAULT_CHAT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -23,6 +24,7 @@ OPTION_OF_KEY = {
     "device": "--device",
     "load_format": "--load-format",
     "dtype": "--dtype",
+    "cpu_weight_dtype": "--cpu-weight-dtype",
 }
 # What loading can raise for a user's mistake (bad values, missing or broken files).
 USER_ERRORS = (ValueError, TypeError, OSError)
@@ -63,6 +65,7 @@ def generate(args: argparse.Namespace) -> None:
         "model_name_or_path": args.model,
         "device": args.device,
         "max_model_length": args.max_model_length,
+        "cpu_weight_dtype": args.cpu_weight_dtype,
     }
     params = SamplingParams(
         temperature=args.temperature,
@@ -119,6 +122,13 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     g.add_argument("--max-model-length", type=int, default=4096)
+    g.add_argument(
+        "--cpu-weight-dtype",
+        default=APP_CPU_WEIGHT_DTYPE,
+        metavar="{auto,float32,bfloat16,int8}",
+        help="CPU linear weights: weight-only bf16 / int8 with fp32 compute "
+        f"(default {APP_CPU_WEIGHT_DTYPE}; auto: the compute dtype)",
+    )
 
     from .bench import add_arguments
 

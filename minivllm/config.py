@@ -30,6 +30,15 @@ ARCH_KEYS = {
     "architecture": "architecture",
 }
 
+# `cpu_weight_dtype` values: "auto" keeps the CPU's linear weights in the compute dtype.
+CPU_WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8")
+# `cpu_weight_dtype` of `minivllm generate`, `minivllm-chat` and `bench latency --device cpu`
+# (EngineConfig's default stays "auto": fp32 weights keep the exact parity with transformers).
+# Chosen by measurement on SmolLM2-135M (PERF_NOTES.md, issue 10): bf16 weights with fp32
+# compute decode ~2x faster than fp32 weights and follow fp32's greedy tokens closely; where
+# the CPU multiplies bf16, the compute dtype is bf16 already and this changes nothing.
+APP_CPU_WEIGHT_DTYPE = "bfloat16"
+
 ENGINE_KEYS = {
     "model_name_or_path",
     "world_size",
@@ -44,6 +53,7 @@ ENGINE_KEYS = {
     "max_model_length",
     "device",
     "dtype",
+    "cpu_weight_dtype",
     "load_format",
     "enable_prefix_caching",
     "enable_chunked_prefill",
@@ -234,6 +244,9 @@ class EngineConfig:
     max_model_length: int | None = None
     device: str = "auto"
     dtype: str = "auto"
+    # The CPU's linear weights: "auto" = in `dtype`; "bfloat16" / "int8" (per output channel)
+    # = weight-only formats with fp32 activations (needs dtype float32); ignored on CUDA.
+    cpu_weight_dtype: str = "auto"
     load_format: str = "auto"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -265,6 +278,11 @@ class EngineConfig:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ValueError(
                 f"dtype={self.dtype!r}: must be 'auto', 'bfloat16', 'float16' or 'float32'"
+            )
+        if self.cpu_weight_dtype not in CPU_WEIGHT_DTYPES:
+            raise ValueError(
+                f"cpu_weight_dtype={self.cpu_weight_dtype!r}: must be 'auto', 'float32', "
+                f"'bfloat16' or 'int8'"
             )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format={self.load_format!r}: must be 'auto' or 'dummy'")

@@ -67,7 +67,11 @@ if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
   if $PY -c "from minivllm.loader import resolve_model as r; r('smollm2', allow_download=False)" \
     >/dev/null 2>&1; then
     (cd /tmp && OMP_NUM_THREADS=2 taskset -c 0,1 $PY -m pytest "$REPO/tests/test_cpu_path.py" \
-      -q -p no:cacheprovider 2>&1 | tee "$OUT/cpu-tests.log" | tail -5)
+      "$REPO/tests/test_cpu_lowp.py" -q -p no:cacheprovider 2>&1 | tee "$OUT/cpu-tests.log" \
+      | tail -5)
+    # Weight-only bf16 / int8 against fp32 weights (fp32 compute; the AVX-512 kernel here).
+    OMP_NUM_THREADS=2 taskset -c 0,1 $PY "$REPO/scripts/cpu_weight_ab.py" --rounds 1 \
+      --new-tokens 32 --threads 2 2>&1 | grep -v Warning | tail -6
     OMP_NUM_THREADS=2 taskset -c 0,1 $PY -m minivllm.cli bench latency --device cpu --repeats 2 \
       2>&1 | tee -a "$OUT/bench.log" | grep -v "it/s\]" | tail -12
   else

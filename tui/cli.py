@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from minivllm.config import APP_CPU_WEIGHT_DTYPE
+
 from .conversation import Settings
 from .engine_thread import EngineFactory
 
@@ -45,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cap on prompt + reply tokens per conversation")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="where the engine runs (default: auto)")
+    p.add_argument("--cpu-weight-dtype", default=APP_CPU_WEIGHT_DTYPE,
+                   metavar="{auto,float32,bfloat16,int8}",
+                   help="CPU linear weights: weight-only bf16 / int8 with fp32 compute "
+                   f"(default: {APP_CPU_WEIGHT_DTYPE}; auto: the compute dtype)")
     p.add_argument("--system", default="", metavar="TEXT", help="system prompt for every pane")
     p.add_argument("--temperature", type=float, default=None,
                    help="sampling temperature (0 is greedy)")
@@ -79,6 +85,7 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
         "model_name_or_path": args.model,
         "world_size": args.world_size,
         "device": args.device,
+        "cpu_weight_dtype": getattr(args, "cpu_weight_dtype", APP_CPU_WEIGHT_DTYPE),
     }
     if args.max_model_length is not None:
         config["max_model_length"] = args.max_model_length
@@ -187,6 +194,7 @@ def fail(error: BaseException | str) -> int:
     text = error if isinstance(error, str) else describe_error(
         error, {"model_name_or_path": "--model", "max_model_length": "--max-model-length",
                 "world_size": "--world-size", "device": "--device",
+                "cpu_weight_dtype": "--cpu-weight-dtype",
                 "max_num_batched_tokens": "--max-num-batched-tokens",
                 "temperature": "--temperature", "max_tokens": "--max-tokens"})
     print(f"minivllm-chat: error: {text}", file=sys.stderr)

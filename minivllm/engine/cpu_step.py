@@ -6,7 +6,9 @@ on this machine, PERF_NOTES.md). Here one function, `decode_layer`, is a whole d
 layer; it is compiled once and called for every layer with that layer's weights as
 arguments, so dynamo traces one layer, not thirty (start-up: a few seconds with warm caches),
 and a step is ~30 calls into inductor's generated C++ plus ~15 eager ops. The matrix
-products stay MKL's, the same kernels as eager.
+products stay the eager ones: MKL's for fp32 weights, or the weight-only bf16 / int8 kernel
+(kernels/cpu_lowp_linear.py, one opaque torch op with a fake implementation) where
+`cpu_weight_dtype` asks for it.
 
 The compiled layer only reads the KV cache: it returns the layer's new K/V, and the caller
 stores all layers' K/V with two `index_copy_` afterwards (an in-place store into the pool
@@ -49,8 +51,9 @@ COMPILE_ENV = "MINIVLLM_CPU_COMPILE"
 COMPILE_OPTIONS = {"pattern_matcher": False}
 
 
-def _linear(x, weight, bias, packed):
-    return cpu_linear.linear(x, weight, bias, packed)
+def _linear(x, lin):
+    """`lin`: a linear's (weight, bias, oneDNN packed, weight-only copy), `_linear_weights`."""
+    return cpu_linear.linear(x, *lin)
 
 
 def decode_layer(
@@ -71,8 +74,7 @@ def decode_layer(
     """One decoder layer of a decode step; returns (output, residual, new k, new v), the
     new K/V [num_seqs, num_kv_heads, head_dim] in the cache's dtype. The cache is only read:
     each sequence attends to its context, then its new token (the eager order)."""
-    (ln1, qkv_w, qkv_b, qkv_p, q_norm, k_norm, o_w, o_p, ln2, gu_w, gu_b, gu_p, down_w,
-     down_b, down_p) = w
+    ln1, qkv, q_norm, k_norm, o_proj, ln2, gate_up, down = w
     num_heads, num_kv_heads, head_dim = shape
     num_seqs = x.shape[0]
     # Facts the unbacked sizes cannot tell the compiler (_mark_dynamic); the caller pads
@@ -82,8 +84,7 @@ def decode_layer(
     group = num_heads // num_kv_heads
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     h, residual = rms_norm_ref(x, ln1, eps, residual)
-    qkv = _linear(h, qkv_w, qkv_b, qkv_p)
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k, v = _linear(h, qkv).split([q_size, kv_size, kv_size], dim=-1)
     q = q.reshape(num_seqs, num_heads, head_dim)
     k = k.reshape(num_seqs, num_kv_heads, head_dim)
     v = v.reshape(num_seqs, num_kv_heads, head_dim)
@@ -110,9 +111,9 @@ def decode_layer(
     probs = scores.softmax(dim=-1).to(v_cache.dtype)
     o = torch.matmul(probs[..., :-1], v_context) + probs[..., -1:] * v.transpose(0, 1)[:, :, None]
     o = o.transpose(0, 1)  # [num_seqs, num_kv_heads, group, head_dim]
-    x = _linear(o.reshape(num_seqs, q_size).to(x.dtype), o_w, None, o_p)
+    x = _linear(o.reshape(num_seqs, q_size).to(x.dtype), o_proj)
     h, residual = rms_norm_ref(x, ln2, eps, residual)
-    x = _linear(silu_and_mul_ref(_linear(h, gu_w, gu_b, gu_p)), down_w, down_b, down_p)
+    x = _linear(silu_and_mul_ref(_linear(h, gate_up)), down)
     return x, residual, k, v
 
 
@@ -149,14 +150,19 @@ def layer_weights(layer: torch.nn.Module) -> tuple:
     attn, mlp = layer.self_attn, layer.mlp
     return (
         layer.input_layernorm.weight,
-        attn.qkv_proj.weight, attn.qkv_proj.bias, attn.qkv_proj.packed,
+        _linear_weights(attn.qkv_proj),
         attn.q_norm.weight if attn.qk_norm else None,
         attn.k_norm.weight if attn.qk_norm else None,
-        attn.o_proj.weight, attn.o_proj.packed,
+        _linear_weights(attn.o_proj),
         layer.post_attention_layernorm.weight,
-        mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.gate_up_proj.packed,
-        mlp.down_proj.weight, mlp.down_proj.bias, mlp.down_proj.packed,
+        _linear_weights(mlp.gate_up_proj),
+        _linear_weights(mlp.down_proj),
     )
+
+
+def _linear_weights(linear: torch.nn.Module) -> tuple:
+    """(weight, bias, oneDNN packed, weight-only copy): `cpu_linear.linear`'s arguments."""
+    return (linear.weight, linear.bias, linear.packed, linear.lowp)
 
 
 def compile_unavailable_reason() -> str | None:
@@ -250,7 +256,12 @@ class CPUDecodeStep:
     ) -> torch.Tensor:  # [num_seqs, hidden]
         assert meta.context_slots is not None
         # The new token's own slot is the last column of the longest sequence: drop it.
-        prev_slots = meta.context_slots[:, :-1].contiguous()
+        # NOTE: copied into a fresh tensor, not `.contiguous()`: with one sequence the slice
+        # counts as contiguous and keeps its row stride (max_prev + 1), which fails the
+        # graph's stride guard and recompiled the step at the first batch-1 decode.
+        context = meta.context_slots
+        prev_slots = context.new_empty(context.shape[0], context.shape[1] - 1)
+        prev_slots.copy_(context[:, :-1])
         hidden, new_k, new_v = self.forward(input_ids, positions, prev_slots, meta.seq_lens)
         # This step's K/V into the pool: one copy for K and one for V over all layers.
         cache = self.kv_cache.flatten(2, 3)  # [2, num_layers, num_slots, kv_heads, head_dim]
@@ -322,12 +333,16 @@ def transpose_wide_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     such a weight 1.3-3x faster column-major on this AVX2 machine (qkv, gate_up, the LM
     head: PERF_NOTES.md); prefill's products take either layout at the same speed."""
     done: list[torch.nn.Parameter] = []
+    lowp = {
+        id(m.weight) for m in model.modules() if getattr(m, "lowp", None) is not None
+    }
     for module in model.modules():
         w = getattr(module, "weight", None)
         if not isinstance(w, torch.nn.Parameter) or w.dim() != 2 or w.shape[0] <= w.shape[1]:
             continue
-        # A tied weight (embedding = LM head) is met twice; a packed one has its own layout.
-        if getattr(module, "packed", None) is None and w.is_contiguous():
+        # A tied weight (embedding = LM head) is met twice; a packed one has its own layout;
+        # where a weight-only copy serves the products, the weight is only looked up by row.
+        if w.is_contiguous() and id(w) not in lowp and getattr(module, "packed", None) is None:
             w.data = w.data.t().contiguous().t()
             done.append(w)
     return done

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..config import EngineConfig
+from ..layers.cpu_linear import weight_format
 from ..layers.sampler import StepSamples
 from ..outputs import Delta, EngineStats
 from ..sampling_params import SamplingParams, as_token_id
@@ -90,6 +91,8 @@ class LLMEngine:
             raise TypeError(f"config: expected a dict or EngineConfig, got {type(config).__name__}")
         self.device = _resolve_device(config.device)
         self.dtype = _resolve_dtype(config.dtype, self.device)
+        # "bfloat16" / "int8" where the CPU's linears take a weight-only format, else None.
+        self.cpu_weight_format = weight_format(config.cpu_weight_dtype, self.device, self.dtype)
         if config.world_size > 1:
             self.device = tp_device(self.device, config.world_size)  # rank 0's; checks GPUs
 
@@ -109,6 +112,7 @@ class LLMEngine:
                 LoadModel(),
                 lambda: ModelRunner(config, self.device, self.dtype, on_progress=progress),
             )
+            self.cpu_weight_format = self.runner.cpu_weight_format  # None if it did not build
             progress("sizing the KV cache", 0.5)
             mine, theirs = self._on_all_ranks(SizeKVPool(), self.runner.size_kv_pool)
             num_blocks = min([mine, *theirs])  # every rank holds every block

@@ -40,6 +40,14 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _dtype_label(engine: Any) -> str:
+    """The compute dtype, and the CPU's weight-only format where one is on
+    ("float32, int8 weights")."""
+    dtype = str(getattr(engine, "dtype", "?")).replace("torch.", "")
+    weights = getattr(engine, "cpu_weight_format", None)
+    return f"{dtype}, {weights} weights" if weights else dtype
+
+
 def engine_info(engine: Any) -> EngineInfo:
     """What a header shows. Call where the engine may be touched (it calls `stats()`)."""
     cfg = engine.config
@@ -47,7 +55,7 @@ def engine_info(engine: Any) -> EngineInfo:
     return EngineInfo(
         model=str(getattr(cfg, "model_name_or_path", "?")),
         device=str(getattr(engine, "device", getattr(cfg, "device", "?"))),
-        dtype=str(getattr(engine, "dtype", "?")).replace("torch.", ""),
+        dtype=_dtype_label(engine),
         world_size=int(getattr(cfg, "world_size", 1)),
         block_size=int(stats.block_size),
         num_blocks=int(stats.num_blocks),

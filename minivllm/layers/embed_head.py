@@ -40,6 +40,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         super().__init__(vocab_size, hidden_size)
         self.packed: torch.Tensor | None = None  # oneDNN's copy on CPU (cpu_linear)
+        self.lowp: cpu_linear.LowpWeight | None = None  # weight-only bf16 / int8 on CPU
         self.kernels = ops.TORCH_KERNELS  # the engine binds its own set (ops.bind_kernels)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -47,4 +48,6 @@ class ParallelLMHead(VocabParallelEmbedding):
             from .linear import cuda_linear
 
             return gather_last_dim(cuda_linear(hidden, self.weight, None, self.kernels.gemv))
-        return gather_last_dim(cpu_linear.linear(hidden, self.weight, None, self.packed))
+        return gather_last_dim(
+            cpu_linear.linear(hidden, self.weight, None, self.packed, self.lowp)
+        )

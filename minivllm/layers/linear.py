@@ -51,6 +51,8 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
         # oneDNN's packed copy of the weight on CPU (cpu_linear.pack_linears, after loading).
         self.packed: torch.Tensor | None = None
+        # A weight-only bf16 / int8 copy replacing the weight on CPU (cpu_linear.lowp_linears).
+        self.lowp: cpu_linear.LowpWeight | None = None
         self.kernels = ops.TORCH_KERNELS  # the engine binds its own set (ops.bind_kernels)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -62,7 +64,7 @@ class LinearBase(nn.Module):
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.is_cuda:
             return cuda_linear(x, self.weight, bias, self.kernels.gemv)
-        return cpu_linear.linear(x, self.weight, bias, self.packed)
+        return cpu_linear.linear(x, self.weight, bias, self.packed, self.lowp)
 
 
 class ReplicatedLinear(LinearBase):

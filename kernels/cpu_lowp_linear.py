@@ -1,0 +1,162 @@
+"""Weight-only low precision linear for the CPU: bf16 or int8 weights, fp32 activations and
+sums (the C++ kernel in cpu_lowp_linear.cpp, its packing, and the torch reference).
+
+A decode token on the CPU reads every weight once: SmolLM2-135M's are 540 MB in fp32, so
+at the ~22 GB/s one core streams here a token costs >= 25 ms whatever the arithmetic.
+bf16 weights halve the bytes and int8 weights (one fp32 scale per output channel) quarter
+them; torch's own kernels do not turn that into speed on a CPU without AVX-512 BF16
+(bf16 `F.linear` ~5x slower than fp32, `_weight_int8pack_mm` 3.4x slower at one row), so
+the product is our own kernel: each weight is widened to fp32 in registers and multiplied
+with fp32 activations, i.e. the same sums as `F.linear(x, dequantize(w))`.
+
+The extension is compiled at first use with torch.utils.cpp_extension (g++ and ninja;
+cached under torch's extensions folder, per CPU flags since it is built -march=native) and
+registered as the torch op `minivllm_cpu::lowp_linear`, with a fake implementation, so the
+inductor-compiled decode step (engine/cpu_step.py) calls it as one opaque op.
+
+Packed layout: [num_blocks, K, L], L = `block_width()` (8 with AVX2, 16 with AVX-512):
+block b holds output channels b*L .. b*L+L-1, zero-padded at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+WEIGHT_DTYPES = {"bfloat16": torch.bfloat16, "int8": torch.int8}
+SOURCE = Path(__file__).with_name("cpu_lowp_linear.cpp")
+OP = "minivllm_cpu::lowp_linear"
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """torch's build runs `ninja` from PATH; the `ninja` package (a dependency) puts it in
+    the virtualenv's bin folder, which is not on PATH when the venv is not activated."""
+    old = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+
+            os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, old])
+        except (ImportError, AttributeError):
+            pass  # the build reports that ninja is missing
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+
+
+@functools.cache
+def _build() -> str | None:
+    """Compile and load the extension once per process; None on success, else why not."""
+    try:
+        from torch.utils import cpp_extension
+
+        from minivllm.cpu_features import cpu_flags
+
+        # -march=native: the build is for this CPU, so its name carries the CPU's flags
+        # (a cache folder shared between machines must not hand one the other's build).
+        tag = hashlib.sha1(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
+        with _ninja_on_path():
+            cpp_extension.load_inline(
+                name=f"minivllm_cpu_lowp_{tag}",
+                cpp_sources=[SOURCE.read_text()],
+                extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                is_python_module=False,
+                verbose=os.environ.get("MINIVLLM_VERBOSE_BUILD") == "1",
+            )
+    except Exception as e:  # noqa: BLE001 - a missing compiler, ninja, or a failed build
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        return f"{type(e).__name__}: {lines[-1][:200]}"
+
+    @torch.library.register_fake(OP)
+    def _(x, packed, scales, bias, n):
+        return x.new_empty(x.shape[0], n)
+
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot run here (None: it can), building it on first call."""
+    return _build()
+
+
+def block_width() -> int:
+    """Output channels per packed block (the kernel's vector width in floats)."""
+    reason = _build()
+    if reason is not None:
+        raise RuntimeError(f"the CPU low-precision kernel is unavailable: {reason}")
+    return int(torch.ops.minivllm_cpu.block_width())
+
+
+def _blocks(w: torch.Tensor, width: int) -> torch.Tensor:
+    """[N, K] -> [ceil(N / width), K, width], zero rows padding the last block."""
+    n, k = w.shape
+    w = F.pad(w, (0, 0, 0, -n % width))
+    return w.view(-1, width, k).transpose(1, 2).contiguous()
+
+
+def pack_bf16(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """bf16 copy of `weight` [N, K] in the packed layout (round to nearest even)."""
+    return _blocks(weight.detach().to(torch.bfloat16), width)
+
+
+def quantize_int8(weight: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: (packed int8 [blocks, K, width], fp32 scales
+    [blocks * width]) with weight ~= q * scale, scale = max|row| / 127."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1) / 127.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero row
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return _blocks(q, width), F.pad(scales, (0, -len(scales) % width)).contiguous()
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor | None, n: int) -> torch.Tensor:
+    """The fp32 weight [n, K] the packed one stands for."""
+    blocks, k, width = packed.shape
+    w = packed.transpose(1, 2).reshape(blocks * width, k)[:n].float()
+    if scales is not None:
+        w = w * scales[:n, None]
+    return w
+
+
+def lowp_linear_ref(
+    x: torch.Tensor,  # [M, K] fp32
+    packed: torch.Tensor,  # [blocks, K, width] bf16 or int8
+    scales: torch.Tensor | None,  # [blocks * width] fp32 for int8, None for bf16
+    bias: torch.Tensor | None,  # [n] fp32
+    n: int,
+) -> torch.Tensor:  # [M, n] fp32
+    return F.linear(x, dequantize(packed, scales, n), bias)
+
+
+def lowp_linear(
+    x: torch.Tensor,  # [M, K] fp32, unit stride in K
+    packed: torch.Tensor,
+    scales: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    n: int,
+) -> torch.Tensor:  # [M, n] fp32
+    """The kernel (call `unavailable_reason()` first: it builds the extension)."""
+    return torch.ops.minivllm_cpu.lowp_linear(x, packed, scales, bias, n)
+
+
+def check_available() -> bool:
+    """Whether the kernel runs here; warns once with the reason where it does not."""
+    reason = _build()
+    if reason is not None:
+        warnings.warn(
+            f"the CPU low-precision weight kernel did not build ({reason}): weights stay fp32",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return reason is None
