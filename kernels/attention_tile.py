@@ -41,3 +41,40 @@ def attend_kv_tile(
     v = tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_sum, acc
+
+
+@triton.jit
+def load_kv_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table,
+    offs,  # [BLOCK_N] context positions of the tile
+    valid,  # [BLOCK_N]
+    head_offset,  # [1, HEAD_DIM]
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """One K/V tile gathered through the block table (loads issued together, so a caller
+    can start them early and use them later); the same loads `attend_kv_tile` makes."""
+    page = tl.load(block_table + offs // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    slot = page * BLOCK_SIZE + offs % BLOCK_SIZE  # [BLOCK_N]
+    kv_offsets = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset
+    k = tl.load(k_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
+    v = tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
+    return k, v
+
+
+@triton.jit
+def attend_loaded_tile(q, m, l_sum, acc, k, v, visible, qk_scale,
+                       DOT_PRECISION: tl.constexpr):
+    """`attend_kv_tile`'s online-softmax step over a tile already in registers (same
+    arithmetic, so both give the same bits)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(visible, s, float("-inf"))  # [ROWS, BLOCK_N]
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_sum, acc

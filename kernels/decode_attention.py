@@ -13,10 +13,16 @@ The Triton version is bound by the bytes of K/V it reads, so:
 from __future__ import annotations
 
 import torch
-from minivllm.kernels.attention_tile import LOG2E, attend_kv_tile
+from minivllm.kernels.attention_tile import (
+    LOG2E,
+    attend_kv_tile,
+    attend_loaded_tile,
+    load_kv_tile,
+)
 from minivllm.kernels.dispatch import check_paged_attention, check_tensor, num_sms, tl, triton
 from minivllm.kernels.pdl import attention_pdl
 from minivllm.kernels.qkv_rotary_store import check_qkv_inputs, qkv_rotary_store_ref
+from minivllm.kernels.tuning import decode_late_trigger, decode_prefetch
 
 
 def decode_attention_ref(
@@ -181,33 +187,53 @@ def _decode_attention_kernel(
     QK_NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    PREFETCH: tl.constexpr,  # FROM_QKV only: the first K/V tile is loaded before the wait
+    MIN_SPLIT_LEN: tl.constexpr,  # context positions a split takes at least (BLOCK_N's multiple)
+    LATE_TRIGGER: tl.constexpr,  # PDL: contexts longer than this launch the next kernel late
 ):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     dims = tl.arange(0, HEAD_DIM)
     # Step inputs no kernel writes: read before the wait.
     seq_len = tl.load(seq_lens_ptr + seq)
+    if PDL:
+        # The next kernel (the o projection) may launch now and stream its weights, unless
+        # the context is long: then its waiting programs would sit beside this kernel's
+        # second wave, and it launches once this program's K/V loop is done.
+        if LATE_TRIGGER == 0 or seq_len <= LATE_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
     if FROM_QKV:
         partner_dims = (dims + HEAD_DIM // 2) % HEAD_DIM
         pos = tl.load(positions_ptr + seq).to(tl.int64)
         cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + dims % (HEAD_DIM // 2)).to(tl.float32)
         sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HEAD_DIM // 2 + dims % (HEAD_DIM // 2))
         sin = tl.where(dims < HEAD_DIM // 2, -sin.to(tl.float32), sin.to(tl.float32))
-    if PDL:
-        # q (or QKV), the cache and the counters come from the kernels before.
-        tl.extra.cuda.gdc_wait()
     # Splits divide the actual context (in whole tiles), not the grid's capacity, so a
     # launch sized for the longest context stays balanced for shorter ones. `used` splits
     # hold context; at least one, so an empty context still writes its (zero) output.
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    # At least MIN_SPLIT_LEN a split: a short context stays in one program (no partials,
+    # no merge on its critical path).
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N,
+                           MIN_SPLIT_LEN)
     used = tl.maximum(tl.cdiv(seq_len, tl.maximum(split_len, 1)), 1)
     if split >= used:  # an empty split writes nothing and is not counted
         return
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    block_table = block_tables_ptr + seq.to(tl.int64) * bt_stride_s
+    head_offset = kv_head * HEAD_DIM + dims[None, :]  # [1, HEAD_DIM]
+    if PREFETCH:
+        # This layer's cache is written only by this kernel (the new token, below), so
+        # the split's first tile can be loaded before the wait, while the kernels before
+        # it finish; the new token's row is spliced in from registers after it.
+        offs0 = start + tl.arange(0, BLOCK_N)
+        valid0 = offs0 < end
+        k0, v0 = load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, offs0, valid0,
+                              head_offset, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    if PDL:
+        # q (or QKV), the cache and the counters come from the kernels before.
+        tl.extra.cuda.gdc_wait()
 
     rows = tl.arange(0, GROUP_PAD)
     row_mask = rows < GROUP
@@ -236,6 +262,10 @@ def _decode_attention_kernel(
             # Every thread's stores are visible to the whole program after the barrier:
             # the loop below reads this token back from the cache.
             tl.debug_barrier()
+            if PREFETCH:
+                new_row = (offs0 == seq_len - 1)[:, None]  # [BLOCK_N, 1]
+                k0 = tl.where(new_row, k.to(k_cache_ptr.dtype.element_ty), k0)
+                v0 = tl.where(new_row, v.to(v_cache_ptr.dtype.element_ty)[None, :], v0)
     else:
         q = tl.load(q_rows + dims[None, :], mask=row_mask[:, None], other=0.0)
     q = q.to(k_cache_ptr.dtype.element_ty)  # [GROUP_PAD, HEAD_DIM]
@@ -243,14 +273,20 @@ def _decode_attention_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    block_table = block_tables_ptr + seq.to(tl.int64) * bt_stride_s
-    head_offset = kv_head * HEAD_DIM + dims[None, :]  # [1, HEAD_DIM]
-    for tile_start in range(start, end, BLOCK_N):
+    loop_start = start
+    if PREFETCH:
+        m, l_sum, acc = attend_loaded_tile(q, m, l_sum, acc, k0, v0, valid0[None, :],
+                                           qk_scale, DOT_PRECISION)
+        loop_start = start + BLOCK_N
+    for tile_start in range(loop_start, end, BLOCK_N):
         offs = tile_start + tl.arange(0, BLOCK_N)
         valid = offs < end
         m, l_sum, acc = attend_kv_tile(q, m, l_sum, acc, k_cache_ptr, v_cache_ptr, block_table,
                                        offs, valid, valid[None, :], head_offset, qk_scale,
                                        BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, DOT_PRECISION)
+    if PDL:
+        if LATE_TRIGGER > 0 and seq_len > LATE_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
 
     if NUM_SPLITS == 1:
         _store_output(out_ptr, seq, heads, dims, row_mask, acc, l_sum, out_stride_s,
@@ -331,6 +367,7 @@ def decode_attention(
     num_splits: int | None = None,
     counters: torch.Tensor | None = None,  # from `decode_counters`
     tile_config: dict | None = None,
+    min_split_len: int | None = None,
     check: bool = True,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Triton version of `decode_attention_ref`: one launch, no host sync.
@@ -338,7 +375,9 @@ def decode_attention(
     The split count comes from the batch size and `max_seq_len` (default: the block
     table's capacity, block_tables.shape[1] * block_size), never from `seq_lens`' values,
     so the launch is graph-capturable. `num_splits` (a power of two) and `tile_config`
-    override the choices (tests, benchmarks); `check=False` skips the input checks (an
+    override the choices (tests, benchmarks); so does `min_split_len` (context positions a
+    split takes at least; default one tile; an engine passes MINIVLLM_DECODE_MIN_SPLIT,
+    kernels/tuning.py); `check=False` skips the input checks (an
     engine checks each kernel's first launch). Without `counters` each call allocates
     zeroed ones (one memset launch more).
     """
@@ -346,7 +385,8 @@ def decode_attention(
         check_paged_attention(k_cache, v_cache, seq_lens, block_tables, q=q)
         _check_decode_rows(q.shape[0], seq_lens, block_tables, counters)
     return _launch(q, q.shape[1], q.stride(0), q.stride(1), k_cache, v_cache, seq_lens,
-                   block_tables, scale, max_seq_len, num_splits, counters, tile_config)
+                   block_tables, scale, max_seq_len, num_splits, counters, tile_config,
+                   min_split_len=min_split_len)
 
 
 def qkv_decode_attention_ref(
@@ -390,12 +430,16 @@ def qkv_decode_attention(
     num_splits: int | None = None,
     counters: torch.Tensor | None = None,
     tile_config: dict | None = None,
+    prefetch: bool | None = None,
+    min_split_len: int | None = None,
     check: bool = True,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Triton version of `qkv_decode_attention_ref` in one launch (one token per
     sequence): `qkv_rotary_store`'s work in the attention kernel's prologue. Every split
     program normalises and rotates its q heads; the one holding the new token stores its
-    K/V first. Arguments as `qkv_rotary_store` and `decode_attention`."""
+    K/V first. Arguments as `qkv_rotary_store` and `decode_attention`; `prefetch` (default:
+    MINIVLLM_DECODE_PREFETCH, kernels/tuning.py) loads each split's first K/V tile before
+    the PDL wait (same result, bit for bit)."""
     if check:
         check_qkv_inputs(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache,
                          slot_mapping, q_norm_weight, k_norm_weight)
@@ -404,7 +448,9 @@ def qkv_decode_attention(
     return _launch(qkv, num_heads, qkv.stride(0), k_cache.shape[3], k_cache, v_cache, seq_lens,
                    block_tables, scale, max_seq_len, num_splits, counters, tile_config,
                    qkv=(positions, cos_sin_cache, q_norm_weight, k_norm_weight, slot_mapping,
-                        eps))
+                        eps),
+                   prefetch=decode_prefetch() if prefetch is None else prefetch,
+                   min_split_len=min_split_len)
 
 
 def _check_decode_rows(num_seqs: int, seq_lens: torch.Tensor, block_tables: torch.Tensor,
@@ -434,6 +480,8 @@ def _launch(
     counters: torch.Tensor | None,
     tile_config: dict | None,
     qkv: tuple | None = None,  # (positions, cos_sin, q_norm_w, k_norm_w, slot_mapping, eps)
+    prefetch: bool = False,  # with `qkv` only
+    min_split_len: int | None = None,
 ) -> torch.Tensor:
     device = k_cache.device
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -449,6 +497,9 @@ def _launch(
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     config = _tile_config(k_cache.dtype) if tile_config is None else tile_config
+    block_n = config["BLOCK_N"]
+    if min_split_len is None:
+        min_split_len = block_n
     pdl = attention_pdl(device)
     launch = {"launch_pdl": True} if pdl else {}
 
@@ -506,6 +557,9 @@ def _launch(
         FROM_QKV=qkv is not None,
         QK_NORM=qkv is not None and qk_norm,
         PDL=pdl,
+        PREFETCH=prefetch and qkv is not None,
+        MIN_SPLIT_LEN=triton.cdiv(max(min_split_len, 1), block_n) * block_n,
+        LATE_TRIGGER=decode_late_trigger(),
         **config,
         **launch,
     )

@@ -33,6 +33,7 @@ from minivllm.kernels.dispatch import (
 from minivllm.kernels.pdl import gemv_pdl
 from minivllm.kernels.rms_norm import check_norm_inputs, rms_norm_ref
 from minivllm.kernels.silu_and_mul import silu_and_mul_ref
+from minivllm.kernels.tuning import gemv_max_k_tile, gemv_silu_tile, gemv_wide
 
 MAX_ROWS = 8  # larger batches are matrix-matrix products: cuBLAS
 
@@ -113,61 +114,87 @@ def _gemv_kernel(
         # may still read: wait until they are complete and visible.
         tl.extra.cuda.gdc_wait()
 
-    if NORM:
-        # Pass 1: the rms of each row of h = x + residual (rounded as the reference
-        # writes it); program 0 also writes h as the new residual.
-        sum_sq = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + k_range
-            mask = row_mask[:, None] & (ks < K)[None, :]
-            h = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0)
-            if HAS_RESIDUAL:
-                r = tl.load(residual_ptr + rows[:, None] * stride_rm + ks[None, :], mask=mask,
-                            other=0.0)
-                h = (h.to(tl.float32) + r.to(tl.float32)).to(act_dtype)
-                writer = (rows * 0 + pid) == 0  # [BLOCK_M]: program 0 writes
-                tl.store(residual_out_ptr + rows[:, None] * K + ks[None, :], h,
-                         mask=mask & writer[:, None])
-            hf = h.to(tl.float32)
-            sum_sq += tl.sum(hf * hf, axis=1)
-        rstd = tl.rsqrt(sum_sq / K + eps)  # [BLOCK_M]
-
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if SILU_MUL:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + k_range
-        k_mask = ks < K
-        x_mask = row_mask[:, None] & k_mask[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
+    if ONE_TILE:
+        # The whole row in one tile: h = x + residual is loaded once and kept for both the
+        # rms and the product (one L2 round trip after the wait instead of two).
+        x_mask = row_mask[:, None] & (k_range < K)[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + k_range[None, :], mask=x_mask,
+                    other=0.0)
         if NORM:
             if HAS_RESIDUAL:
-                r = tl.load(residual_ptr + rows[:, None] * stride_rm + ks[None, :], mask=x_mask,
-                            other=0.0)
+                r = tl.load(residual_ptr + rows[:, None] * stride_rm + k_range[None, :],
+                            mask=x_mask, other=0.0)
                 x = (x.to(tl.float32) + r.to(tl.float32)).to(act_dtype)
-            nw = tl.load(norm_weight_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-            normed = (x.to(tl.float32) * rstd[:, None]).to(act_dtype).to(tl.float32)
+                writer = (rows * 0 + pid) == 0  # [BLOCK_M]: program 0 writes
+                tl.store(residual_out_ptr + rows[:, None] * K + k_range[None, :], x,
+                         mask=x_mask & writer[:, None])
+            hf = x.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(hf * hf, axis=1) / K + eps)  # [BLOCK_M]
+            nw = tl.load(norm_weight_ptr + k_range, mask=k_range < K, other=0.0).to(tl.float32)
+            normed = (hf * rstd[:, None]).to(act_dtype).to(tl.float32)
             x = (normed * nw[None, :]).to(act_dtype)
-        if ONE_TILE:
-            w = w_first
+        if USE_DOT:
+            acc += tl.dot(x.to(w_first.dtype), tl.trans(w_first), input_precision=DOT_PRECISION)
+            if SILU_MUL:
+                acc_up += tl.dot(x.to(w_up_first.dtype), tl.trans(w_up_first),
+                                 input_precision=DOT_PRECISION)
         else:
+            xf = x.to(tl.float32)
+            acc += tl.sum(xf[:, None, :] * w_first.to(tl.float32)[None, :, :], axis=2)
+            if SILU_MUL:
+                acc_up += tl.sum(xf[:, None, :] * w_up_first.to(tl.float32)[None, :, :], axis=2)
+    else:
+        if NORM:
+            # Pass 1: the rms of each row of h = x + residual (rounded as the reference
+            # writes it); program 0 also writes h as the new residual.
+            sum_sq = tl.zeros([BLOCK_M], tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + k_range
+                mask = row_mask[:, None] & (ks < K)[None, :]
+                h = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=mask,
+                            other=0.0)
+                if HAS_RESIDUAL:
+                    r = tl.load(residual_ptr + rows[:, None] * stride_rm + ks[None, :],
+                                mask=mask, other=0.0)
+                    h = (h.to(tl.float32) + r.to(tl.float32)).to(act_dtype)
+                    writer = (rows * 0 + pid) == 0  # [BLOCK_M]: program 0 writes
+                    tl.store(residual_out_ptr + rows[:, None] * K + ks[None, :], h,
+                             mask=mask & writer[:, None])
+                hf = h.to(tl.float32)
+                sum_sq += tl.sum(hf * hf, axis=1)
+            rstd = tl.rsqrt(sum_sq / K + eps)  # [BLOCK_M]
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + k_range
+            k_mask = ks < K
+            x_mask = row_mask[:, None] & k_mask[None, :]
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=x_mask,
+                        other=0.0)
+            if NORM:
+                if HAS_RESIDUAL:
+                    r = tl.load(residual_ptr + rows[:, None] * stride_rm + ks[None, :],
+                                mask=x_mask, other=0.0)
+                    x = (x.to(tl.float32) + r.to(tl.float32)).to(act_dtype)
+                nw = tl.load(norm_weight_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+                normed = (x.to(tl.float32) * rstd[:, None]).to(act_dtype).to(tl.float32)
+                x = (normed * nw[None, :]).to(act_dtype)
             w_mask = col_mask[:, None] & k_mask[None, :]
             w_offsets = cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
             w = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
-        if USE_DOT:
-            acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=DOT_PRECISION)
-        else:
-            xf = x.to(tl.float32)
-            acc += tl.sum(xf[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        if SILU_MUL:
-            if ONE_TILE:
-                w_up = w_up_first
-            else:
-                w_up = tl.load(w_ptr + w_offsets + N * stride_wn, mask=w_mask, other=0.0)
             if USE_DOT:
-                acc_up += tl.dot(x.to(w_up.dtype), tl.trans(w_up), input_precision=DOT_PRECISION)
+                acc += tl.dot(x.to(w.dtype), tl.trans(w), input_precision=DOT_PRECISION)
             else:
-                acc_up += tl.sum(xf[:, None, :] * w_up.to(tl.float32)[None, :, :], axis=2)
+                xf = x.to(tl.float32)
+                acc += tl.sum(xf[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+            if SILU_MUL:
+                w_up = tl.load(w_ptr + w_offsets + N * stride_wn, mask=w_mask, other=0.0)
+                if USE_DOT:
+                    acc_up += tl.dot(x.to(w_up.dtype), tl.trans(w_up),
+                                     input_precision=DOT_PRECISION)
+                else:
+                    acc_up += tl.sum(xf[:, None, :] * w_up.to(tl.float32)[None, :, :], axis=2)
 
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -187,9 +214,22 @@ def _gemv_kernel(
              y.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
-@functools.cache
 def default_config(
     m: int, n: int, k: int, dtype: torch.dtype, sms: int = 132, silu_mul: bool = False
+) -> dict:
+    return _default_config(m, n, k, dtype, sms, silu_mul, gemv_max_k_tile(), gemv_silu_tile())
+
+
+@functools.cache
+def _default_config(
+    m: int,
+    n: int,
+    k: int,
+    dtype: torch.dtype,
+    sms: int,
+    silu_mul: bool,
+    max_k_tile: int = 2048,
+    silu_tile: int = 4096,
 ) -> dict:
     """Tiles per shape; `n` counts output columns (half the weight's rows with silu_mul).
 
@@ -200,19 +240,23 @@ def default_config(
     - several rows: tensor-core dots with x padded to 16 rows; N32 K256 with 3 stages for
       wide outputs, N16 K512 for outputs of 2048 or fewer (fewer, longer programs lost).
     Several rows use one configuration whatever their number, so a row's result never
-    depends on how many rows share the launch."""
+    depends on how many rows share the launch. One row's widest K tile is `max_k_tile`
+    (kernels/tuning.py): a projection that fits one tile streams its weights before the
+    PDL wait; `silu_tile` is the size of each of gate_up's two tiles (8192: half as many
+    programs, 8 warps)."""
     precision = "ieee" if dtype == torch.float32 else "tf32"
     if m > 1:
         block_n, block_k = (32, 256) if n > 2048 else (16, 512)
         return dict(BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=True, DOT_PRECISION=precision,
                     num_warps=4, num_stages=3)
-    block_k = min(triton.next_power_of_2(k), 2048)
-    budget = 4096 if silu_mul else 8192  # elements of W a tile (silu_mul loads two tiles)
+    block_k = min(triton.next_power_of_2(k), max_k_tile)
+    budget = silu_tile if silu_mul else 8192  # elements of W a tile (silu_mul loads two)
     block_n = max(budget // block_k, 1)
     while block_n > 2 and triton.cdiv(n, block_n) < 2 * sms:
         block_n //= 2
+    warps = 8 if silu_mul and block_n * block_k > 4096 else 4
     return dict(BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=False, DOT_PRECISION=precision,
-                num_warps=4, num_stages=1)
+                num_warps=warps, num_stages=1)
 
 
 # Where the Triton GEMV beats cuBLAS: (row bucket, N, K) -> bool, measured on the H200
@@ -246,8 +290,12 @@ def _wins_by_default(m: int) -> bool:
     return m == 1
 
 
-@functools.cache
 def gemv_wins(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
+    return _gemv_wins(m, n, k, dtype, gemv_wide())
+
+
+@functools.cache
+def _gemv_wins(m: int, n: int, k: int, dtype: torch.dtype, wide: bool = False) -> bool:
     """Whether `gemv` should replace F.linear for an [m, k] x [n, k]^T product on CUDA.
 
     Decided per power-of-two row bucket (1, 2, 4, 8: the CUDA-graph buckets), so a batch
@@ -257,6 +305,10 @@ def gemv_wins(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
     if not HAS_TRITON or dtype not in (torch.bfloat16, torch.float16) or not 1 <= m <= MAX_ROWS:
         return False
     bucket = triton.next_power_of_2(m)
+    if bucket > 1 and wide and n <= 16384:
+        # MINIVLLM_GEMV_WIDE=1: several rows take the GEMV for every projection, so the
+        # layer keeps its norm and SiLU fused (five launches, not eight).
+        return True
     return MEASURED_WINS.get((bucket, n, k), _wins_by_default(bucket))
 
 

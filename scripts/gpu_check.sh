@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; a short table is printed last.
 # Usage on the GPU machine, from the repo root:
-#   bash scripts/gpu_check.sh [quick|profile|decode|host|app|all]
+#   bash scripts/gpu_check.sh [quick|profile|decode|decode-ab|host|app|all]
 # (no argument: tests + benchmarks; quick: tests; profile: tests + step profile;
 #  decode: tests + batch-1/long-context decode benchmarks, kernel table, per-kernel profile;
+#  decode-ab: the decode switches' tests, then scripts/decode_ab.py (kernels/tuning.py's
+#  switches side by side; DECODE_AB_VARIANTS picks them; ~2.5 minutes);
 #  host: tests + issue 9's benchmarks (throughput overlapped vs synchronous, prefill TTFT
 #  per length, the chat workload, a cold start); app: tests + the chat app's bench;
 #  all: everything)
@@ -17,9 +19,21 @@ $PY -m pip install -q -e . --no-deps --no-build-isolation >"$OUT/install.log" 2>
   || { echo "install failed"; tail -20 "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 
+if [ "${1:-}" = "decode-ab" ]; then
+  # Issue 11's switches: their GPU tests (graphs == eager with the defaults and with every
+  # switch on, fp32 tokens), then one process per variant (~20 s each); a table last.
+  (cd /tmp && $PY -m pytest "$REPO/tests/test_gpu_decode_switches.py" -m gpu -q \
+    -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -5)
+  $PY scripts/decode_ab.py --variants "${DECODE_AB_VARIANTS:-default,off,late,silu8k}" 2>&1 \
+    | tee "$OUT/decode-ab.log" | tail -40
+  echo; echo "== summary =="; grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -2
+  exit 0
+fi
+
 # Tests run from outside the repo so `kernels` can never resolve to its folder.
 (cd /tmp && $PY -m pytest "$REPO/tests/test_kernels_gpu.py" "$REPO/tests/test_gpu_engine.py" \
-  "$REPO/tests/test_gpu_graphs.py" "$REPO/tests/test_async.py" -m gpu -q -p no:cacheprovider \
+  "$REPO/tests/test_gpu_graphs.py" "$REPO/tests/test_async.py" \
+  "$REPO/tests/test_gpu_decode_switches.py" -m gpu -q -p no:cacheprovider \
   2>&1 | tee "$OUT/gpu-tests.log" | tail -40)
 
 # Each benchmark is one process with a 5-minute cap; its wall time goes into the summary.

@@ -131,6 +131,23 @@ def check_silu_and_mul() -> None:
             _assert_close(f"silu_and_mul {dtype} {inter}", silu_and_mul(x), ref, TOL[dtype])
 
 
+def check_fill_tokens() -> None:
+    from minivllm.kernels.fill_tokens import fill_tokens, fill_tokens_ref
+
+    prev = torch.tensor([101, 102, 103, 104, 105, 106, 107, 108])
+    ids = torch.tensor([5, -1, 7, -1, 0])
+    fill = torch.tensor([-1, 3, -1, 0, -1])  # rows 1 and 3 take the previous step's tokens
+    want = torch.tensor([5, 104, 7, 101, 0])
+    assert torch.equal(fill_tokens_ref(ids, fill, prev), want)
+    assert torch.equal(fill_tokens(ids, fill, prev), want)
+    assert torch.equal(fill_tokens(ids[:1], fill[:1], prev), want[:1])
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 8, 17):  # padded to 16 / 32 rows
+        ids = torch.randint(0, 1000, (n,), generator=g)
+        fill = torch.randint(-1, 8, (n,), generator=g)
+        assert torch.equal(fill_tokens(ids, fill, prev), fill_tokens_ref(ids, fill, prev))
+
+
 # Each dtype meets each block size and each GQA group (the interpreter is too slow for the
 # full product).
 ATTENTION_CASES = [
@@ -408,11 +425,33 @@ def check_qkv_decode_attention() -> None:
             k_out, v_out = cache.k_cache.clone(), cache.v_cache.clone()
             out = qkv_decode_attention(positions, qkv, num_heads, cos_sin, k_out, v_out,
                                        slots, *step, **weights, num_splits=splits,
-                                       counters=counters)
+                                       counters=counters, prefetch=False)
             _assert_close(f"{name} splits {splits}", out, ref, TOL[dtype])
             _assert_close(f"{name} splits {splits} k_cache", k_out, k_ref, TOL[dtype])
             assert torch.equal(v_out, v_ref), f"{name}: v_cache (a copy)"
             assert not counters.any()
+            # The first tile loaded before the (PDL) wait, the new token spliced in from
+            # registers (in the first tile with 4 splits, in a later one with 1): the
+            # same bits, the same cache.
+            k_pre, v_pre = cache.k_cache.clone(), cache.v_cache.clone()
+            pre = qkv_decode_attention(positions, qkv, num_heads, cos_sin, k_pre, v_pre,
+                                       slots, *step, **weights, num_splits=splits,
+                                       counters=counters, prefetch=True)
+            real = slice(0, len(seq_lens) - 1)  # the padding row's output is not used
+            assert torch.equal(pre[real], out[real]), f"{name} splits {splits}: prefetch"
+            assert torch.equal(k_pre, k_out) and torch.equal(v_pre, v_out), name
+            assert not counters.any()
+        # Splits of at least 64 positions: 37 and 64 in one program (direct write), 129 in
+        # three; with and without the prefetched first tile (which puts the padding row's
+        # unstored token in its output: not compared).
+        for prefetch in (False, True):
+            k_min, v_min = cache.k_cache.clone(), cache.v_cache.clone()
+            got = qkv_decode_attention(positions, qkv, num_heads, cos_sin, k_min, v_min, slots,
+                                       *step, **weights, num_splits=4, counters=counters,
+                                       prefetch=prefetch, min_split_len=64)
+            _assert_close(f"{name} min split 64 prefetch={prefetch}", got[real], ref[real],
+                          TOL[dtype])
+            assert torch.equal(v_min, v_ref) and not counters.any()
         k_two, v_two = cache.k_cache.clone(), cache.v_cache.clone()
         q = qkv_rotary_store(positions, qkv, num_heads, cos_sin, k_two, v_two, slots, **weights)
         two = decode_attention(q, k_two, v_two, *step, num_splits=4)
@@ -461,19 +500,24 @@ def check_compile_sm90() -> None:
                positions_ptr="*i64", slot_mapping_ptr="*i64", q_norm_ptr="*bf16",
                k_norm_ptr="*bf16", qk_scale="fp32", eps="fp32")
     # Direct write; split + merge in one chunk; in four; with q/k norm + rotary + store.
-    for splits, from_qkv in ((1, False), (32, False), (128, False), (32, True)):
+    # The last two: the first K/V tile loaded before the PDL wait.
+    for splits, from_qkv, prefetch in ((1, False, False), (32, False, False),
+                                       (128, False, False), (32, True, False),
+                                       (32, True, True), (1, True, True)):
         _compile_sm90(_decode_attention_kernel, sig,
                       dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128,
                            BLOCK_SIZE=256, BLOCK_N=128, NUM_SPLITS=splits,
                            MERGE_CHUNK=min(splits, 32), FROM_QKV=from_qkv, QK_NORM=from_qkv,
-                           DOT_PRECISION="tf32", PDL=True), 4, 2)
+                           DOT_PRECISION="tf32", PDL=True, PREFETCH=prefetch,
+                           MIN_SPLIT_LEN=512 if prefetch else 128,
+                           LATE_TRIGGER=4096 if prefetch else 0), 4, 2)
 
 
 # Subprocess groups: each start costs seconds (torch + triton imports), so the cheap
 # kernels share one.
 CHECKS = {
     "elementwise": [check_store_kvcache, check_rms_norm, check_rotary, check_silu_and_mul,
-                    check_wrapper_errors],
+                    check_fill_tokens, check_wrapper_errors],
     "prefill_attention": [check_prefill_attention],
     "decode_attention": [check_decode_attention, check_decode_attention_many_splits],
     "fused_decode": [check_gemv, check_qkv_rotary_store, check_fused_wrapper_errors],
@@ -520,7 +564,7 @@ def test_gemv_choice_is_per_row_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
     from minivllm.kernels import gemv
 
     monkeypatch.setattr(gemv, "MEASURED_WINS", {(4, 64, 32): True, (8, 64, 32): False})
-    gemv.gemv_wins.cache_clear()
+    gemv._gemv_wins.cache_clear()
     try:
         assert gemv.gemv_wins(3, 64, 32, torch.bfloat16) and gemv.gemv_wins(4, 64, 32,
                                                                             torch.float16)
@@ -530,7 +574,7 @@ def test_gemv_choice_is_per_row_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
         assert not gemv.gemv_wins(1, 64, 32, torch.float32), "fp32 stays on cuBLAS"
         assert gemv.gemv_wins(1, 7, 5, torch.bfloat16) == gemv._wins_by_default(1)
     finally:
-        gemv.gemv_wins.cache_clear()
+        gemv._gemv_wins.cache_clear()
 
 
 def test_kernel_modules_import_without_triton() -> None:

@@ -232,7 +232,13 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
 def test_gemv(model) -> None:
     """bf16 against an fp32 product of the same bf16 inputs; bound 1e-2 relative (bf16
     output rounding is ~3e-3). Rows 1, 2, 4, 8; default tiles and both inner paths."""
-    from minivllm.kernels.gemv import default_config, gemv, rms_norm_gemv, rms_norm_gemv_ref
+    from minivllm.kernels.gemv import (
+        _default_config,
+        default_config,
+        gemv,
+        rms_norm_gemv,
+        rms_norm_gemv_ref,
+    )
 
     _, hidden, heads, kv_heads, head_dim, inter, vocab = model
     for name, n, k in projections(hidden, heads, kv_heads, head_dim, inter, vocab):
@@ -245,6 +251,9 @@ def test_gemv(model) -> None:
                 base = default_config(m, n, k, torch.bfloat16)
                 configs.append(dict(base, USE_DOT=not base["USE_DOT"], BLOCK_N=16, BLOCK_K=128,
                                     num_warps=4))
+            if m == 1 and name != "lm_head":
+                # MINIVLLM_GEMV_MAX_K=4096's tiles (Qwen3's down: one tile of K = 3072).
+                configs.append(_default_config(1, n, k, torch.bfloat16, 132, False, 4096))
             for config in configs:
                 _assert_close(f"gemv {name} {m}x{n}x{k} {config}", gemv(x, w, config=config),
                               ref, TOL[torch.bfloat16])
@@ -260,6 +269,20 @@ def test_gemv(model) -> None:
                 _assert_close(f"rms_norm_gemv {name} {m} silu={silu}", got, want,
                               TOL[torch.bfloat16])
                 _assert_close(f"rms_norm_gemv {name} residual", got_res, want_res, 1e-2)
+                if m == 1:  # several K tiles: the two-pass norm path
+                    cfg = dict(default_config(1, n // (2 if silu else 1), k, torch.bfloat16,
+                                              silu_mul=silu), BLOCK_K=128)
+                    got2, _ = rms_norm_gemv(x, residual, norm_w, 1e-6, w, silu_mul=silu,
+                                            config=cfg)
+                    _assert_close(f"rms_norm_gemv {name} K tiles of 128", got2, want,
+                                  TOL[torch.bfloat16])
+                    # MINIVLLM_GEMV_SILU_TILE=8192 / MINIVLLM_GEMV_MAX_K=4096's tiles.
+                    cfg = _default_config(1, n // (2 if silu else 1), k, torch.bfloat16, 132,
+                                          silu, 4096, 8192)
+                    got3, _ = rms_norm_gemv(x, residual, norm_w, 1e-6, w, silu_mul=silu,
+                                            config=cfg)
+                    _assert_close(f"rms_norm_gemv {name} {cfg}", got3, want,
+                                  TOL[torch.bfloat16])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -538,3 +561,61 @@ def test_qkv_decode_attention_batch1_32k() -> None:
                                    slots, *step, norm_w, norm_w)
         _assert_close(f"qkv_decode_attention batch 1 ctx {context}", out, ref,
                       TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("model", MODELS, ids=[m[0] for m in MODELS])
+def test_qkv_decode_attention_prefetch_and_min_split(model) -> None:
+    """kernels/tuning.py's attention switches, bf16, contexts 1 to 8k (+ batch 1 at 32k):
+    the first K/V tile loaded before the wait gives the same bits and the same cache as
+    without it; splits of at least 512 positions agree with the float64 reference (1e-2)."""
+    from minivllm.kernels.decode_attention import (
+        decode_counters,
+        qkv_decode_attention,
+        qkv_decode_attention_ref,
+    )
+    from minivllm.kernels.testing import paged_kv
+
+    _, _, heads, kv_heads, head_dim, _, _ = model
+    dtype = torch.bfloat16
+    for lens in ([1, 2, 127, 128, 129, 255, 257, 511, 513, 1000, 4095, 8192, 1], [32768]):
+        n = len(lens)
+        real = slice(0, n - 1) if n > 1 else slice(0, 1)  # the last of a batch: padding
+        cos_sin = cos_sin_table(max(lens), head_dim, DEVICE)
+        cache = paged_kv(lens, kv_heads, head_dim, 256, dtype, DEVICE)
+        qkv = torch.randn(n, (heads + 2 * kv_heads) * head_dim, device=DEVICE).to(dtype)
+        positions = cache.seq_lens.long() - 1
+        rows = torch.arange(n, device=DEVICE)
+        slots = cache.block_tables[rows, positions // 256].long() * 256 + positions % 256
+        if n > 1:
+            slots[-1] = -1
+        step = (cache.seq_lens, cache.block_tables, head_dim**-0.5)
+        norms = qk_norm_weights(head_dim, dtype, DEVICE)
+        k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
+        ref = qkv_decode_attention_ref(positions, qkv.double(), heads, cos_sin.double(),
+                                       k_ref.double(), v_ref.double(), slots, *step,
+                                       **{k: w.double() for k, w in norms.items()})
+        counters = decode_counters(n, kv_heads, DEVICE)
+        for num_splits, min_split in ((None, None), (32, 512), (1, None)):
+            outs = []
+            for prefetch in (False, True):
+                k_out, v_out = cache.k_cache.clone(), cache.v_cache.clone()
+                out = qkv_decode_attention(positions, qkv, heads, cos_sin, k_out, v_out,
+                                           slots, *step, **norms, num_splits=num_splits,
+                                           counters=counters, prefetch=prefetch,
+                                           min_split_len=min_split)
+                name = (f"{model[0]} ctx {max(lens)} splits {num_splits} min {min_split} "
+                        f"prefetch {prefetch}")
+                _assert_close(name, out[real], ref[real], TOL[dtype])
+                outs.append((out[real], k_out, v_out))
+            assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True)), name
+            assert not counters.any()
+
+
+def test_fill_tokens() -> None:
+    from minivllm.kernels.fill_tokens import fill_tokens, fill_tokens_ref
+
+    prev = torch.randint(0, 151936, (256,), device=DEVICE)
+    for n in (1, 2, 8, 16, 256):
+        ids = torch.randint(0, 151936, (n,), device=DEVICE)
+        fill = torch.randint(-1, 256, (n,), device=DEVICE)
+        assert torch.equal(fill_tokens(ids, fill, prev), fill_tokens_ref(ids, fill, prev))

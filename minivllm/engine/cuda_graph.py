@@ -27,6 +27,9 @@ from ..layers.attention import AttentionMetadata, attention_metadata
 
 MAX_GRAPH_TOKENS = 8192  # larger steps are compute-bound: their launches hide behind the GPU
 ALIGN = 16  # elements: keeps every input view 16-byte aligned (one Triton variant each)
+# Greedy decode graphs take whole block-table rows from the host; past this many entries
+# (bucket x max blocks) a step is cheaper through the general path's narrower copy.
+MAX_GREEDY_TABLE = 1 << 16
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -130,9 +133,36 @@ class EagerReplay:
         self.body()
 
 
+def greedy_layout(bucket: int) -> int:
+    """The greedy decode graphs' input layout for `bucket` rows: P = the aligned row
+    count; int64 [input_ids | positions | slot_mapping | fill_from], each P long;
+    int32 [seq_lens (P) | block tables (bucket rows of max_blocks)]. Returns P."""
+    return round_up(bucket, ALIGN)
+
+
+class _Staging:
+    """Pinned host copies of the greedy graphs' inputs. Two of them, used in turn: the
+    host fills one while the copy out of the other may still be queued on the stream."""
+
+    def __init__(self, longs: int, ints: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.longs = torch.zeros(longs, dtype=torch.long, pin_memory=pin)
+        self.ints = torch.zeros(ints, dtype=torch.int32, pin_memory=pin)
+        self.longs_np = self.longs.numpy()
+        self.ints_np = self.ints.numpy()
+        self.copied: torch.cuda.Event | None = None  # recorded after its copies were queued
+
+
 class CUDAGraphRunner:
     """Decode graphs (one per batch-size bucket) and prefill/mixed graphs (one per token
-    bucket), all in one memory pool."""
+    bucket), all in one memory pool.
+
+    `greedy` (the LM head inside, kernels/tuning.py's MINIVLLM_GRAPH_GREEDY): the decode
+    graphs also fill the inputs the host does not know yet from the previous step's tokens
+    (`fill_tokens`, their first launch) and end with the greedy argmax of their logits into
+    `tokens`. An all-greedy decode step is then two host-to-device copies, one replay and
+    the copy of its tokens back (`run_greedy`); other decode steps replay the same graphs
+    through `run` and sample from the logits outside."""
 
     def __init__(
         self,
@@ -151,6 +181,8 @@ class CUDAGraphRunner:
         max_len: int | None = None,
         vocab_size: int | None = None,
         replay_eagerly: bool = False,
+        greedy: bool = False,
+        fill_tokens: Callable | None = None,
     ) -> None:
         self.model = model
         self.buckets = buckets
@@ -161,6 +193,8 @@ class CUDAGraphRunner:
         self.max_num_sequences = max_num_sequences or buckets[-1]
         self.block_size = block_size
         self.replay_eagerly = replay_eagerly
+        self.greedy = greedy and vocab_size is not None
+        self.fill_tokens = fill_tokens
         # Longest sequence a capture may use (its positions must exist in the rope table).
         self.max_len = max_len or max_blocks_per_seq * block_size
         progress = on_progress or (lambda stage, fraction: None)
@@ -176,6 +210,14 @@ class CUDAGraphRunner:
             self.seq_lens = torch.ones(n, dtype=torch.int32)
             self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32)
             self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32)
+            if self.greedy:
+                # One buffer per dtype, laid out per bucket (`greedy_layout`): one copy each.
+                p = greedy_layout(n)
+                self.greedy_longs = torch.zeros(4 * p, dtype=torch.long)
+                self.greedy_longs[2 * p :].fill_(-1)  # no slot, no fill
+                self.greedy_ints = torch.ones(p + n * max_blocks_per_seq, dtype=torch.int32)
+                self.greedy_ints[p:].zero_()
+                self.tokens = torch.zeros(n, dtype=torch.long)  # the last greedy step's
             # Prefill/mixed inputs, laid out as `pad_prefill_inputs` writes them.
             t_max = self.prefill_buckets[-1] if self.prefill_buckets else 0
             s_max = self.slots(t_max) if t_max else 0
@@ -183,6 +225,11 @@ class CUDAGraphRunner:
             self.prefill_ints = torch.zeros(prefill_layout(t_max, s_max)[1] + s_max + 1,
                                             dtype=torch.int32)
             self.prefill_tables = torch.zeros(s_max, max_blocks_per_seq, dtype=torch.int32)
+        if self.greedy:
+            self._staging = [
+                _Staging(4 * p, p + n * max_blocks_per_seq, device) for _ in range(2)
+            ]
+            self._num_staged = 0
 
         self.graphs: dict[int, torch.cuda.CUDAGraph | EagerReplay] = {}
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph | EagerReplay] = {}
@@ -217,23 +264,44 @@ class CUDAGraphRunner:
 
     # -- decode ----------------------------------------------------------------------------
 
-    def _decode_metadata(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs],
+    def _decode_views(
+        self, bs: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, AttentionMetadata]:
+        """The static inputs of decode bucket `bs`: (input_ids, positions, fill_from or
+        None, metadata)."""
+        if self.greedy:
+            p, mb = greedy_layout(bs), self.max_blocks_per_seq
+            longs, ints = self.greedy_longs, self.greedy_ints
+            ids, positions, fill = longs[:bs], longs[p : p + bs], longs[3 * p : 3 * p + bs]
+            slot_mapping, seq_lens = longs[2 * p : 2 * p + bs], ints[:bs]
+            block_tables = ints[p : p + bs * mb].view(bs, mb)
+        else:
+            ids, positions, fill = self.input_ids[:bs], self.positions[:bs], None
+            slot_mapping, seq_lens = self.slot_mapping[:bs], self.seq_lens[:bs]
+            block_tables = self.block_tables[:bs]
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
             cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
-            seq_lens=self.seq_lens[:bs],
-            block_tables=self.block_tables[:bs],
+            seq_lens=seq_lens,
+            block_tables=block_tables,
             is_decode=True,
             decode_splits=self.decode_splits(bs),
         )
+        return ids, positions, fill, meta
 
     def _capture_decode(self, bs: int) -> torch.cuda.CUDAGraph | EagerReplay:
-        meta = self._decode_metadata(bs)
-
         def body() -> None:
+            # Fresh views each call, as in `_capture_prefill`'s body.
+            ids, positions, fill, meta = self._decode_views(bs)
+            input_ids = ids
+            if fill is not None:
+                input_ids = self.fill_tokens(ids, fill, self.tokens)
             with attention_metadata(meta):
-                hidden = self.model(self.input_ids[:bs], self.positions[:bs])
+                hidden = self.model(input_ids, positions)
             self.outputs.write(self.model, hidden)
+            if self.greedy:
+                # The sampler's greedy choice (first index of the largest logit), in-graph.
+                torch.argmax(self.outputs.logits[:bs], dim=-1, out=self.tokens[:bs])
 
         return self._capture(body)
 
@@ -246,17 +314,76 @@ class CUDAGraphRunner:
         """Replay a decode step; the last hidden rows (and `logits(num_seqs)`) are ready."""
         bs = input_ids.shape[0]
         bucket = next(b for b in self.buckets if b >= bs)
-        self.input_ids[:bs] = input_ids
-        self.positions[:bs] = positions
-        self.slot_mapping[:bs] = meta.slot_mapping
-        self.seq_lens[:bs] = meta.seq_lens
+        ids, pos, fill, static = self._decode_views(bucket)
+        ids[:bs] = input_ids
+        pos[:bs] = positions
+        static.slot_mapping[:bs] = meta.slot_mapping
+        static.seq_lens[:bs] = meta.seq_lens
         width = meta.block_tables.shape[1]
-        self.block_tables[:bs, :width] = meta.block_tables
+        static.block_tables[:bs, :width] = meta.block_tables
         if bucket > bs:  # padding rows write nowhere and attend to one token of block 0
-            self.slot_mapping[bs:bucket] = -1
-            self.seq_lens[bs:bucket] = 1
+            static.slot_mapping[bs:bucket] = -1
+            static.seq_lens[bs:bucket] = 1
+        if fill is not None:
+            fill.fill_(-1)  # the inputs are complete
         self.graphs[bucket].replay()
         return self.outputs.last_hidden[:bs]
+
+    def greedy_fits(self, num_seqs: int, width: int) -> bool:
+        """Whether `run_greedy` takes a decode step of this size."""
+        if not self.greedy or not self.fits(num_seqs, width):
+            return False
+        bucket = next(b for b in self.buckets if b >= num_seqs)
+        return bucket * self.max_blocks_per_seq <= MAX_GREEDY_TABLE
+
+    def run_greedy(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slot_mapping: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        fill_rows: list[int],
+        fill_from: list[int],
+        prev_tokens: torch.Tensor | None,
+    ) -> torch.Tensor:  # [num_seqs] int64, on the device
+        """Replay an all-greedy decode step from host lists: its inputs in two copies;
+        `prev_tokens` (the previous step's sampled tokens) feed the rows in `fill_rows`.
+        Returns the step's greedy tokens (a view of `tokens`, valid until the next replay)."""
+        bs = len(input_ids)
+        bucket = next(b for b in self.buckets if b >= bs)
+        p, mb = greedy_layout(bucket), self.max_blocks_per_seq
+        stage = self._staging[self._num_staged % 2]
+        self._num_staged += 1
+        if stage.copied is not None:
+            stage.copied.synchronize()  # its previous copies left long ago (two steps back)
+        longs, ints = stage.longs_np, stage.ints_np
+        longs[:bs] = input_ids
+        longs[bs:p] = 0
+        longs[p : p + bs] = positions
+        longs[p + bs : 2 * p] = 0
+        longs[2 * p : 2 * p + bs] = slot_mapping
+        longs[2 * p + bs : 4 * p] = -1  # padding rows: no slot; every row: no fill ...
+        for row, src in zip(fill_rows, fill_from, strict=True):
+            longs[3 * p + row] = src  # ... but these
+        ints[:bs] = seq_lens
+        ints[bs:p] = 1  # padding rows attend to one token of their (stale) first block
+        for i, table in enumerate(block_tables):
+            ints[p + i * mb : p + i * mb + len(table)] = table
+        # NOTE: whole rows (columns past a table are stale and never read); the padding
+        # rows' tables are not copied (stale on the device: valid block ids or zeros).
+        self.greedy_longs[: 4 * p].copy_(stage.longs[: 4 * p], non_blocking=True)
+        self.greedy_ints[: p + bs * mb].copy_(stage.ints[: p + bs * mb], non_blocking=True)
+        if self.device.type == "cuda":
+            stage.copied = torch.cuda.Event()
+            stage.copied.record()
+        if fill_rows:
+            assert prev_tokens is not None, "a placeholder without a step before it"
+            if prev_tokens.data_ptr() != self.tokens.data_ptr():
+                # The step before was not a greedy replay (a prefill, a sampled step).
+                self.tokens[: prev_tokens.shape[0]].copy_(prev_tokens)
+        self.graphs[bucket].replay()
+        return self.tokens[:bs]
 
     # -- prefill and mixed -----------------------------------------------------------------
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minivllm.kernels.tuning import graph_greedy
+
 from ..config import EngineConfig
 from ..distributed import broadcast_from_rank0, get_tp_rank, get_tp_size
 from ..layers.attention import (
@@ -271,6 +273,8 @@ class ModelRunner:
             # The LM head's gather to rank 0 stays outside the graphs.
             vocab_size=self.config.model.vocab_size if tp == 1 else None,
             replay_eagerly=replay_eagerly,
+            greedy=graph_greedy(),
+            fill_tokens=self.kernels.fill_tokens,
         )
 
     def decode_splits(self, num_seqs: int) -> int | None:
@@ -421,6 +425,9 @@ class ModelRunner:
 
         On the CPU this computes the step (there is nothing to overlap), but the engine
         drives both devices through the same launch / collect path."""
+        handle = self._launch_greedy_graph(b)
+        if handle is not None:
+            return handle
         input_ids, positions, meta = self.prepare(b)
         if b.fill_rows:
             # After prepare (which may have written the graph's static inputs) and before
@@ -466,13 +473,41 @@ class ModelRunner:
                 logits[n:].float(), self._to_device(targets, torch.long), max(handle.prompt_num_top)
             )
             handle.prompt_lens = {row: len(x.prompt_targets) for row, x in prompt.items()}
+        self._copy_to_host(handle)
+        return handle
+
+    def _copy_to_host(self, handle: StepHandle) -> None:
+        """Queue the copy of a step's tokens to pinned memory (CUDA) and mark its arrival."""
         if self._host_tokens:
-            host = self._host_tokens[self._num_launched % 2][:n]
+            tokens = handle.tokens
+            host = self._host_tokens[self._num_launched % 2][: tokens.shape[0]]
             self._num_launched += 1
             host.copy_(tokens, non_blocking=True)
             handle.host = host
             handle.ready = torch.cuda.Event()
             handle.ready.record()
+
+    def _launch_greedy_graph(self, b: ForwardBatch) -> StepHandle | None:
+        """An all-greedy decode step that a greedy decode graph holds (cuda_graph.py's
+        `run_greedy`): inputs straight from the batch's lists, the argmax in the graph,
+        no sampler. None: the step takes the general path."""
+        graphs = self.graphs
+        if (
+            graphs is None
+            or not graphs.greedy
+            or not b.is_decode
+            or b.extras
+            or any(t != 0 for t in b.temperatures)
+            or not graphs.greedy_fits(b.num_seqs, max(len(t) for t in b.block_tables))
+        ):
+            return None
+        tokens = graphs.run_greedy(b.input_ids, b.positions, b.slot_mapping, b.seq_lens,
+                                   b.block_tables, b.fill_rows, b.fill_from, self.last_sampled)
+        self.last_sampled = tokens
+        # The view is overwritten by the next replay: on the CPU (no copy queued before
+        # it) the handle keeps its own copy.
+        handle = StepHandle(tokens if self._host_tokens else tokens.clone())
+        self._copy_to_host(handle)
         return handle
 
     def collect(self, handle: StepHandle) -> StepSamples | None:

@@ -190,6 +190,7 @@ class TritonAttentionBackend(AttentionBackend):
         device: torch.device,
     ) -> None:
         from minivllm.kernels.decode_attention import decode_counters
+        from minivllm.kernels.tuning import decode_min_split
 
         super().__init__(kernels, block_size)
         self.num_kv_heads = num_kv_heads
@@ -200,7 +201,8 @@ class TritonAttentionBackend(AttentionBackend):
         # NOTE: allocated once, outside every graph: the split kernel's last program of each
         # (sequence, KV head) merges the partials and zeroes its counter for the next layer.
         self.decode_kwargs = {
-            "counters": decode_counters(max(decode_buckets), num_kv_heads, device)
+            "counters": decode_counters(max(decode_buckets), num_kv_heads, device),
+            "min_split_len": decode_min_split(),  # kernels/tuning.py
         }
 
     def decode_splits(self, num_seqs: int) -> int:

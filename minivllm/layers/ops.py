@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from minivllm.kernels.decode_attention import decode_attention_ref
+from minivllm.kernels.fill_tokens import fill_tokens_ref
 from minivllm.kernels.prefill_attention import prefill_attention_ref
 from minivllm.kernels.rms_norm import rms_norm_ref
 from minivllm.kernels.rotary import rotary_ref
@@ -42,6 +43,8 @@ class Kernels:
     rms_norm_gemv: Callable | None = None
     qkv_rotary_store: Callable | None = None
     qkv_decode_attention: Callable | None = None
+    # A decode step's inputs from the previous step's tokens (greedy decode graphs).
+    fill_tokens: Callable = fill_tokens_ref
 
 
 def _decode_attention_ref(q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits=None):
@@ -84,6 +87,7 @@ class CheckedFirst:
 
 def triton_kernels() -> Kernels:
     from minivllm.kernels.decode_attention import decode_attention, qkv_decode_attention
+    from minivllm.kernels.fill_tokens import fill_tokens
     from minivllm.kernels.gemv import gemv, rms_norm_gemv
     from minivllm.kernels.prefill_attention import prefill_attention
     from minivllm.kernels.qkv_rotary_store import qkv_rotary_store
@@ -105,6 +109,7 @@ def triton_kernels() -> Kernels:
         rms_norm_gemv=CheckedFirst(rms_norm_gemv),
         qkv_rotary_store=CheckedFirst(qkv_rotary_store),
         qkv_decode_attention=CheckedFirst(qkv_decode_attention),
+        fill_tokens=CheckedFirst(fill_tokens),
     )
 
 

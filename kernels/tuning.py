@@ -1,0 +1,88 @@
+"""Decode-path switches, read once per process from the environment (A/B runs).
+
+Each switch names a choice that only a measurement on the GPU can settle; the default is
+the measured winner. `scripts/decode_ab.py` runs one process per setting and prints the
+batch-1 / 32k / batch-8 figures side by side. H200, 17:16 UTC (kern2@c926010): GEMV_MAX_K,
+DECODE_PREFETCH, DECODE_MIN_SPLIT and GRAPH_GREEDY together against all four off,
+decode-only tok/s: batch 1 at 128 context 1,043 -> 1,172, batch 8 6,241 -> 6,623, batch 1
+at 32k 513 -> 596. Those four are on by default; the others are off (not yet measured).
+
+- MINIVLLM_GEMV_MAX_K (2048 | 4096): the widest K tile of a one-row GEMV. With 4096,
+  a projection with K <= 4096 (Qwen3's down: K = 3072) is one tile, so its weights are
+  loaded before the PDL wait, while the kernel before it runs.
+- MINIVLLM_GEMV_SILU_TILE (4096 | 8192): elements of each of the one-row gate_up GEMV's two
+  weight tiles (8192: half as many programs, 8 warps each). Under PDL a kernel's programs
+  wait beside the previous kernel's, so how many fit decides how much of its weights load
+  early.
+- MINIVLLM_GEMV_WIDE (0 | 1): batches of 2-8 rows take the GEMV for every projection but the
+  LM head (cuBLAS measured faster for the wide ones alone, but without them the layer's
+  norms and SiLU are separate launches again: eight a layer instead of five).
+- MINIVLLM_DECODE_PREFETCH (0 | 1): decode attention loads its first K/V tile before the
+  PDL wait (the cache is not written by the kernels before it) and splices the new token
+  in from registers.
+- MINIVLLM_DECODE_MIN_SPLIT (0 | 256 | 512 | 1024): context positions a decode split takes
+  at least in an engine's steps (0: one tile, the kernels' own default). A context up to
+  that length is one program per KV head that writes its output directly: no partials
+  and no merge on the step's critical path.
+- MINIVLLM_DECODE_LATE_TRIGGER (0 | 4096): with PDL, decode attention over a context longer
+  than this lets the next kernel launch only after its K/V loop (0: at its start). Long
+  contexts run the split kernel in two waves; the o projection's waiting programs would
+  take room from the second.
+- MINIVLLM_GRAPH_GREEDY (0 | 1): the decode CUDA graphs also take the previous step's
+  tokens as input and produce the greedy tokens, so an all-greedy decode step is two
+  host-to-device copies, one replay and one copy back (engine side: cuda_graph.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+
+def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = os.environ.get(name, default)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
+@functools.cache
+def gemv_max_k_tile() -> int:
+    return int(_choice("MINIVLLM_GEMV_MAX_K", "4096", ("2048", "4096")))
+
+
+@functools.cache
+def gemv_silu_tile() -> int:
+    return int(_choice("MINIVLLM_GEMV_SILU_TILE", "4096", ("4096", "8192")))
+
+
+@functools.cache
+def gemv_wide() -> bool:
+    return _choice("MINIVLLM_GEMV_WIDE", "0", ("0", "1")) == "1"
+
+
+@functools.cache
+def decode_prefetch() -> bool:
+    return _choice("MINIVLLM_DECODE_PREFETCH", "1", ("0", "1")) == "1"
+
+
+@functools.cache
+def decode_min_split() -> int:
+    return int(_choice("MINIVLLM_DECODE_MIN_SPLIT", "512", ("0", "256", "512", "1024")))
+
+
+@functools.cache
+def decode_late_trigger() -> int:
+    return int(_choice("MINIVLLM_DECODE_LATE_TRIGGER", "0", ("0", "4096")))
+
+
+@functools.cache
+def graph_greedy() -> bool:
+    return _choice("MINIVLLM_GRAPH_GREEDY", "1", ("0", "1")) == "1"
+
+
+def clear() -> None:
+    """Forget the values read (tests that change the environment)."""
+    for fn in (gemv_max_k_tile, gemv_silu_tile, gemv_wide, decode_prefetch, decode_min_split,
+               decode_late_trigger, graph_greedy):
+        fn.cache_clear()

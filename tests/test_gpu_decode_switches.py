@@ -1,0 +1,132 @@
+"""The decode-path switches of kernels/tuning.py keep every token: the greedy decode graphs
+(CPU, graph bodies re-run; and CUDA), and on the GPU each kernel switch against the
+defaults (fp32: the same tokens as transformers' path; bf16: graph replay == eager).
+
+The CPU test runs everywhere; the others are marked gpu (scripts/gpu_check.sh runs them).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_engine
+from minivllm.kernels import tuning
+from test_gpu_engine import prompts, qwen3_06b, run  # noqa: F401 (fixture)
+
+from minivllm import SamplingParams
+
+SWITCHES = {
+    "gemv_k4096": {"MINIVLLM_GEMV_MAX_K": "4096"},
+    "prefetch": {"MINIVLLM_DECODE_PREFETCH": "1"},
+    "min_split512": {"MINIVLLM_DECODE_MIN_SPLIT": "512"},
+    "greedy_graph": {"MINIVLLM_GRAPH_GREEDY": "1"},
+    "late_trigger": {"MINIVLLM_DECODE_LATE_TRIGGER": "4096"},
+    "silu_tile": {"MINIVLLM_GEMV_SILU_TILE": "8192"},
+    "gemv_wide": {"MINIVLLM_GEMV_WIDE": "1"},
+}
+ALL_ON = {k: v for env in SWITCHES.values() for k, v in env.items()}
+# The measured winners are the defaults; this turns them off (the engine before them).
+OFF = {"MINIVLLM_GEMV_MAX_K": "2048", "MINIVLLM_DECODE_PREFETCH": "0",
+       "MINIVLLM_DECODE_MIN_SPLIT": "0", "MINIVLLM_GRAPH_GREEDY": "0"}
+
+
+@pytest.fixture
+def switches(monkeypatch):
+    """Set decode switches for the engines built afterwards (tuning caches what it read)."""
+
+    def apply(env: dict[str, str]) -> None:
+        for name in ALL_ON:
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        tuning.clear()
+
+    yield apply
+    monkeypatch.undo()
+    tuning.clear()
+
+
+def test_greedy_graphs_give_the_eager_tokens(tiny_qwen3, switches):
+    """Greedy decode graphs (inputs from host lists in two copies, placeholders filled in
+    the graph, argmax in the graph) give the eager engine's tokens with overlapped
+    scheduling, also around steps that sample (those take the general path over the same
+    graphs) and prefill steps (whose tokens the next greedy step copies in)."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (5, 40, 17, 9)]
+    greedy = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, seed=11)
+    params = [greedy, sampled, short, greedy]  # the batch shrinks twice: rows move
+    settings = dict(max_num_batched_tokens=64, max_num_sequences=4, max_model_length=256,
+                    async_scheduling=True)
+    outputs = []
+    switches({"MINIVLLM_GRAPH_GREEDY": "1"})
+    for graphs in (False, True):
+        llm = tiny_engine(tiny_qwen3, **settings)
+        try:
+            if graphs:
+                llm.runner.capture_cuda_graphs(replay_eagerly=True)
+                assert llm.runner.graphs.greedy
+            outputs.append(llm.generate(prompts, params)["token_ids"])
+            outputs.append(llm.generate(prompts[2:], greedy)["token_ids"])
+            if graphs:
+                assert llm.runner.graphs._num_staged > 0, "no step took the greedy graphs"
+        finally:
+            llm.exit()
+    assert outputs[:2] == outputs[2:]
+
+
+# -- on the GPU --------------------------------------------------------------------------------
+
+
+def _dummy_tokens(env: dict[str, str], switches, **kw) -> list[list[int]]:
+    from minivllm import LLMEngine
+
+    switches(env)
+    config = {
+        "model_name_or_path": "Qwen/Qwen3-0.6B",
+        "load_format": "dummy",
+        "gpu_memory_utilization": 0.2,
+        "max_model_length": 6144,
+        "max_num_sequences": 8,
+        "seed": 0,
+        **kw,
+    }
+    llm = LLMEngine(config)
+    try:
+        g = torch.Generator().manual_seed(1)
+        # Contexts of 40 to 5k: one split or several (min_split, prefetch), past the late
+        # trigger's 4096.
+        ps = [torch.randint(0, 151936, (int(n),), generator=g).tolist()
+              for n in (5000, 40, 700, 1900, 5)]
+        greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        one = llm.generate(ps[:1], greedy)["token_ids"]  # batch 1
+        return one + llm.generate(ps, greedy)["token_ids"]  # batch 5 (bucket 8)
+    finally:
+        llm.exit()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["defaults", "all"])
+def test_switch_graph_equals_eager_bf16(name, switches):
+    """bf16, random Qwen3-0.6B: with the defaults and with every switch on, the graph
+    replays give the eager steps' tokens bit for bit (the eager path runs the same kernels;
+    each kernel switch alone is checked against its reference in test_kernels_gpu.py)."""
+    env = ALL_ON if name == "all" else {}
+    graphed = _dummy_tokens(env, switches)
+    eager = _dummy_tokens(env, switches, enforce_eager=True)
+    assert graphed == eager
+
+
+@pytest.mark.gpu
+def test_switches_keep_fp32_tokens(qwen3_06b, switches):  # noqa: F811
+    """fp32 (the path test_gpu_engine.py checks against transformers token for token):
+    all switches on give the greedy tokens of all of them off, graphs and eager."""
+    path, _ = qwen3_06b
+    ps = prompts(3, seed=4)
+    switches(OFF)
+    base, _ = run(path, ps, dtype="float32")
+    switches(ALL_ON)
+    graphed, _ = run(path, ps, dtype="float32")
+    eager, _ = run(path, ps, dtype="float32", enforce_eager=True)
+    assert graphed == base and eager == base
