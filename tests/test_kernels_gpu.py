@@ -494,7 +494,7 @@ def test_decode_attention_merge_in_graph(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_qkv_decode_attention(model) -> None:
     """q/k norm + rotary + KV store in the decode attention kernel's prologue (bf16, with
     and without q/k norm, ragged contexts 1 to 8k and a padding row with slot -1): the
-    output against the float64 reference of the two steps (bound 1e-2), the stored k
+    real rows' output against the float64 reference of the two steps (bound 1e-2), the stored k
     against `qkv_rotary_store_ref` (1e-2) and v exact; and against the two launches it
     replaces (qkv_rotary_store + decode_attention, 1e-2)."""
     from minivllm.kernels.decode_attention import (
@@ -529,8 +529,10 @@ def test_qkv_decode_attention(model) -> None:
             out = qkv_decode_attention(positions, qkv, heads, cos_sin, k_out, v_out, slots,
                                        *step, **norms, num_splits=num_splits)
             name = f"qkv_decode_attention {model[0]} norm={qk_norm} splits {num_splits}"
-            _assert_close(name, out, ref, TOL[dtype])
-            _assert_close(name + " against two launches", out, two, TOL[dtype])
+            # The padding row's output is read by no sequence: with the K/V prefetch (on by
+            # default) it attends over its own new token, which its slot -1 never stored.
+            _assert_close(name, out[:-1], ref[:-1], TOL[dtype])
+            _assert_close(name + " against two launches", out[:-1], two[:-1], TOL[dtype])
             _assert_close(name + " k_cache", k_out, k_ref, TOL[dtype])
             assert torch.equal(v_out, v_ref), name + " v_cache"
 
