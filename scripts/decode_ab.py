@@ -29,7 +29,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     "off": OFF,
     "no_prefetch": {"MINIVLLM_DECODE_PREFETCH": "0"},
     "no_split": {"MINIVLLM_DECODE_MIN_SPLIT": "0"},
-    "no_greedy": {"MINIVLLM_GRAPH_GREEDY": "0"},
+    "greedy": {"MINIVLLM_GRAPH_GREEDY": "1"},
     "k2048": {"MINIVLLM_GEMV_MAX_K": "2048"},
     "late": {"MINIVLLM_DECODE_LATE_TRIGGER": "4096"},
     "silu8k": {"MINIVLLM_GEMV_SILU_TILE": "8192"},
