@@ -287,3 +287,20 @@ def test_bench_round_that_hangs_fails_with_the_stacks(capsys):
     assert bench_main(["--engine", "gpu-like", "--panes", "1", "--max-tokens", "5000",
                        "--device-ms", "5", "--round-timeout", "0.05"]) == 1
     assert "did not finish within" in capsys.readouterr().out
+
+
+def test_bench_lends_the_engine_process_as_a_client_on_every_python():
+    """The bench lends its started engine process to each app round through a wrapper;
+    Python >= 3.12 checks protocol members statically (no `__getattr__`), so the wrapper
+    must define every `EngineClient` member itself or the app takes it for an engine."""
+    import inspect
+
+    from minivllm.tui.bench import _Borrowed
+
+    from minivllm.frontend import EngineClient
+
+    members = [n for n in vars(EngineClient) if not n.startswith("_")]
+    assert {"start", "add_request", "info"} <= set(members)
+    missing = [n for n in members if not hasattr(inspect.getattr_static(_Borrowed, n, None),
+                                                 "__get__")]
+    assert missing == []

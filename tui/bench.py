@@ -165,18 +165,42 @@ def run_headless(engine: Any, texts: list[str], max_tokens: int,
 
 class _Borrowed:
     """A started client lent to one app round: the app's `start()` gets its info and its
-    `close()` leaves it running for the next round."""
+    `close()` leaves it running for the next round.
+
+    NOTE: every `EngineClient` member is spelled out: from Python 3.12 on, isinstance()
+    against a runtime-checkable protocol looks members up statically, so a `__getattr__`
+    proxy is not a client there (the app then took it for an engine and never started)."""
 
     def __init__(self, client: Any) -> None:
         self._client = client
 
+    @property
+    def info(self) -> Any:
+        return self._client.info
+
+    @property
+    def error(self) -> str | None:
+        return self._client.error
+
     def start(self, on_progress: Any = None) -> Any:
         return self._client.info
+
+    def add_request(self, request: Any, on_output: Any) -> None:
+        self._client.add_request(request, on_output)
+
+    def abort(self, request_id: str) -> None:
+        self._client.abort(request_id)
+
+    def stats(self) -> Any:
+        return self._client.stats()
+
+    def generate(self, request: Any) -> Any:
+        return self._client.generate(request)
 
     def close(self) -> None:
         pass
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> Any:  # the client's extras (prompt_progress, ...)
         return getattr(self._client, name)
 
 
