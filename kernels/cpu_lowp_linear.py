@@ -33,6 +33,9 @@ import torch.nn.functional as F
 
 WEIGHT_DTYPES = {"bfloat16": torch.bfloat16, "int8": torch.int8}
 SOURCE = Path(__file__).with_name("cpu_lowp_linear.cpp")
+# Built with it, in one translation unit: the whole CPU decode step (cpu_decode_step.cpp,
+# engine/cpu_step.py's NativeCPUDecodeStep), which calls this kernel for its products.
+STEP_SOURCE = Path(__file__).with_name("cpu_decode_step.cpp")
 OP = "minivllm_cpu::lowp_linear"
 
 
@@ -68,7 +71,7 @@ def _build() -> str | None:
         with _ninja_on_path():
             cpp_extension.load_inline(
                 name=f"minivllm_cpu_lowp_{tag}",
-                cpp_sources=[SOURCE.read_text()],
+                cpp_sources=[SOURCE.read_text(), STEP_SOURCE.read_text()],
                 extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,

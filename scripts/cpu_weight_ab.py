@@ -1,7 +1,7 @@
-"""fp32 vs bf16 vs int8 CPU weights (`cpu_weight_dtype`, issue 10) in one process,
-interleaved round by round.
+"""fp32 vs bf16 vs int8 CPU weights (`cpu_weight_dtype`, issue 10), and the native vs the
+compiled decode step (`--steps`), in one process, interleaved round by round.
 
-Three engines on SmolLM2-135M-Instruct (fp32 compute, compiled decode step); each round
+One engine per (weights, step) on SmolLM2-135M-Instruct (fp32 compute); each round
 times, on each engine in turn: batch-1 decode (ms a token after the prefill), 8 prompts x
 `--new-tokens` (ms a decode step, and output tok/s over the whole run, prefill included),
 and a 512-token prompt's first token. CPU time of this process and wall time are both
@@ -11,11 +11,15 @@ then a 16-token prompt's first token) is measured once per engine. `--profile` a
 batch-1 token's time goes (torch.profiler: the weights' products vs the rest).
 
     .venv/bin/python scripts/cpu_weight_ab.py [--rounds 3] [--threads 1] [--profile]
+        [--formats float32 bfloat16 int8] [--steps native compiled]
+
+(The native step calls the products from C++: its profile counts them as "rest".)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -34,6 +38,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--formats", nargs="+", default=list(FORMATS))
+    parser.add_argument("--steps", nargs="+", default=["native"],
+                        choices=["native", "compiled"])
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -45,17 +51,22 @@ def main() -> None:
     rng = random.Random(0)
     engines: dict[str, LLMEngine] = {}
     startup: dict[str, float] = {}
-    for fmt in args.formats:
+    os.environ["MINIVLLM_CPU_COMPILE"] = "1"
+    variants = [(fmt, step) for fmt in args.formats for step in args.steps]
+    for fmt, step_kind in variants:
+        os.environ["MINIVLLM_CPU_STEP"] = step_kind
+        if len(args.steps) > 1:
+            fmt = f"{fmt}/{step_kind}"
         start = time.perf_counter()
         llm = LLMEngine({"model_name_or_path": path, "device": "cpu", "dtype": "float32",
-                         "cpu_weight_dtype": fmt, "max_model_length": 1024,
+                         "cpu_weight_dtype": fmt.split("/")[0], "max_model_length": 1024,
                          "max_cached_blocks": 24, "block_size": 256})
         llm.generate([[rng.randrange(1000) for _ in range(16)]],
                      SamplingParams(temperature=0, max_tokens=1))
         startup[fmt] = time.perf_counter() - start
         assert llm.runner.cpu_step is not None, "the decode step did not compile here"
         engines[fmt] = llm
-    vocab = engines[args.formats[0]].config.model.vocab_size
+    vocab = next(iter(engines.values())).config.model.vocab_size
 
     def decode(llm: LLMEngine, batch: int, new_tokens: int) -> tuple[float, ...]:
         """(CPU, wall) ms a decode step, then (CPU, wall) s of the whole run."""
@@ -90,16 +101,17 @@ def main() -> None:
     def med(fmt: str, fig: str, i: int) -> float:
         return statistics.median(x[i] for x in results[(fmt, fig)])
 
-    print(f"\nSmolLM2-135M, fp32 compute, compiled decode step; {args.rounds} interleaved "
+    steps = "/".join(args.steps)
+    print(f"\nSmolLM2-135M, fp32 compute, {steps} decode step; {args.rounds} interleaved "
           f"rounds, {args.threads} thread(s); medians, CPU time (wall in brackets)")
-    print(f"{'weights':9s} {'batch-1 ms/token':>22s} {'batch-1 tok/s':>15s} "
+    print(f"{'weights':17s} {'batch-1 ms/token':>22s} {'batch-1 tok/s':>15s} "
           f"{'batch-8 ms/step':>22s} {f'8x{args.new_tokens} out tok/s':>20s} "
           f"{'TTFT-512 ms':>22s} {'start-up s':>11s}")
     for fmt in engines:
         b1c, b1w = med(fmt, "b1", 0), med(fmt, "b1", 1)
         b8c, b8w = med(fmt, "b8", 0), med(fmt, "b8", 1)
         out = 8 * args.new_tokens
-        print(f"{fmt:9s} {b1c:10.1f} ({b1w:8.1f}) {1e3 / b1c:6.1f} ({1e3 / b1w:5.1f}) "
+        print(f"{fmt:17s} {b1c:10.1f} ({b1w:8.1f}) {1e3 / b1c:6.1f} ({1e3 / b1w:5.1f}) "
               f"{b8c:10.1f} ({b8w:8.1f}) {out / med(fmt, 'b8', 2):8.1f} "
               f"({out / med(fmt, 'b8', 3):7.1f}) {med(fmt, 'ttft', 0):10.1f} "
               f"({med(fmt, 'ttft', 1):8.1f}) {startup[fmt]:11.1f}")
@@ -121,7 +133,7 @@ def main() -> None:
             total = sum(e.self_cpu_time_total for e in events) / 1e3 / steps
             linear = sum(e.self_cpu_time_total for e in events if e.key in LINEAR_OPS)
             linear = linear / 1e3 / steps
-            print(f"{fmt:9s} total {total:6.1f}  weights' products {linear:6.1f}  "
+            print(f"{fmt:17s} total {total:6.1f}  weights' products {linear:6.1f}  "
                   f"rest {total - linear:6.1f}")
     for llm in engines.values():
         llm.exit()

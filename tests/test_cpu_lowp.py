@@ -143,9 +143,10 @@ def test_compiled_step_equals_eager_with_int8_weights(tiny_llama, monkeypatch):
 
     from minivllm.engine import cpu_step
 
+    monkeypatch.setenv(cpu_step.STEP_ENV, "compiled")
     monkeypatch.setenv(cpu_step.COMPILE_ENV, "1")
     llm = tiny_engine(tiny_llama, cpu_weight_dtype="int8")
-    monkeypatch.setenv(cpu_step.COMPILE_ENV, "0")
+    monkeypatch.setenv(cpu_step.STEP_ENV, "eager")
     eager = tiny_engine(tiny_llama, cpu_weight_dtype="int8")
     try:
         step = llm.runner.cpu_step

@@ -32,6 +32,7 @@ def test_lazily_zeroed_pool_reads_zeros_and_keeps_writes(dtype):
 
 
 def test_no_compile_where_eager_is_asked_for_or_no_compiler(monkeypatch, tiny_llama):
+    monkeypatch.setenv(cpu_step.STEP_ENV, "compiled")
     monkeypatch.setenv(cpu_step.COMPILE_ENV, "0")
     assert cpu_step.compile_unavailable_reason() == "MINIVLLM_CPU_COMPILE=0"
     monkeypatch.setenv(cpu_step.COMPILE_ENV, "1")
@@ -49,6 +50,7 @@ def test_no_compile_where_eager_is_asked_for_or_no_compiler(monkeypatch, tiny_ll
 
 
 def test_failed_compile_falls_back_to_eager_with_a_warning(monkeypatch, tiny_llama):
+    monkeypatch.setenv(cpu_step.STEP_ENV, "compiled")
     monkeypatch.setenv(cpu_step.COMPILE_ENV, "1")
 
     def broken(self):
@@ -66,10 +68,11 @@ def test_failed_compile_falls_back_to_eager_with_a_warning(monkeypatch, tiny_lla
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])  # q/k norm; q/k/v biases
-def test_eager_decode_step_equals_the_model_step(arch, request):
+def test_eager_decode_step_equals_the_model_step(arch, request, monkeypatch):
     """`decode_layer` run eager, step by step, against the model's own decode (the path
     the parity tests check against transformers): same tokens, same hidden states."""
     path = request.getfixturevalue(f"tiny_{arch}")
+    monkeypatch.setenv(cpu_step.STEP_ENV, "eager")
     llm = tiny_engine(path)
     try:
         runner = llm.runner
@@ -96,6 +99,7 @@ def test_eager_decode_step_equals_the_model_step(arch, request):
 def compiled_llama(tiny_llama):
     """A tiny Llama engine whose decode step is compiled (the one compile of the suite)."""
     mp = pytest.MonkeyPatch()
+    mp.setenv(cpu_step.STEP_ENV, "compiled")
     mp.setenv(cpu_step.COMPILE_ENV, "1")
     llm = tiny_engine(tiny_llama)
     mp.undo()

@@ -1,9 +1,17 @@
-"""The CPU decode step compiled (torch.compile / inductor), so a token pays almost no
-per-op Python: vLLM's CPU backend runs its model compiled too.
+"""The CPU decode step without per-op Python: native (every decoder layer in one C++ call,
+the default) or compiled (torch.compile / inductor, the way vLLM's CPU backend runs).
 
 Eager, a SmolLM2 decode token issues ~1,100 torch ops from Python (~15 ms of a ~58 ms token
-on this machine, PERF_NOTES.md). Here one function, `decode_layer`, is a whole decoder
-layer; it is compiled once and called for every layer with that layer's weights as
+on this machine, PERF_NOTES.md).
+
+`NativeCPUDecodeStep` hands the whole step's layers to `minivllm_cpu::decode_layers`
+(kernels/cpu_decode_step.cpp): the norms, rotary, K/V store and grouped attention are plain
+loops over a token's few thousand floats, the products MKL's or the weight-only kernel's.
+Three torch ops a step, nothing to compile at start-up beyond the extension (built once per
+machine). It needs fp32 activations and cache.
+
+`CPUDecodeStep` serves the rest (a bf16 model): one function, `decode_layer`, is a whole
+decoder layer; it is compiled once and called for every layer with that layer's weights as
 arguments, so dynamo traces one layer, not thirty (start-up: a few seconds with warm caches),
 and a step is ~30 calls into inductor's generated C++ plus ~15 eager ops. The matrix
 products stay the eager ones: MKL's for fp32 weights, or the weight-only bf16 / int8 kernel
@@ -14,7 +22,7 @@ The compiled layer only reads the KV cache: it returns the layer's new K/V, and 
 stores all layers' K/V with two `index_copy_` afterwards (an in-place store into the pool
 inside the graph is a mutated graph input, which inductor may copy whole). Each sequence
 attends to its cached context then its new key, the order the eager step reads back from
-the cache after its store, so the compiled step equals the eager one up to fp32 rounding
+the cache after its store, so both steps equal the eager one up to fp32 rounding
 (tests/test_cpu_step.py).
 
 Shapes: the batch size and the context length are unbacked (dynamic, 1 included), the pool
@@ -42,8 +50,13 @@ from minivllm.kernels.silu_and_mul import silu_and_mul_ref
 from ..layers import cpu_linear
 from ..layers.attention import AttentionMetadata
 
-# Set to 0 to keep the model's eager decode step (the test suite does: compiling costs
-# seconds per engine; tests/test_cpu_step.py compiles on purpose).
+# Which CPU decode step runs: "native" (the default: every layer in one C++ call,
+# NativeCPUDecodeStep), "compiled" (inductor, CPUDecodeStep) or "eager" (the model's own
+# forward). Where one is unavailable the next one runs.
+STEP_ENV = "MINIVLLM_CPU_STEP"
+STEP_KINDS = ("native", "compiled", "eager")
+# Set to 0 to never compile with inductor (the test suite does: compiling costs seconds
+# per engine; tests/test_cpu_step.py compiles on purpose).
 COMPILE_ENV = "MINIVLLM_CPU_COMPILE"
 # NOTE: inductor's pattern matcher rewrites the attention into SDPA and fails on the dynamic
 # context length there (torch 2.13: "Attempting to broadcast a dimension of length s9 + 1");
@@ -280,6 +293,64 @@ class CPUDecodeStep:
         self.compile_seconds = time.perf_counter() - start
 
 
+class NativeCPUDecodeStep:
+    """Runs decode steps on CPU with every decoder layer in one C++ call
+    (kernels/cpu_decode_step.cpp): the embedding lookup, one `decode_layers` call and the
+    final norm, three ops a step whatever the depth.
+
+    Why not only the compiled step: with its per-op Python gone, a compiled SmolLM2 token
+    still spent ~8-10 ms outside the matrix products (inductor's code for the norm, rotary
+    and attention of 30 layers, dynamo's per-layer call, OpenMP fork/join per generated
+    kernel, the K/V copies): as much as the int8 weights' products themselves. The same
+    work written as plain loops over one token's few thousand floats costs well under a
+    millisecond, and nothing compiles at start-up. fp32 activations and KV cache only
+    (the compiled step serves a bf16 model); each linear runs MKL on an fp32 weight (the
+    call `F.linear` makes) or the weight-only kernel on a bf16 / int8 copy.
+    """
+
+    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor) -> None:
+        m = model.model
+        self.kv_cache = kv_cache
+        self.embedding = m.embed_tokens.weight
+        self.final_norm = m.norm
+        norms, qk_norms, weights, scales, biases = [], [], [], [], []
+        for layer in m.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            qk_norms += [attn.q_norm.weight, attn.k_norm.weight] if attn.qk_norm else [None] * 2
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                lowp = linear.lowp
+                weights.append(linear.weight if lowp is None else lowp.packed)
+                scales.append(None if lowp is None else lowp.scales)
+                biases.append(linear.bias)
+        self.layers = (norms, qk_norms, weights, scales, biases)
+        attn = m.layers[0].self_attn
+        self.cos_sin_cache = attn.rotary_emb.cos_sin_cache.float().contiguous()
+        self.num_heads = attn.num_heads
+        self.scale = float(attn.attn.scale)
+        self.eps = float(m.layers[0].input_layernorm.eps)
+        self.qk_eps = float(attn.q_norm.eps) if attn.qk_norm else 0.0
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_seqs]
+        positions: torch.Tensor,  # [num_seqs]
+        block_tables: torch.Tensor,  # [num_seqs, max_blocks]
+        seq_lens: torch.Tensor,  # [num_seqs]: context length after this step
+    ) -> torch.Tensor:  # [num_seqs, hidden]; the new K/V are in the pool
+        x = F.embedding(input_ids, self.embedding)
+        x, residual = torch.ops.minivllm_cpu.decode_layers(
+            x, *self.layers, self.kv_cache, block_tables, seq_lens, positions,
+            self.cos_sin_cache, self.num_heads, self.scale, self.eps, self.qk_eps,
+        )  # fmt: skip
+        return rms_norm_ref(x, self.final_norm.weight, self.final_norm.eps, residual)[0]
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        return self.forward(input_ids, positions, meta.block_tables, meta.seq_lens)
+
+
 def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros whose pages the OS maps on first touch.
 
@@ -297,17 +368,39 @@ def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 
+def native_unavailable_reason(kv_cache: torch.Tensor) -> str | None:
+    """Why the native step cannot run here (None: it can), building its extension."""
+    if kv_cache.dtype != torch.float32:
+        return f"it runs fp32 activations, the engine's dtype is {kv_cache.dtype}"
+    from minivllm.kernels import cpu_lowp_linear
+
+    return cpu_lowp_linear.unavailable_reason()
+
+
 def cpu_decode_step(
     model: torch.nn.Module, kv_cache: torch.Tensor, enforce_eager: bool
-) -> CPUDecodeStep | None:
-    """The compiled CPU decode step for this model, or None where the model's own eager
-    forward runs: `enforce_eager`, MINIVLLM_CPU_COMPILE=0, tensor parallelism (the
-    all-reduce is not traced), a model without the Llama layout, or no working compiler
-    (then with a one-line warning)."""
+) -> NativeCPUDecodeStep | CPUDecodeStep | None:
+    """The CPU decode step for this model: the native one (`STEP_ENV=native`, the default),
+    else the compiled one, else None where the model's own eager forward runs:
+    `enforce_eager`, `STEP_ENV=eager`, tensor parallelism (the all-reduce is in neither),
+    a model without the Llama layout, or neither step available (then with a one-line
+    warning, unless eager was asked for)."""
     from ..distributed import get_tp_size
 
     if enforce_eager or get_tp_size() > 1 or not hasattr(getattr(model, "model", None), "layers"):
         return None
+    kind = os.environ.get(STEP_ENV, "native")
+    if kind not in STEP_KINDS:
+        raise ValueError(f"{STEP_ENV}={kind!r}: expected one of {', '.join(STEP_KINDS)}")
+    if kind == "eager":
+        return None
+    reasons = []
+    if kind == "native":
+        reason = native_unavailable_reason(kv_cache)
+        if reason is None:
+            transpose_wide_weights(model)  # MKL's one-row products, fp32 weights
+            return NativeCPUDecodeStep(model, kv_cache)
+        reasons.append(f"no native step: {reason}")
     reason = compile_unavailable_reason()
     if reason is None:
         # Before compiling: the graph is specialised to the weights' strides.
@@ -321,10 +414,11 @@ def cpu_decode_step(
                 w.data = w.data.contiguous()
             first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             reason = f"torch.compile failed: {type(e).__name__}: {first_line}"
-    if os.environ.get(COMPILE_ENV) != "0":
-        warnings.warn(f"the CPU decode step runs eager ({reason})", RuntimeWarning, stacklevel=2)
+    reasons.append(f"not compiled: {reason}")
+    if os.environ.get(COMPILE_ENV) != "0" or kind == "native":
+        message = "; ".join(reasons)
+        warnings.warn(f"the CPU decode step runs eager ({message})", RuntimeWarning, stacklevel=2)
     return None
-
 
 
 def transpose_wide_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -1,0 +1,246 @@
+// A whole decode step's decoder layers on the CPU in one call: for every layer, add the
+// residual and RMSNorm, the q/k/v product, q/k norm (Qwen3), rotary, the new K/V stored into
+// the paged pool, grouped attention over each sequence's context, the output product, the
+// second norm, gate/up, SiLU * up and down (kernels/cpu_decode_step.py: the wrapper, and
+// why). fp32 activations and KV cache; each linear's weight is either fp32 [N, K] (MKL, the
+// same call as F.linear) or a weight-only bf16 / int8 copy (lowp_linear).
+//
+// Built after cpu_lowp_linear.cpp as one translation unit (one extension): it calls that
+// file's `lowp_linear` and adds its op to the same `minivllm_cpu` library.
+
+#include <ATen/ops/linear.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// One linear of a layer: an fp32 weight [N, K], or a packed bf16 / int8 one [blocks, K, L]
+// with its per-channel scales (int8).
+struct Linear {
+  const at::Tensor& weight;
+  const std::optional<at::Tensor>& scales;
+  const std::optional<at::Tensor>& bias;
+
+  at::Tensor operator()(const at::Tensor& x, int64_t n) const {
+    if (weight.dim() == 3) return lowp_linear(x, weight, scales, bias, n);
+    return at::linear(x, weight, bias);
+  }
+};
+
+// out = rms_norm(x) * w over `n` floats (x may alias out).
+inline void rms_norm(const float* x, const float* w, float eps, int64_t n, float* out) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  const float inv = 1.0f / std::sqrt(sum / (float)n + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
+}
+
+// Rotate-half rotary on one head: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin);
+// cos_sin = the position's row of the cache (cos in the first half, sin after).
+inline void rotate(float* x, const float* cos_sin, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  const float* cos = cos_sin;
+  const float* sin = cos_sin + half;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    x[i] = x1 * cos[i] - x2 * sin[i];
+    x[i + half] = x2 * cos[i] + x1 * sin[i];
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+struct Shape {
+  int64_t num_seqs, hidden, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+};
+
+// The cache slot of context position t of sequence s.
+inline int64_t slot_of(const int64_t* block_tables, const Shape& d, int64_t s, int64_t t) {
+  return block_tables[s * d.max_blocks + t / d.block_size] * d.block_size + t % d.block_size;
+}
+
+// out[s, head] = softmax(q . K_context * scale) V_context for each sequence over its
+// seq_lens[s] cached positions (the new token's included: it is stored first). Each KV head
+// is read once for its whole group of query heads.
+void attend(const float* q, const float* k_cache, const float* v_cache,
+            const int64_t* block_tables, const int64_t* seq_lens, const Shape& d, float scale,
+            float* out) {
+  const int64_t group = d.num_heads / d.num_kv_heads, hd = d.head_dim;
+  at::parallel_for(0, d.num_seqs * d.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t s = job / d.num_kv_heads, g = job % d.num_kv_heads;
+      const int64_t len = seq_lens[s];
+      scores.assign(group * len, 0.0f);
+      const float* qs = q + (s * d.num_heads + g * group) * hd;
+      for (int64_t t = 0; t < len; ++t) {
+        const float* k = k_cache + (slot_of(block_tables, d, s, t) * d.num_kv_heads + g) * hd;
+        for (int64_t j = 0; j < group; ++j) scores[j * len + t] = dot(qs + j * hd, k, hd) * scale;
+      }
+      for (int64_t j = 0; j < group; ++j) {
+        float* row = scores.data() + j * len;
+        float top = row[0];
+        for (int64_t t = 1; t < len; ++t) top = std::max(top, row[t]);
+        float total = 0.0f;
+        for (int64_t t = 0; t < len; ++t) total += (row[t] = std::exp(row[t] - top));
+        for (int64_t t = 0; t < len; ++t) row[t] /= total;
+      }
+      float* os = out + (s * d.num_heads + g * group) * hd;
+      std::fill(os, os + group * hd, 0.0f);
+      for (int64_t t = 0; t < len; ++t) {
+        const float* v = v_cache + (slot_of(block_tables, d, s, t) * d.num_kv_heads + g) * hd;
+        for (int64_t j = 0; j < group; ++j) {
+          const float p = scores[j * len + t];
+          float* o = os + j * hd;
+          for (int64_t i = 0; i < hd; ++i) o[i] += p * v[i];
+        }
+      }
+    }
+  });
+}
+
+// norms: ln1, ln2 per layer. qk_norms: q_norm, k_norm per layer (None without them).
+// weights / scales / biases: qkv, o, gate_up, down per layer. kv_cache: [2, num_layers,
+// num_blocks, block_size, num_kv_heads, head_dim], written at each sequence's new slot.
+// Returns (last layer's output, residual): the model's final norm adds them.
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& x_in, at::TensorList norms, const c10::List<std::optional<at::Tensor>>& qk_norms,
+    at::TensorList weights, const c10::List<std::optional<at::Tensor>>& scales,
+    const c10::List<std::optional<at::Tensor>>& biases, at::Tensor& kv_cache,
+    const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
+    const at::Tensor& positions_in, const at::Tensor& cos_sin_cache, int64_t num_heads,
+    double scale, double eps, double qk_eps) {
+  const int64_t num_layers = (int64_t)norms.size() / 2;
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
+              "decode_layers: x must be fp32 [num_seqs, hidden]");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.scalar_type() == at::kFloat &&
+                  kv_cache.is_contiguous() && kv_cache.size(1) == num_layers,
+              "decode_layers: kv_cache must be a contiguous fp32 [2, ", num_layers,
+              ", blocks, block_size, kv_heads, head_dim] pool");
+  TORCH_CHECK((int64_t)qk_norms.size() == 2 * num_layers &&
+                  (int64_t)weights.size() == 4 * num_layers &&
+                  (int64_t)scales.size() == 4 * num_layers &&
+                  (int64_t)biases.size() == 4 * num_layers,
+              "decode_layers: 2 norms, 2 q/k norms and 4 linears per layer");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous(),
+              "decode_layers: cos_sin_cache must be contiguous fp32");
+  const at::Tensor block_tables = block_tables_in.to(at::kLong).contiguous();
+  const at::Tensor seq_lens = seq_lens_in.to(at::kLong).contiguous();
+  const at::Tensor positions = positions_in.to(at::kLong).contiguous();
+  Shape d{x_in.size(0), x_in.size(1), num_heads, kv_cache.size(4), kv_cache.size(5),
+          kv_cache.size(3), block_tables.size(1)};
+  const int64_t hd = d.head_dim, num_slots = kv_cache.size(2) * d.block_size;
+  const int64_t q_size = num_heads * hd, kv_size = d.num_kv_heads * hd;
+  const int64_t qkv_size = q_size + 2 * kv_size;
+  const at::Tensor& down0 = weights[3];
+  const int64_t inter = down0.size(1);  // [hidden, inter] or [blocks, inter, L]
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  TORCH_CHECK(seq_lens.numel() == d.num_seqs && positions.numel() == d.num_seqs &&
+                  block_tables.size(0) == d.num_seqs,
+              "decode_layers: one seq_len, position and block table row per sequence");
+  std::vector<int64_t> new_slots(d.num_seqs);
+  for (int64_t s = 0; s < d.num_seqs; ++s) {
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= d.max_blocks * d.block_size,
+                "decode_layers: seq_len ", lens[s], " does not fit the block table");
+    TORCH_CHECK(pos[s] >= 0 && pos[s] < cos_sin_cache.size(0),
+                "decode_layers: position ", pos[s], " is past the rotary cache");
+    for (int64_t b = 0; b * d.block_size < lens[s]; ++b)
+      TORCH_CHECK(bt[s * d.max_blocks + b] >= 0 &&
+                      bt[s * d.max_blocks + b] * d.block_size < num_slots,
+                  "decode_layers: block ", bt[s * d.max_blocks + b], " is outside the pool");
+    new_slots[s] = slot_of(bt, d, s, lens[s] - 1);
+  }
+
+  at::Tensor x = x_in.contiguous();
+  at::Tensor residual = at::empty_like(x);
+  at::Tensor h = at::empty_like(x);
+  at::Tensor attn = at::empty({d.num_seqs, q_size}, x.options());
+  float* kv = kv_cache.data_ptr<float>();
+  const int64_t layer_stride = kv_cache.stride(1), kv_stride = kv_cache.stride(0);
+  const float feps = (float)eps, fqk_eps = (float)qk_eps, fscale = (float)scale;
+
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const float* ln1 = norms[2 * l].data_ptr<float>();
+    const float* ln2 = norms[2 * l + 1].data_ptr<float>();
+    // c10::List hands out copies: keep them alive for the Linears' references.
+    const std::optional<at::Tensor> s0 = scales.get(4 * l), b0 = biases.get(4 * l);
+    const std::optional<at::Tensor> s1 = scales.get(4 * l + 1), b1 = biases.get(4 * l + 1);
+    const std::optional<at::Tensor> s2 = scales.get(4 * l + 2), b2 = biases.get(4 * l + 2);
+    const std::optional<at::Tensor> s3 = scales.get(4 * l + 3), b3 = biases.get(4 * l + 3);
+    const Linear qkv{weights[4 * l], s0, b0}, o_proj{weights[4 * l + 1], s1, b1};
+    const Linear gate_up{weights[4 * l + 2], s2, b2}, down{weights[4 * l + 3], s3, b3};
+
+    // residual += x (layer 0: residual = x); h = rms_norm(residual) * ln1
+    float* xp = x.data_ptr<float>();
+    float* rp = residual.data_ptr<float>();
+    float* hp = h.data_ptr<float>();
+    for (int64_t i = 0; i < d.num_seqs * d.hidden; ++i) rp[i] = l == 0 ? xp[i] : rp[i] + xp[i];
+    for (int64_t s = 0; s < d.num_seqs; ++s)
+      rms_norm(rp + s * d.hidden, ln1, feps, d.hidden, hp + s * d.hidden);
+
+    at::Tensor qkv_out = qkv(h, qkv_size);  // [num_seqs, q | k | v]
+    float* qkvp = qkv_out.data_ptr<float>();
+    const std::optional<at::Tensor> q_norm = qk_norms.get(2 * l);
+    const std::optional<at::Tensor> k_norm = qk_norms.get(2 * l + 1);
+    float* k_layer = kv + l * layer_stride;
+    float* v_layer = kv + kv_stride + l * layer_stride;
+    for (int64_t s = 0; s < d.num_seqs; ++s) {
+      float* q = qkvp + s * qkv_size;
+      float* k = q + q_size;
+      const float* v = k + kv_size;
+      if (q_norm.has_value()) {
+        const float* qw = q_norm->data_ptr<float>();
+        const float* kw = k_norm->data_ptr<float>();
+        for (int64_t head = 0; head < num_heads; ++head)
+          rms_norm(q + head * hd, qw, fqk_eps, hd, q + head * hd);
+        for (int64_t head = 0; head < d.num_kv_heads; ++head)
+          rms_norm(k + head * hd, kw, fqk_eps, hd, k + head * hd);
+      }
+      const float* cs = cos_sin_cache.data_ptr<float>() + pos[s] * cos_sin_cache.size(1);
+      for (int64_t head = 0; head < num_heads; ++head) rotate(q + head * hd, cs, hd);
+      for (int64_t head = 0; head < d.num_kv_heads; ++head) rotate(k + head * hd, cs, hd);
+      std::copy(k, k + kv_size, k_layer + new_slots[s] * kv_size);
+      std::copy(v, v + kv_size, v_layer + new_slots[s] * kv_size);
+    }
+    // q rows sit qkv_size apart: gather them into one [num_seqs, q_size] block.
+    at::Tensor q_all = qkv_out.narrow(1, 0, q_size).contiguous();
+    attend(q_all.data_ptr<float>(), k_layer, v_layer, bt, lens, d, fscale,
+           attn.data_ptr<float>());
+    x = o_proj(attn, d.hidden);
+
+    xp = x.data_ptr<float>();
+    for (int64_t i = 0; i < d.num_seqs * d.hidden; ++i) rp[i] += xp[i];
+    for (int64_t s = 0; s < d.num_seqs; ++s)
+      rms_norm(rp + s * d.hidden, ln2, feps, d.hidden, hp + s * d.hidden);
+    at::Tensor gu = gate_up(h, 2 * inter);  // [num_seqs, gate | up]
+    at::Tensor act = at::empty({d.num_seqs, inter}, x.options());
+    const float* gup = gu.data_ptr<float>();
+    float* ap = act.data_ptr<float>();
+    for (int64_t s = 0; s < d.num_seqs; ++s)
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gate = gup[s * 2 * inter + i];
+        ap[s * inter + i] = gate / (1.0f + std::exp(-gate)) * gup[s * 2 * inter + inter + i];
+      }
+    x = down(act, d.hidden);
+  }
+  return {x, residual};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
+  m.def(
+      "decode_layers(Tensor x, Tensor[] norms, Tensor?[] qk_norms, Tensor[] weights, "
+      "Tensor?[] scales, Tensor?[] biases, Tensor(a!) kv_cache, Tensor block_tables, "
+      "Tensor seq_lens, Tensor positions, Tensor cos_sin_cache, int num_heads, float scale, "
+      "float eps, float qk_eps) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -1,0 +1,129 @@
+"""The native CPU decode step (engine/cpu_step.py's NativeCPUDecodeStep over
+kernels/cpu_decode_step.cpp): it equals the eager step layer for layer with every weight
+format, the engine with it decodes what transformers decodes, it is the default, and it
+refuses what it cannot run with a clear reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from conftest import hf_greedy, tiny_engine
+from minivllm.kernels import cpu_lowp_linear
+from minivllm.kernels.decode_attention import context_slots
+
+from minivllm import SamplingParams
+from minivllm.engine import cpu_step
+from minivllm.engine.cpu_step import CPUDecodeStep, NativeCPUDecodeStep, decode_layer
+
+pytestmark = pytest.mark.skipif(
+    cpu_lowp_linear.unavailable_reason() is not None,
+    reason=f"the CPU extension does not build here: {cpu_lowp_linear.unavailable_reason()}",
+)
+
+
+@pytest.mark.parametrize("weights", ["auto", "bfloat16", "int8"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])  # plain; q/k norm; biases
+def test_native_step_equals_the_eager_step(arch, weights, request, monkeypatch):
+    """Over a pool of random K/V and scattered blocks: the same hidden states as the eager
+    `decode_layer` step, and each layer's new K/V stored at the sequence's next slot."""
+    monkeypatch.setenv(cpu_step.STEP_ENV, "eager")
+    llm = tiny_engine(request.getfixturevalue(f"tiny_{arch}"), cpu_weight_dtype=weights)
+    try:
+        runner = llm.runner
+        native = NativeCPUDecodeStep(runner.model, runner.kv_cache)
+        eager = CPUDecodeStep(runner.model, runner.kv_cache)
+        g = torch.Generator().manual_seed(0)
+        block_size, num_blocks = runner.block_size, runner.kv_cache.shape[2]
+        pool = runner.kv_cache.flatten(2, 3)  # [2, layers, slots, kv_heads, head_dim]
+        with torch.inference_mode():
+            runner.kv_cache.normal_(generator=g)
+            # One token of context (the new one), one sequence over 3 blocks, a mixed batch.
+            for num_seqs, longest in ((1, 1), (1, 40), (3, 7), (8, 70)):
+                lens = torch.randint(1, longest + 1, (num_seqs,), generator=g)
+                lens[0] = longest
+                width = -(-longest // block_size)
+                tables = torch.randperm(num_blocks, generator=g)[: num_seqs * width]
+                tables = tables.view(num_seqs, width).int()
+                ids = torch.randint(0, 512, (num_seqs,), generator=g)
+                slots = context_slots(lens, tables, block_size)
+                prev = slots[:, :-1] if longest > 1 else slots.new_zeros(num_seqs, 1)
+                want, new_k, new_v = eager.forward(
+                    ids, lens - 1, prev.contiguous(), lens, layer=decode_layer
+                )
+                got = native.forward(ids, lens - 1, tables, lens)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                new_slots = slots[torch.arange(num_seqs), lens - 1]
+                torch.testing.assert_close(pool[0][:, new_slots], new_k, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(pool[1][:, new_slots], new_v, rtol=1e-5, atol=1e-5)
+            runner.kv_cache.zero_()
+    finally:
+        llm.exit()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+def test_native_engine_matches_transformers(arch, request):
+    path = request.getfixturevalue(f"tiny_{arch}")
+    llm = tiny_engine(path)  # the default step
+    try:
+        assert isinstance(llm.runner.cpu_step, NativeCPUDecodeStep)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        g = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (1, 17, 40, 5)]
+        out = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+        for prompt, got in zip(prompts, out["token_ids"], strict=True):
+            assert got == hf_greedy(hf.eval(), prompt, 24)
+    finally:
+        llm.exit()
+
+
+def test_native_step_with_int8_weights_equals_the_eager_engine(tiny_qwen3, monkeypatch):
+    """Greedy tokens of the default (native) engine and the eager engine over the same int8
+    weights: the step reads the weights as the eager products do."""
+    llm = tiny_engine(tiny_qwen3, cpu_weight_dtype="int8")
+    monkeypatch.setenv(cpu_step.STEP_ENV, "eager")
+    eager = tiny_engine(tiny_qwen3, cpu_weight_dtype="int8")
+    try:
+        assert isinstance(llm.runner.cpu_step, NativeCPUDecodeStep)
+        assert eager.runner.cpu_step is None
+        prompts = [[(5 * i + j) % 512 for j in range(3 + 11 * i)] for i in range(5)]
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        assert llm.generate(prompts, params)["token_ids"] == (
+            eager.generate(prompts, params)["token_ids"]
+        )
+    finally:
+        llm.exit()
+        eager.exit()
+
+
+def test_bf16_model_takes_another_step_and_says_why(tiny_llama, monkeypatch):
+    monkeypatch.setenv(cpu_step.COMPILE_ENV, "0")
+    with pytest.warns(RuntimeWarning, match="no native step: it runs fp32 activations"):
+        llm = tiny_engine(tiny_llama, dtype="bfloat16")
+    try:
+        assert llm.runner.cpu_step is None  # no compiler allowed here: the eager forward
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3))
+        assert len(out["token_ids"][0]) == 3
+    finally:
+        llm.exit()
+
+
+def test_unknown_step_kind_names_the_variable_and_the_value(tiny_llama, monkeypatch):
+    monkeypatch.setenv(cpu_step.STEP_ENV, "fast")
+    with pytest.raises(ValueError, match="MINIVLLM_CPU_STEP='fast': expected one of native"):
+        tiny_engine(tiny_llama)
+
+
+def test_a_block_outside_the_pool_is_refused_before_anything_is_written(tiny_llama):
+    llm = tiny_engine(tiny_llama)
+    try:
+        step = llm.runner.cpu_step
+        assert isinstance(step, NativeCPUDecodeStep)
+        before = step.kv_cache.clone()
+        tables = torch.tensor([[0, 10**6]], dtype=torch.int32)
+        lens = torch.tensor([20])
+        with pytest.raises(RuntimeError, match="block 1000000 is outside the pool"):
+            step.forward(torch.tensor([3]), lens - 1, tables, lens)
+        assert torch.equal(step.kv_cache, before)
+    finally:
+        llm.exit()
