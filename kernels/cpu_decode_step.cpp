@@ -3,10 +3,10 @@
 // the paged pool, grouped attention over each sequence's context, the output product, the
 // second norm, gate/up, SiLU * up and down (kernels/cpu_decode_step.py: the wrapper, and
 // why). fp32 activations and KV cache; each linear's weight is either fp32 [N, K] (MKL, the
-// same call as F.linear) or a weight-only bf16 / int8 copy (lowp_linear).
+// same call as F.linear) or a weight-only copy (lowp_linear, group_linear).
 //
 // Built after cpu_lowp_linear.cpp as one translation unit (one extension): it calls that
-// file's `lowp_linear` and adds its op to the same `minivllm_cpu` library.
+// file's `lowp_linear` / `group_linear` and adds its op to the same `minivllm_cpu` library.
 
 #include <ATen/ops/linear.h>
 
@@ -15,16 +15,20 @@
 
 namespace {
 
-// One linear of a layer: an fp32 weight [N, K], or a packed bf16 / int8 one [blocks, K, L]
-// with its per-channel scales (int8).
+// One linear of a layer: an fp32 weight [N, K]; a packed bf16 / int8 one [blocks, K, L]
+// with its per-channel fp32 scales (int8); or a Q8_0 / Q4_1 one with fp16 group scales
+// (and mins).
 struct Linear {
   const at::Tensor& weight;
   const std::optional<at::Tensor>& scales;
+  const std::optional<at::Tensor>& mins;
   const std::optional<at::Tensor>& bias;
 
   at::Tensor operator()(const at::Tensor& x, int64_t n) const {
-    if (weight.dim() == 3) return lowp_linear(x, weight, scales, bias, n);
-    return at::linear(x, weight, bias);
+    if (weight.dim() != 3) return at::linear(x, weight, bias);
+    if (scales.has_value() && scales->scalar_type() == at::kHalf)
+      return group_linear(x, weight, *scales, mins, bias, n);
+    return lowp_linear(x, weight, scales, bias, n);
   }
 };
 
@@ -105,12 +109,15 @@ void attend(const float* q, const float* k_cache, const float* v_cache,
 }
 
 // norms: ln1, ln2 per layer. qk_norms: q_norm, k_norm per layer (None without them).
-// weights / scales / biases: qkv, o, gate_up, down per layer. kv_cache: [2, num_layers,
-// num_blocks, block_size, num_kv_heads, head_dim], written at each sequence's new slot.
+// weights / scales / mins / biases: qkv, o, gate_up, down per layer (`Linear`).
+// kv_cache: [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim], written at each
+// sequence's new slot.
 // Returns (last layer's output, residual): the model's final norm adds them.
 std::tuple<at::Tensor, at::Tensor> decode_layers(
-    const at::Tensor& x_in, at::TensorList norms, const c10::List<std::optional<at::Tensor>>& qk_norms,
+    const at::Tensor& x_in, at::TensorList norms,
+    const c10::List<std::optional<at::Tensor>>& qk_norms,
     at::TensorList weights, const c10::List<std::optional<at::Tensor>>& scales,
+    const c10::List<std::optional<at::Tensor>>& mins,
     const c10::List<std::optional<at::Tensor>>& biases, at::Tensor& kv_cache,
     const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
     const at::Tensor& positions_in, const at::Tensor& cos_sin_cache, int64_t num_heads,
@@ -125,6 +132,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   TORCH_CHECK((int64_t)qk_norms.size() == 2 * num_layers &&
                   (int64_t)weights.size() == 4 * num_layers &&
                   (int64_t)scales.size() == 4 * num_layers &&
+                  (int64_t)mins.size() == 4 * num_layers &&
                   (int64_t)biases.size() == 4 * num_layers,
               "decode_layers: 2 norms, 2 q/k norms and 4 linears per layer");
   TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.is_contiguous(),
@@ -170,12 +178,16 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const float* ln1 = norms[2 * l].data_ptr<float>();
     const float* ln2 = norms[2 * l + 1].data_ptr<float>();
     // c10::List hands out copies: keep them alive for the Linears' references.
-    const std::optional<at::Tensor> s0 = scales.get(4 * l), b0 = biases.get(4 * l);
-    const std::optional<at::Tensor> s1 = scales.get(4 * l + 1), b1 = biases.get(4 * l + 1);
-    const std::optional<at::Tensor> s2 = scales.get(4 * l + 2), b2 = biases.get(4 * l + 2);
-    const std::optional<at::Tensor> s3 = scales.get(4 * l + 3), b3 = biases.get(4 * l + 3);
-    const Linear qkv{weights[4 * l], s0, b0}, o_proj{weights[4 * l + 1], s1, b1};
-    const Linear gate_up{weights[4 * l + 2], s2, b2}, down{weights[4 * l + 3], s3, b3};
+    std::optional<at::Tensor> s[4], m[4], b[4];
+    for (int i = 0; i < 4; ++i) {
+      s[i] = scales.get(4 * l + i);
+      m[i] = mins.get(4 * l + i);
+      b[i] = biases.get(4 * l + i);
+    }
+    const Linear qkv{weights[4 * l], s[0], m[0], b[0]};
+    const Linear o_proj{weights[4 * l + 1], s[1], m[1], b[1]};
+    const Linear gate_up{weights[4 * l + 2], s[2], m[2], b[2]};
+    const Linear down{weights[4 * l + 3], s[3], m[3], b[3]};
 
     // residual += x (layer 0: residual = x); h = rms_norm(residual) * ln1
     float* xp = x.data_ptr<float>();
@@ -238,7 +250,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
   m.def(
       "decode_layers(Tensor x, Tensor[] norms, Tensor?[] qk_norms, Tensor[] weights, "
-      "Tensor?[] scales, Tensor?[] biases, Tensor(a!) kv_cache, Tensor block_tables, "
+      "Tensor?[] scales, Tensor?[] mins, Tensor?[] biases, Tensor(a!) kv_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor positions, Tensor cos_sin_cache, int num_heads, float scale, "
       "float eps, float qk_eps) -> (Tensor, Tensor)");
 }

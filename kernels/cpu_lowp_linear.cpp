@@ -1,4 +1,5 @@
-// y = x @ W^T (+ bias) with W stored in bf16 or int8 (per-output-channel fp32 scales) and
+// y = x @ W^T (+ bias) with W stored in bf16, int8 (per-output-channel fp32 scales), or
+// llama.cpp's group formats Q8_0 / Q4_1 (further down), and
 // x, y, the sums in fp32: weight-only low precision for the CPU's decode step, where the
 // time is the weight bytes read per token (kernels/cpu_lowp_linear.py: the wrapper, the
 // packing and the torch reference).
@@ -18,9 +19,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <c10/util/Half.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -204,6 +208,206 @@ at::Tensor lowp_linear(const at::Tensor& x, const at::Tensor& packed,
   return y;
 }
 
+// Group formats, llama.cpp's Q8_0 and Q4_1: each output channel's weights in groups of G
+// along K, one fp16 scale d per group (and for Q4_1 a minimum m):
+//   q8_0: w = d * q, q int8;           values [blocks, K, L] int8 (the int8 layout)
+//   q4_1: w = d * q + m, q in 0..15;   values [blocks, K, L/2] bytes, byte j of a k holding
+//         output j in its low nibble and output j + L/2 in its high nibble
+// d (and m): [blocks, K/G, L] fp16. A group's sum is d * sum(q x) (+ m * sum(x)): the
+// scale is applied once per group, not per weight.
+constexpr int G = 32;
+
+#if defined(__AVX512F__)
+inline vf widen_halves(const uint16_t* p) {
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline vf widen_nibbles(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
+}
+#elif defined(__AVX2__) && defined(__F16C__)
+inline vf widen_halves(const uint16_t* p) {
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vf widen_nibbles(const uint8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof word);
+  const __m128i b = _mm_cvtsi32_si128(word);
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpacklo_epi32(lo, hi)));
+}
+#else
+inline vf widen_halves(const uint16_t* p) {
+  vf out;
+  for (int j = 0; j < L; ++j) out[j] = (float)c10::Half(p[j], c10::Half::from_bits());
+  return out;
+}
+inline vf widen_nibbles(const uint8_t* p) {
+  vf out;
+  for (int j = 0; j < L / 2; ++j) {
+    out[j] = (float)(p[j] & 0x0F);
+    out[j + L / 2] = (float)(p[j] >> 4);
+  }
+  return out;
+}
+#endif
+
+struct Q8_0 {
+  static constexpr int bytes_per_k = L;
+  static constexpr bool has_min = false;
+  static vf widen(const uint8_t* p) { return ::widen(reinterpret_cast<const int8_t*>(p)); }
+};
+struct Q4_1 {
+  static constexpr int bytes_per_k = L / 2;
+  static constexpr bool has_min = true;
+  static vf widen(const uint8_t* p) { return widen_nibbles(p); }
+};
+
+// acc[r] = sum over groups of d * sum_k q[k, :] x[r, k] (+ m * xsum[r, group]).
+template <typename F, int R>
+inline void group_block_sums(const float* x, int64_t ldx, const float* xsum, int64_t groups,
+                             const uint8_t* q, const uint16_t* d, const uint16_t* m, vf* acc) {
+  constexpr int S = R >= 4 ? 1 : (R >= 2 ? 2 : 4);
+  for (int r = 0; r < R; ++r) acc[r] = vf{};
+  for (int64_t g = 0; g < groups; ++g) {
+    vf a[S][R];
+    for (int s = 0; s < S; ++s)
+      for (int r = 0; r < R; ++r) a[s][r] = vf{};
+    const uint8_t* qg = q + g * G * F::bytes_per_k;
+    const float* xg = x + g * G;
+#if defined(__AVX2__) || defined(__AVX512F__)
+    _mm_prefetch(reinterpret_cast<const char*>(qg) + PREFETCH_BYTES, _MM_HINT_T0);
+#endif
+    for (int k = 0; k < G; k += S) {
+      for (int s = 0; s < S; ++s) {
+        const vf wv = F::widen(qg + (k + s) * F::bytes_per_k);
+        for (int r = 0; r < R; ++r) a[s][r] += wv * xg[r * ldx + k + s];
+      }
+    }
+    const vf dv = widen_halves(d + g * L);
+    vf mv{};
+    if constexpr (F::has_min) mv = widen_halves(m + g * L);
+    for (int r = 0; r < R; ++r) {
+      vf t = a[0][r];
+      for (int s = 1; s < S; ++s) t += a[s][r];
+      acc[r] += dv * t;
+      if constexpr (F::has_min) acc[r] += mv * xsum[r * groups + g];
+    }
+  }
+}
+
+template <typename F>
+void group_rows(const float* x, int64_t ldx, const float* xsum, int64_t groups,
+                const uint8_t* q, const uint16_t* d, const uint16_t* m, int rows, vf* acc) {
+  switch (rows) {
+    case 1: return group_block_sums<F, 1>(x, ldx, xsum, groups, q, d, m, acc);
+    case 2: return group_block_sums<F, 2>(x, ldx, xsum, groups, q, d, m, acc);
+    case 3: return group_block_sums<F, 3>(x, ldx, xsum, groups, q, d, m, acc);
+    case 4: return group_block_sums<F, 4>(x, ldx, xsum, groups, q, d, m, acc);
+    case 5: return group_block_sums<F, 5>(x, ldx, xsum, groups, q, d, m, acc);
+    case 6: return group_block_sums<F, 6>(x, ldx, xsum, groups, q, d, m, acc);
+    case 7: return group_block_sums<F, 7>(x, ldx, xsum, groups, q, d, m, acc);
+    default: return group_block_sums<F, 8>(x, ldx, xsum, groups, q, d, m, acc);
+  }
+}
+
+template <typename F>
+void group_linear_impl(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* q,
+                       const uint16_t* d, const uint16_t* m, const float* bias, float* y,
+                       int64_t N) {
+  const int64_t num_blocks = (N + L - 1) / L, groups = K / G;
+  // Q4_1's minimum multiplies each group's sum of x: computed once per row and group.
+  std::vector<float> xsum;
+  if (F::has_min) {
+    xsum.resize(M * groups);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        float t = 0.0f;
+        for (int k = 0; k < G; ++k) t += x[r * ldx + g * G + k];
+        xsum[r * groups + g] = t;
+      }
+  }
+  at::parallel_for(0, num_blocks, 4, [&](int64_t b0, int64_t b1) {
+    vf acc[MAX_ROWS];
+    for (int64_t t = 0; t < M; t += ROW_TILE) {
+      const int64_t t_end = std::min(M, t + ROW_TILE);
+      for (int64_t b = b0; b < b1; ++b) {
+        const uint8_t* qb = q + b * K * F::bytes_per_k;
+        const uint16_t* db = d + b * groups * L;
+        const uint16_t* mb = m ? m + b * groups * L : nullptr;
+        const int64_t n0 = b * L;
+        const int width = (int)std::min<int64_t>(L, N - n0);
+        vf add;
+        for (int j = 0; j < L; ++j) add[j] = bias && j < width ? bias[n0 + j] : 0.0f;
+        for (int64_t r0 = t; r0 < t_end; r0 += MAX_ROWS) {
+          const int rows = (int)std::min<int64_t>(MAX_ROWS, t_end - r0);
+          const float* xs = F::has_min ? xsum.data() + r0 * groups : nullptr;
+          group_rows<F>(x + r0 * ldx, ldx, xs, groups, qb, db, mb, rows, acc);
+          for (int r = 0; r < rows; ++r) {
+            const vf out = acc[r] + add;
+            float* dst = y + (r0 + r) * N + n0;
+            if (width == L) {
+              std::memcpy(dst, &out, sizeof out);
+            } else {
+              for (int j = 0; j < width; ++j) dst[j] = out[j];
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+// y = x @ W^T (+ bias) for a Q8_0 (int8 values, no mins) or Q4_1 (byte values, mins) weight.
+at::Tensor group_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& mins,
+                        const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
+              "group_linear: x must be fp32 [M, K] with unit stride in K");
+  const int64_t M = x.size(0), K = x.size(1);
+  const bool q4 = values.scalar_type() == at::kByte;
+  TORCH_CHECK(q4 || values.scalar_type() == at::kChar,
+              "group_linear: values must be int8 (q8_0) or uint8 (q4_1), not ",
+              values.scalar_type());
+  TORCH_CHECK(values.dim() == 3 && values.is_contiguous() && values.size(1) == K &&
+                  values.size(2) == (q4 ? L / 2 : L),
+              "group_linear: values must be contiguous [blocks, K=", K, ", ", q4 ? L / 2 : L, "]");
+  TORCH_CHECK(K % G == 0, "group_linear: K=", K, " is not a multiple of the group size ", G);
+  const int64_t blocks = values.size(0);
+  TORCH_CHECK(blocks * L >= n && blocks * L < n + L,
+              "group_linear: n=", n, " does not match the packed blocks");
+  for (const at::Tensor* t : {&scales, mins.has_value() ? &*mins : nullptr}) {
+    if (t == nullptr) continue;
+    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 3 &&
+                    t->size(0) == blocks && t->size(1) == K / G && t->size(2) == L,
+                "group_linear: scales and mins must be contiguous fp16 [", blocks, ", ", K / G,
+                ", ", L, "]");
+  }
+  TORCH_CHECK(q4 == mins.has_value(), "group_linear: q4_1 needs its mins, q8_0 takes none");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "group_linear: bias must be fp32 [n]");
+    bp = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({M, n}, x.options());
+  if (M == 0 || n == 0) return y;
+  const auto* q = reinterpret_cast<const uint8_t*>(values.data_ptr());
+  const auto* d = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  if (q4) {
+    const auto* m = reinterpret_cast<const uint16_t*>(mins->data_ptr());
+    group_linear_impl<Q4_1>(x.data_ptr<float>(), x.stride(0), M, K, q, d, m, bp,
+                            y.data_ptr<float>(), n);
+  } else {
+    group_linear_impl<Q8_0>(x.data_ptr<float>(), x.stride(0), M, K, q, d, nullptr, bp,
+                            y.data_ptr<float>(), n);
+  }
+  return y;
+}
+
 int64_t block_width() { return L; }
 
 }  // namespace
@@ -211,7 +415,12 @@ int64_t block_width() { return L; }
 TORCH_LIBRARY(minivllm_cpu, m) {
   m.set_python_module("minivllm.kernels.cpu_lowp_linear");
   m.def("lowp_linear(Tensor x, Tensor packed, Tensor? scales, Tensor? bias, int n) -> Tensor");
+  m.def("group_linear(Tensor x, Tensor values, Tensor scales, Tensor? mins, Tensor? bias, "
+        "int n) -> Tensor");
   m.def("block_width() -> int", &block_width);
 }
 
-TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) { m.impl("lowp_linear", &lowp_linear); }
+TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {
+  m.impl("lowp_linear", &lowp_linear);
+  m.impl("group_linear", &group_linear);
+}

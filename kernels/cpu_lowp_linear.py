@@ -37,6 +37,10 @@ SOURCE = Path(__file__).with_name("cpu_lowp_linear.cpp")
 # engine/cpu_step.py's NativeCPUDecodeStep), which calls this kernel for its products.
 STEP_SOURCE = Path(__file__).with_name("cpu_decode_step.cpp")
 OP = "minivllm_cpu::lowp_linear"
+GROUP_OP = "minivllm_cpu::group_linear"
+# llama.cpp's group formats: weights in groups of GROUP along the input dimension, one fp16
+# scale per group (Q4_1: and a minimum).
+GROUP = 32
 
 
 @contextlib.contextmanager
@@ -85,6 +89,10 @@ def _build() -> str | None:
     def _(x, packed, scales, bias, n):
         return x.new_empty(x.shape[0], n)
 
+    @torch.library.register_fake(GROUP_OP)
+    def _(x, values, scales, mins, bias, n):
+        return x.new_empty(x.shape[0], n)
+
     return None
 
 
@@ -121,6 +129,81 @@ def quantize_int8(weight: torch.Tensor, width: int) -> tuple[torch.Tensor, torch
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero row
     q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
     return _blocks(q, width), F.pad(scales, (0, -len(scales) % width)).contiguous()
+
+
+def _group_blocks(t: torch.Tensor, width: int) -> torch.Tensor:
+    """Per-group [N, K / GROUP] -> [ceil(N / width), K / GROUP, width] fp16, zero-padded."""
+    return _blocks(t, width).to(torch.float16)
+
+
+def _groups(weight: torch.Tensor) -> torch.Tensor:
+    w = weight.detach().float()
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"in_features={k} is not a multiple of the group size {GROUP}")
+    return w.view(n, k // GROUP, GROUP)
+
+
+def quantize_q8_0(weight: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q8_0: per group of 32 inputs, d = max|w| / 127 in fp16, q = round(w / d).
+    Returns (int8 values [blocks, K, width], fp16 scales [blocks, K / 32, width])."""
+    g = _groups(weight)
+    d = (g.abs().amax(-1) / 127).half().float()
+    q = torch.where(d[..., None] > 0, g / d[..., None], torch.zeros_like(g))
+    q = q.round_().clamp_(-127, 127).to(torch.int8).flatten(1)
+    return _blocks(q, width), _group_blocks(d, width)
+
+
+def quantize_q4_1(
+    weight: torch.Tensor, width: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """llama.cpp's Q4_1: per group of 32 inputs, m = min(w) and d = (max - min) / 15, both
+    fp16, q = round((w - m) / d) in 0..15. A weight that came from a Q4_1 file (dequantized)
+    is recovered exactly. Returns (values [blocks, K, width / 2] uint8, two 4-bit values a
+    byte: output j low, j + width / 2 high; fp16 scales and mins [blocks, K / 32, width])."""
+    g = _groups(weight)
+    m = g.amin(-1).half().float()
+    d = ((g.amax(-1) - m) / 15).half().float()
+    q = torch.where(d[..., None] > 0, (g - m[..., None]) / d[..., None], torch.zeros_like(g))
+    q = _blocks(q.round_().clamp_(0, 15).to(torch.uint8).flatten(1), width)
+    half = width // 2
+    values = q[..., :half] | (q[..., half:] << 4)
+    return values.contiguous(), _group_blocks(d, width), _group_blocks(m, width)
+
+
+def dequantize_group(
+    values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    """The fp32 weight [n, K] a Q8_0 (mins None) or Q4_1 weight stands for."""
+    blocks, k, _ = values.shape
+    width = scales.shape[2]
+    if mins is not None:  # unpack the nibbles: low = outputs 0 .. width/2 - 1
+        values = torch.cat([values & 0x0F, values >> 4], dim=2)
+    q = values.transpose(1, 2).reshape(blocks * width, k)[:n].float()
+    per_group = q.view(n, k // GROUP, GROUP)
+
+    def unblock(t: torch.Tensor) -> torch.Tensor:  # [blocks, K / 32, width] -> [n, K / 32, 1]
+        return t.transpose(1, 2).reshape(blocks * width, -1)[:n].float()[..., None]
+
+    w = per_group * unblock(scales)
+    if mins is not None:
+        w = w + unblock(mins)
+    return w.view(n, k)
+
+
+def group_linear_ref(x, values, scales, mins, bias, n):
+    return F.linear(x, dequantize_group(values, scales, mins, n), bias)
+
+
+def group_linear(
+    x: torch.Tensor,  # [M, K] fp32, unit stride in K
+    values: torch.Tensor,  # int8 (Q8_0) or uint8 (Q4_1) from quantize_q8_0 / quantize_q4_1
+    scales: torch.Tensor,
+    mins: torch.Tensor | None,  # Q4_1 only
+    bias: torch.Tensor | None,
+    n: int,
+) -> torch.Tensor:  # [M, n] fp32
+    return torch.ops.minivllm_cpu.group_linear(x, values, scales, mins, bias, n)
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor | None, n: int) -> torch.Tensor:

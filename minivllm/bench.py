@@ -619,7 +619,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--cpu-weight-dtype", default=None, metavar="{auto,float32,bfloat16,int8}",
+    p.add_argument("--cpu-weight-dtype", default=None,
+                   metavar="{auto,float32,bfloat16,int8,q8_0,q4_1,compact}",
                    help="CPU linear weights (default: auto; latency --device cpu: "
                    "minivllm generate's default)")
     p.add_argument("--world-size", type=int, default=1)

@@ -125,9 +125,10 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument(
         "--cpu-weight-dtype",
         default=APP_CPU_WEIGHT_DTYPE,
-        metavar="{auto,float32,bfloat16,int8}",
-        help="CPU linear weights: weight-only bf16 / int8 with fp32 compute "
-        f"(default {APP_CPU_WEIGHT_DTYPE}; auto: the compute dtype)",
+        metavar="{auto,float32,bfloat16,int8,q8_0,q4_1,compact}",
+        help="CPU linear weights, weight-only formats with fp32 compute (default "
+        f"{APP_CPU_WEIGHT_DTYPE}: a GGUF model's own Q4_1 / Q8_0 where they hold its weights "
+        "exactly, else bfloat16; auto: the compute dtype)",
     )
 
     from .bench import add_arguments

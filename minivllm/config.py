@@ -31,13 +31,15 @@ ARCH_KEYS = {
 }
 
 # `cpu_weight_dtype` values: "auto" keeps the CPU's linear weights in the compute dtype.
-CPU_WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8")
+CPU_WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "q8_0", "q4_1", "compact")
 # `cpu_weight_dtype` of `minivllm generate`, `minivllm-chat` and `bench latency --device cpu`
 # (EngineConfig's default stays "auto": fp32 weights keep the exact parity with transformers).
-# Chosen by measurement on SmolLM2-135M (PERF_NOTES.md, issue 10): bf16 weights with fp32
-# compute decode ~2x faster than fp32 weights and follow fp32's greedy tokens closely; where
-# the CPU multiplies bf16, the compute dtype is bf16 already and this changes nothing.
-APP_CPU_WEIGHT_DTYPE = "bfloat16"
+# Chosen by measurement on SmolLM2-135M (PERF_NOTES.md, issue 10): "compact" keeps a model
+# converted from a Q4_1 GGUF (the embedded SmolLM2) in its own Q4_1 / Q8_0 weights, exactly
+# (~2.8x fewer bytes a token than bf16), and takes bf16 weights elsewhere (~2x faster than
+# fp32, fp32's greedy tokens in 21 of 24 prompts); where the CPU multiplies bf16, the
+# compute dtype is bf16 already and this changes nothing.
+APP_CPU_WEIGHT_DTYPE = "compact"
 
 ENGINE_KEYS = {
     "model_name_or_path",
@@ -281,8 +283,8 @@ class EngineConfig:
             )
         if self.cpu_weight_dtype not in CPU_WEIGHT_DTYPES:
             raise ValueError(
-                f"cpu_weight_dtype={self.cpu_weight_dtype!r}: must be 'auto', 'float32', "
-                f"'bfloat16' or 'int8'"
+                f"cpu_weight_dtype={self.cpu_weight_dtype!r}: must be one of "
+                + ", ".join(repr(d) for d in CPU_WEIGHT_DTYPES)
             )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format={self.load_format!r}: must be 'auto' or 'dummy'")

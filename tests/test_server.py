@@ -26,8 +26,9 @@ pytestmark = pytest.mark.slow
 
 API_KEY = "test-key"
 MAX_LEN = 2048
-SERVER_FLAGS = ["--device", "cpu", "--max-model-len", str(MAX_LEN), "--block-size", "16",
-                "--num-gpu-blocks-override", "256", "--max-num-seqs", "16"]
+# fp32: the tests compare with the in-process fp32 engine (`auto` is bf16 on AVX-512 BF16 CPUs).
+SERVER_FLAGS = ["--device", "cpu", "--dtype", "float32", "--max-model-len", str(MAX_LEN),
+                "--block-size", "16", "--num-gpu-blocks-override", "256", "--max-num-seqs", "16"]
 
 
 def start_server(tmp: Path, model: str, *flags: str) -> tuple[subprocess.Popen, str]:

@@ -313,7 +313,7 @@ class NativeCPUDecodeStep:
         self.kv_cache = kv_cache
         self.embedding = m.embed_tokens.weight
         self.final_norm = m.norm
-        norms, qk_norms, weights, scales, biases = [], [], [], [], []
+        norms, qk_norms, weights, scales, mins, biases = [], [], [], [], [], []
         for layer in m.layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
@@ -322,8 +322,9 @@ class NativeCPUDecodeStep:
                 lowp = linear.lowp
                 weights.append(linear.weight if lowp is None else lowp.packed)
                 scales.append(None if lowp is None else lowp.scales)
+                mins.append(None if lowp is None else lowp.mins)
                 biases.append(linear.bias)
-        self.layers = (norms, qk_norms, weights, scales, biases)
+        self.layers = (norms, qk_norms, weights, scales, mins, biases)
         attn = m.layers[0].self_attn
         self.cos_sin_cache = attn.rotary_emb.cos_sin_cache.float().contiguous()
         self.num_heads = attn.num_heads

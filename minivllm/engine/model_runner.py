@@ -100,14 +100,15 @@ class ModelRunner:
         # logprobs past 1e-4); bf16 is where packing pays (PERF.md's CPU facts).
         if device.type == "cpu" and dtype != torch.float32:
             pack_linears(self.model)
-        # Weight-only bf16 / int8 (config.cpu_weight_dtype): None where weights stay `dtype`;
-        # the kernel builds at the first start on a machine (~30-60 s), then loads from cache.
+        # Weight-only formats (config.cpu_weight_dtype): None where weights stay `dtype`,
+        # else the formats taken ("q4_1/q8_0"); the kernel builds at the first start on a
+        # machine (~30-60 s), then loads from cache.
         self.cpu_weight_format = weight_format(config.cpu_weight_dtype, device, dtype)
         if self.cpu_weight_format is not None:
             stage = f"{self.cpu_weight_format} weights (the first start builds the kernel)"
             self.progress(stage, 0.3)
-            if lowp_linears(self.model, self.cpu_weight_format) == 0:
-                self.cpu_weight_format = None  # the kernel did not build here (warned)
+            # None where the kernel did not build here (warned)
+            self.cpu_weight_format = lowp_linears(self.model, self.cpu_weight_format)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.buckets = batch_buckets(config.max_num_sequences)
         self.max_blocks_per_seq = (config.max_len + self.block_size - 1) // self.block_size

@@ -21,11 +21,25 @@ import torch.nn.functional as F
 
 
 class LowpWeight(NamedTuple):
-    """A linear's weight in a weight-only format (kernels/cpu_lowp_linear.py's layout)."""
+    """A linear's weight in a weight-only format (kernels/cpu_lowp_linear.py's layouts)."""
 
-    packed: torch.Tensor  # [blocks, in, width] bf16 or int8
-    scales: torch.Tensor | None  # [blocks * width] fp32 per output channel (int8 only)
+    # [blocks, in, width] bf16 or int8 (int8, q8_0); [blocks, in, width / 2] uint8 (q4_1)
+    packed: torch.Tensor
+    # int8: [blocks * width] fp32 per output channel; q8_0 / q4_1: [blocks, in / 32, width]
+    # fp16 per group of 32 inputs; bf16: None
+    scales: torch.Tensor | None
     out_features: int
+    mins: torch.Tensor | None = None  # q4_1: like its scales
+    fmt: str = "bfloat16"  # bfloat16, int8, q8_0 or q4_1
+
+    def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, in] fp32 (unit stride in `in`) @ weight^T (+ bias): [M, out] fp32."""
+        from minivllm.kernels import cpu_lowp_linear as kernel
+
+        if self.fmt in ("q8_0", "q4_1"):
+            return kernel.group_linear(x, self.packed, self.scales, self.mins, bias,
+                                       self.out_features)
+        return kernel.lowp_linear(x, self.packed, self.scales, bias, self.out_features)
 
 
 def _ops_available() -> bool:
@@ -62,12 +76,10 @@ def linear(
     lowp: LowpWeight | None = None,
 ) -> torch.Tensor:  # [num_tokens, out]
     if lowp is not None:
-        from minivllm.kernels.cpu_lowp_linear import lowp_linear
-
         x2 = x.reshape(-1, x.shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        y = lowp_linear(x2, lowp.packed, lowp.scales, bias, lowp.out_features)
+        y = lowp.product(x2, bias)
         return y.view(*x.shape[:-1], lowp.out_features)
     if packed is None or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
@@ -85,10 +97,13 @@ def pack_linears(model: torch.nn.Module) -> int:
 
 
 def weight_format(cpu_weight_dtype: str, device: torch.device, dtype: torch.dtype) -> str | None:
-    """The weight-only format the engine's CPU linears take ("bfloat16" / "int8"), or None
-    where weights stay in the compute dtype. Raises ValueError for a format that needs fp32
-    activations when the compute dtype is not fp32."""
+    """The weight-only format the engine's CPU linears take ("bfloat16", "int8", "q8_0",
+    "q4_1", "compact"), or None where weights stay in the compute dtype. Raises ValueError
+    for a format that needs fp32 activations when the compute dtype is not fp32 ("compact"
+    then keeps the compute dtype: it asks for the best the machine runs)."""
     if device.type != "cpu" or cpu_weight_dtype in ("auto", str(dtype).removeprefix("torch.")):
+        return None
+    if dtype != torch.float32 and cpu_weight_dtype == "compact":
         return None
     if dtype != torch.float32:
         raise ValueError(
@@ -99,31 +114,60 @@ def weight_format(cpu_weight_dtype: str, device: torch.device, dtype: torch.dtyp
     return None if cpu_weight_dtype == "float32" else cpu_weight_dtype
 
 
-def lowp_linears(model: torch.nn.Module, fmt: str) -> int:
-    """Replace the fp32 weight of every linear (and the LM head) by its `fmt` copy
-    ("bfloat16" or "int8"); returns how many. A weight the LM head shares with the token
-    embedding stays (the embedding looks rows up in it). Does nothing, with a warning,
-    where the kernel cannot be built here."""
+def lowp_linears(model: torch.nn.Module, fmt: str) -> str | None:
+    """Replace the fp32 weight of every linear (and the LM head) by its `fmt` copy; returns
+    the formats taken ("q4_1/q8_0"), None where none was. `fmt`: "bfloat16", "int8", "q8_0",
+    "q4_1" (the LM head in q8_0, as llama.cpp's Q4_1 files ship it) or "compact" (per
+    weight, the first of q4_1 / q8_0 that holds it exactly, else bfloat16: a model
+    converted from such a GGUF keeps its own weights, at its own size). A weight the LM
+    head shares with the token embedding stays (the embedding looks rows up in it). Does
+    nothing, with a warning, where the kernel cannot be built here. Raises ValueError for a
+    group format on a weight whose inputs are not a multiple of 32."""
     from minivllm.kernels import cpu_lowp_linear as kernel
 
     if not kernel.check_available():
-        return 0
+        return None
     width = kernel.block_width()
     shared = {
         id(m.weight) for m in model.modules() if not hasattr(m, "lowp") and hasattr(m, "weight")
     }
-    count = 0
-    for module in model.modules():
+    head = getattr(model, "lm_head", None)
+    taken: list[str] = []
+    for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if not hasattr(module, "lowp") or not isinstance(weight, torch.Tensor):
             continue
         assert weight.dtype == torch.float32 and weight.dim() == 2, weight.shape
-        if fmt == "bfloat16":
-            packed, scales = kernel.pack_bf16(weight, width), None
-        else:
-            packed, scales = kernel.quantize_int8(weight, width)
-        module.lowp = LowpWeight(packed, scales, weight.shape[0])
+        choice = fmt
+        if fmt == "q4_1" and module is head:
+            choice = "q8_0"
+        try:
+            module.lowp = _lowp_weight(kernel, weight, choice, width)
+        except ValueError as e:
+            raise ValueError(f"cpu_weight_dtype={fmt!r}: {name}: {e}") from None
         if id(weight) not in shared:
             module.weight = None  # the fp32 copy is never read again: free it
-        count += 1
-    return count
+        if module.lowp.fmt not in taken:
+            taken.append(module.lowp.fmt)
+    return "/".join(taken) or None
+
+
+def _lowp_weight(kernel, weight: torch.Tensor, fmt: str, width: int) -> LowpWeight:
+    n = weight.shape[0]
+    if fmt == "compact":
+        for group_fmt in ("q4_1", "q8_0"):
+            if weight.shape[1] % kernel.GROUP:
+                break
+            lowp = _lowp_weight(kernel, weight, group_fmt, width)
+            if torch.equal(kernel.dequantize_group(lowp.packed, lowp.scales, lowp.mins, n),
+                           weight.detach()):
+                return lowp
+        fmt = "bfloat16"
+    if fmt == "bfloat16":
+        return LowpWeight(kernel.pack_bf16(weight, width), None, n, fmt=fmt)
+    if fmt == "int8":
+        return LowpWeight(*kernel.quantize_int8(weight, width), n, fmt=fmt)
+    if fmt == "q8_0":
+        return LowpWeight(*kernel.quantize_q8_0(weight, width), n, fmt=fmt)
+    values, scales, mins = kernel.quantize_q4_1(weight, width)
+    return LowpWeight(values, scales, n, mins, fmt)
