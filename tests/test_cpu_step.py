@@ -139,3 +139,34 @@ def test_compiled_engine_matches_transformers(compiled_llama, tiny_llama):
     )
     for prompt, got in zip(prompts, out["token_ids"], strict=True):
         assert got == hf_greedy(hf.eval(), prompt, 40)
+
+
+@pytest.mark.slow
+def test_bf16_model_compiles_its_decode_step(tiny_llama, monkeypatch):
+    """A bf16 model (dtype auto on AVX-512 BF16 CPUs) gets the compiled step, not the eager
+    forward: inductor once failed on the oneDNN-packed weights there. Its hidden states
+    equal the eager step's within bf16's rounding."""
+    monkeypatch.setenv(cpu_step.STEP_ENV, "native")  # unavailable in bf16: the compiled one
+    monkeypatch.setenv(cpu_step.COMPILE_ENV, "1")
+    llm = tiny_engine(tiny_llama, dtype="bfloat16")
+    try:
+        step = llm.runner.cpu_step
+        assert isinstance(step, CPUDecodeStep)
+        g = torch.Generator().manual_seed(0)
+        num_slots = step.kv_cache.shape[2] * step.kv_cache.shape[3]
+        with torch.inference_mode():
+            step.kv_cache.normal_(generator=g)
+            for num_seqs, max_prev in ((1, 1), (3, 7), (8, 40)):
+                ids = torch.randint(0, 512, (num_seqs,), generator=g)
+                lens = torch.randint(1, max_prev + 1, (num_seqs,), generator=g) + 1
+                lens[0] = max_prev + 1
+                prev = torch.randint(0, num_slots, (num_seqs, max_prev), generator=g)
+                got = step.forward(ids, lens - 1, prev, lens)
+                want = step.forward(ids, lens - 1, prev, lens, layer=decode_layer)
+                for a, b in zip(got, want, strict=True):
+                    torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
+            step.kv_cache.zero_()
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))
+        assert len(out["token_ids"][0]) == 4
+    finally:
+        llm.exit()

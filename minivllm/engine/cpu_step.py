@@ -174,8 +174,13 @@ def layer_weights(layer: torch.nn.Module) -> tuple:
 
 
 def _linear_weights(linear: torch.nn.Module) -> tuple:
-    """(weight, bias, oneDNN packed, weight-only copy): `cpu_linear.linear`'s arguments."""
-    return (linear.weight, linear.bias, linear.packed, linear.lowp)
+    """(weight, bias, oneDNN packed, weight-only copy): `cpu_linear.linear`'s arguments.
+
+    NOTE: without the oneDNN-packed copy: inductor (torch 2.13) fails to lower
+    `mkldnn._linear_pointwise` on it (LoweringException on the packed weight's layout), which
+    left a bf16 model's decode eager on AVX-512 BF16 CPUs; given the plain bf16 weight,
+    inductor picks its own oneDNN product."""
+    return (linear.weight, linear.bias, None, linear.lowp)
 
 
 def compile_unavailable_reason() -> str | None:

@@ -90,7 +90,7 @@ class LLMEngine:
         elif not isinstance(config, EngineConfig):
             raise TypeError(f"config: expected a dict or EngineConfig, got {type(config).__name__}")
         self.device = _resolve_device(config.device)
-        self.dtype = _resolve_dtype(config.dtype, self.device)
+        self.dtype = _resolve_dtype(config.dtype, self.device, config.cpu_weight_dtype)
         # "bfloat16" / "int8" where the CPU's linears take a weight-only format, else None.
         self.cpu_weight_format = weight_format(config.cpu_weight_dtype, self.device, self.dtype)
         if config.world_size > 1:
@@ -651,14 +651,22 @@ def _resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """"auto": bf16 on GPUs and on CPUs with bf16 matmuls (AVX-512 BF16, AMX), else fp32."""
+def _resolve_dtype(
+    dtype: str, device: torch.device, cpu_weight_dtype: str = "auto"
+) -> torch.dtype:
+    """"auto": bf16 on GPUs. On a CPU: fp32 where a weight format is asked for (the
+    weight-only kernels and the native decode step multiply fp32 activations: on an AVX-512
+    BF16 CPU, SmolLM2 with its Q4_1 weights decodes 4x faster so than in bf16,
+    PERF_NOTES.md), else bf16 where the CPU multiplies bf16 (AVX-512 BF16, AMX), else
+    fp32."""
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16
+        if device.type != "cpu" or cpu_weight_dtype != "auto":
+            return torch.float32
         from ..cpu_features import default_cpu_dtype
 
-        return default_cpu_dtype() if device.type == "cpu" else torch.float32
+        return default_cpu_dtype()
     return getattr(torch, dtype)
 
 
