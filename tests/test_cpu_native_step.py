@@ -127,3 +127,43 @@ def test_a_block_outside_the_pool_is_refused_before_anything_is_written(tiny_lla
         assert torch.equal(step.kv_cache, before)
     finally:
         llm.exit()
+
+
+def test_cpu_rows_ops_equal_the_references():
+    """The CPU kernel set's norm and SiLU (kernels/cpu_ops.py) against the torch
+    references, with and without a residual, over 1, many and 3-D rows; other dtypes fall
+    back to the references."""
+    from minivllm.kernels.cpu_ops import rms_norm_cpu, silu_and_mul_cpu
+    from minivllm.kernels.rms_norm import rms_norm_ref
+    from minivllm.kernels.silu_and_mul import silu_and_mul_ref
+
+    g = torch.Generator().manual_seed(0)
+    for shape in ((1, 576), (513, 576), (7, 3, 64)):
+        x = torch.randn(*shape, generator=g) * 3
+        weight, residual = torch.randn(shape[-1], generator=g), torch.randn(*shape, generator=g)
+        for res in (None, residual):
+            got, got_res = rms_norm_cpu(x, weight, 1e-5, res)
+            want, want_res = rms_norm_ref(x, weight, 1e-5, res)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert (got_res is None) == (want_res is None)
+            if res is not None:
+                torch.testing.assert_close(got_res, want_res, rtol=0, atol=0)
+    for shape in ((1, 3072), (513, 3072), (4, 2, 10)):
+        x = torch.randn(*shape, generator=g) * 4
+        torch.testing.assert_close(silu_and_mul_cpu(x), silu_and_mul_ref(x), rtol=1e-5, atol=1e-5)
+    # exp's clamped range: very negative gates give -0 like torch, large ones pass through
+    gates = torch.tensor([[-200.0, -90.0, -50.0, 0.0, 30.0, 90.0, 200.0, 1.0]])
+    x = torch.cat([gates, torch.ones_like(gates)], dim=1)
+    torch.testing.assert_close(silu_and_mul_cpu(x), silu_and_mul_ref(x), rtol=1e-6, atol=1e-30)
+    half = torch.randn(3, 8, generator=g).to(torch.bfloat16)
+    assert torch.equal(silu_and_mul_cpu(half), silu_and_mul_ref(half))
+
+
+def test_cpu_engine_takes_the_cpu_kernel_set(tiny_llama):
+    llm = tiny_engine(tiny_llama)
+    try:
+        assert llm.runner.kernels.name == "cpu"
+        norm = llm.runner.model.model.layers[0].input_layernorm
+        assert norm.kernels is llm.runner.kernels
+    finally:
+        llm.exit()

@@ -9,7 +9,7 @@ per call. The torch set is the default a freshly built layer holds.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -113,12 +113,28 @@ def triton_kernels() -> Kernels:
     )
 
 
+def cpu_kernels() -> Kernels:
+    """The torch references, with the norm and SiLU of fp32 rows in C++ (kernels/cpu_ops.py)
+    where the CPU extension builds (it is built once per machine, with the weight-only
+    kernels); else the references alone."""
+    from minivllm.kernels import cpu_lowp_linear
+
+    if cpu_lowp_linear.unavailable_reason() is not None:
+        return TORCH_KERNELS
+    from minivllm.kernels.cpu_ops import rms_norm_cpu, silu_and_mul_cpu
+
+    return replace(TORCH_KERNELS, name="cpu", rms_norm=rms_norm_cpu, silu_and_mul=silu_and_mul_cpu)
+
+
 def select_kernels(device: torch.device) -> Kernels:
     """Triton kernels on CUDA (or on the CPU under Triton's interpreter when asked for),
-    else the torch references. Called once when an engine starts."""
+    else the CPU set on a CPU, else the torch references. Called once when an engine
+    starts."""
     from minivllm.kernels.dispatch import use_triton
 
-    return triton_kernels() if use_triton(device) else TORCH_KERNELS
+    if use_triton(device):
+        return triton_kernels()
+    return cpu_kernels() if device.type == "cpu" else TORCH_KERNELS
 
 
 def uses_triton(device: torch.device) -> bool:
