@@ -1,7 +1,8 @@
 """`minivllm bench latency --device cpu`: minivllm and transformers side by side.
 
-minivllm runs with `minivllm generate`'s CPU weights (`--cpu-weight-dtype`, default bf16
-weights with fp32 compute), transformers in the engine's compute dtype (fp32 here). Both
+minivllm runs with `minivllm generate`'s CPU weights (`--cpu-weight-dtype`, default
+`compact`: the embedded SmolLM2's own Q4_1 / Q8_0 weights, fp32 compute), transformers in
+the engine's compute dtype (fp32 then). Both
 engines run the same token-id prompts in the same process, interleaved round by round
 (minivllm, then transformers, for every figure), so a machine shared with other work slows
 both alike; each figure is the median over the rounds. Figures (issue 10):

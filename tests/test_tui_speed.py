@@ -174,9 +174,12 @@ def test_engine_process_choice():
     assert use_engine_process(args("on"))
     assert not use_engine_process(args("off", "cuda"))
     assert use_engine_process(args("auto", "cuda"))
-    assert not use_engine_process(args("auto", "cpu"))
+    assert use_engine_process(args("auto", "cpu"))
     assert not use_engine_process(args("auto", "cuda", fake=True))
     assert not use_engine_process(args("on", url="http://x"))  # a server is its own process
+    from minivllm.tui.cli import build_parser
+
+    assert build_parser().parse_args([]).engine_process == "auto"
 
 
 async def test_app_chats_through_an_engine_process(tmp_path):
