@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import LLMEngine, SamplingParams
+from .config import CPU_WEIGHT_DTYPES
 from .loader import KNOWN_CONFIGS
 from .models.registry import ARCHITECTURES
 
@@ -620,7 +621,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
     p.add_argument("--cpu-weight-dtype", default=None,
-                   metavar="{auto,float32,bfloat16,int8,q8_0,q4_1,compact}",
+                   metavar="{" + ",".join(CPU_WEIGHT_DTYPES) + "}",
                    help="CPU linear weights (default: auto; latency --device cpu: "
                    "minivllm generate's default)")
     p.add_argument("--world-size", type=int, default=1)

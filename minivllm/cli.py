@@ -11,7 +11,7 @@ import re
 import sys
 from typing import Any
 
-from .config import APP_CPU_WEIGHT_DTYPE
+from .config import APP_CPU_WEIGHT_DTYPE, CPU_WEIGHT_DTYPES
 from .progress import print_progress
 
 DEFAULT_CHAT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument(
         "--cpu-weight-dtype",
         default=APP_CPU_WEIGHT_DTYPE,
-        metavar="{auto,float32,bfloat16,int8,q8_0,q4_1,compact}",
+        metavar="{" + ",".join(CPU_WEIGHT_DTYPES) + "}",
         help="CPU linear weights, weight-only formats with fp32 compute (default "
         f"{APP_CPU_WEIGHT_DTYPE}: a GGUF model's own Q4_1 / Q8_0 where they hold its weights "
         "exactly, else bfloat16; auto: the compute dtype)",

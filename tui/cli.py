@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from minivllm.config import APP_CPU_WEIGHT_DTYPE
+from minivllm.config import APP_CPU_WEIGHT_DTYPE, CPU_WEIGHT_DTYPES
 
 from .conversation import Settings
 from .engine_thread import EngineFactory
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="where the engine runs (default: auto)")
     p.add_argument("--cpu-weight-dtype", default=APP_CPU_WEIGHT_DTYPE,
-                   metavar="{auto,float32,bfloat16,int8,q8_0,q4_1,compact}",
+                   metavar="{" + ",".join(CPU_WEIGHT_DTYPES) + "}",
                    help="CPU linear weights, weight-only formats with fp32 compute "
                    f"(default: {APP_CPU_WEIGHT_DTYPE}: a GGUF model's own Q4_1 / Q8_0 where "
                    "they hold its weights exactly, else bfloat16; auto: the compute dtype)")
