@@ -142,12 +142,25 @@ def test_compiled_engine_matches_transformers(compiled_llama, tiny_llama):
 
 
 @pytest.mark.slow
-def test_bf16_model_compiles_its_decode_step(tiny_llama, monkeypatch):
+def test_bf16_model_compiles_its_decode_step_where_the_cpu_has_bf16(tiny_llama, monkeypatch):
     """A bf16 model (dtype auto on AVX-512 BF16 CPUs) gets the compiled step, not the eager
     forward: inductor once failed on the oneDNN-packed weights there. Its hidden states
-    equal the eager step's within bf16's rounding."""
+    equal the eager step's within bf16's rounding. On a CPU without bf16 matmuls, inductor's
+    bf16 code gave NaNs: the model keeps its eager step, with the reason in the warning."""
+    from minivllm.cpu_features import has_fast_bf16
+
     monkeypatch.setenv(cpu_step.STEP_ENV, "native")  # unavailable in bf16: the compiled one
     monkeypatch.setenv(cpu_step.COMPILE_ENV, "1")
+    if not has_fast_bf16():
+        with pytest.warns(RuntimeWarning, match="bf16 compiled without AVX-512 BF16"):
+            llm = tiny_engine(tiny_llama, dtype="bfloat16")
+        try:
+            assert llm.runner.cpu_step is None
+            out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))
+            assert len(out["token_ids"][0]) == 4
+        finally:
+            llm.exit()
+        return
     llm = tiny_engine(tiny_llama, dtype="bfloat16")
     try:
         step = llm.runner.cpu_step

@@ -383,6 +383,20 @@ def native_unavailable_reason(kv_cache: torch.Tensor) -> str | None:
     return cpu_lowp_linear.unavailable_reason()
 
 
+def _compiled_dtype_problem(dtype: torch.dtype) -> str | None:
+    """Why the compiled step must not run this dtype here (None: it may).
+
+    NOTE: a bf16 step compiled for a CPU without bf16 matmuls (inductor's AVX2 code, checked
+    with ATEN_CPU_CAPABILITY=avx2 on an AVX-512 BF16 host, torch 2.13) returned NaNs for
+    some batches, where the eager step did not: there a bf16 model keeps its eager step.
+    """
+    from ..cpu_features import has_fast_bf16
+
+    if dtype == torch.bfloat16 and not has_fast_bf16():
+        return "bf16 compiled without AVX-512 BF16 / AMX gave NaNs (PERF_NOTES.md)"
+    return None
+
+
 def cpu_decode_step(
     model: torch.nn.Module, kv_cache: torch.Tensor, enforce_eager: bool
 ) -> NativeCPUDecodeStep | CPUDecodeStep | None:
@@ -407,7 +421,7 @@ def cpu_decode_step(
             transpose_wide_weights(model)  # MKL's one-row products, fp32 weights
             return NativeCPUDecodeStep(model, kv_cache)
         reasons.append(f"no native step: {reason}")
-    reason = compile_unavailable_reason()
+    reason = compile_unavailable_reason() or _compiled_dtype_problem(kv_cache.dtype)
     if reason is None:
         # Before compiling: the graph is specialised to the weights' strides.
         transposed = transpose_wide_weights(model)
