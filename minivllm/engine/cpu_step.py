@@ -386,14 +386,17 @@ def native_unavailable_reason(kv_cache: torch.Tensor) -> str | None:
 def _compiled_dtype_problem(dtype: torch.dtype) -> str | None:
     """Why the compiled step must not run this dtype here (None: it may).
 
-    NOTE: a bf16 step compiled for a CPU without bf16 matmuls (inductor's AVX2 code, checked
-    with ATEN_CPU_CAPABILITY=avx2 on an AVX-512 BF16 host, torch 2.13) returned NaNs for
-    some batches, where the eager step did not: there a bf16 model keeps its eager step.
+    NOTE: the compiled bf16 step is verified only where the CPU multiplies bf16 (AVX-512 BF16,
+    where `dtype="auto"` picks bf16). Elsewhere bf16 runs only when asked for, and what could
+    be checked here failed: with ATEN_CPU_CAPABILITY=avx2 on an AVX-512 host (torch 2.13)
+    the compiled step returned NaNs for some batches (fp32 too, which passes on a real AVX2
+    host, so that emulation is suspect). Until checked on such a CPU, a bf16 model keeps its
+    eager step there.
     """
     from ..cpu_features import has_fast_bf16
 
     if dtype == torch.bfloat16 and not has_fast_bf16():
-        return "bf16 compiled without AVX-512 BF16 / AMX gave NaNs (PERF_NOTES.md)"
+        return "a compiled bf16 step is not verified on a CPU without AVX-512 BF16 / AMX"
     return None
 
 
