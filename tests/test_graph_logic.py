@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_engine
+from minivllm.kernels import cpu_lowp_linear
 
 from minivllm import SamplingParams
 from minivllm.engine.cuda_graph import (
@@ -28,7 +29,7 @@ from minivllm.layers.attention import (
     TorchAttentionBackend,
     attention_metadata,
 )
-from minivllm.layers.ops import TORCH_KERNELS
+from minivllm.layers.ops import TORCH_KERNELS, cpu_kernels
 
 # -- buckets and padding --------------------------------------------------------------------
 
@@ -160,7 +161,11 @@ def test_backend_and_kernels_are_chosen_once(tiny_llama, monkeypatch):
     try:
         runner = llm.runner
         assert isinstance(runner.attn_backend, TorchAttentionBackend)
-        assert runner.kernels is TORCH_KERNELS
+        # The CPU set: the references, with C++ norm / SiLU where the CPU extension builds.
+        built = cpu_lowp_linear.unavailable_reason() is None
+        assert runner.kernels is (cpu_kernels() if built else TORCH_KERNELS)
+        assert runner.kernels.name == ("cpu" if built else "torch")
+        assert runner.attn_backend.kernels is runner.kernels
         assert all(layer.backend is runner.attn_backend for layer in runner.attention_layers)
         bound = [m for m in runner.model.modules() if hasattr(m, "kernels")]
         assert len(bound) > len(runner.attention_layers)  # norms, activations, rotary

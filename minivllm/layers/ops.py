@@ -8,6 +8,7 @@ per call. The torch set is the default a freshly built layer holds.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -113,10 +114,11 @@ def triton_kernels() -> Kernels:
     )
 
 
+@functools.cache
 def cpu_kernels() -> Kernels:
     """The torch references, with the norm and SiLU of fp32 rows in C++ (kernels/cpu_ops.py)
     where the CPU extension builds (it is built once per machine, with the weight-only
-    kernels); else the references alone."""
+    kernels); else the references alone. One set per process."""
     from minivllm.kernels import cpu_lowp_linear
 
     if cpu_lowp_linear.unavailable_reason() is not None:
