@@ -227,16 +227,16 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const float* ln1 = norms[2 * l].data_ptr<float>();
     const float* ln2 = norms[2 * l + 1].data_ptr<float>();
     // c10::List hands out copies: keep them alive for the Linears' references.
-    std::optional<at::Tensor> s[4], m[4], b[4];
+    std::optional<at::Tensor> sc[4], mn[4], bs[4];
     for (int i = 0; i < 4; ++i) {
-      s[i] = scales.get(4 * l + i);
-      m[i] = mins.get(4 * l + i);
-      b[i] = biases.get(4 * l + i);
+      sc[i] = scales.get(4 * l + i);
+      mn[i] = mins.get(4 * l + i);
+      bs[i] = biases.get(4 * l + i);
     }
-    const Linear qkv{weights[4 * l], s[0], m[0], b[0]};
-    const Linear o_proj{weights[4 * l + 1], s[1], m[1], b[1]};
-    const Linear gate_up{weights[4 * l + 2], s[2], m[2], b[2]};
-    const Linear down{weights[4 * l + 3], s[3], m[3], b[3]};
+    const Linear qkv{weights[4 * l], sc[0], mn[0], bs[0]};
+    const Linear o_proj{weights[4 * l + 1], sc[1], mn[1], bs[1]};
+    const Linear gate_up{weights[4 * l + 2], sc[2], mn[2], bs[2]};
+    const Linear down{weights[4 * l + 3], sc[3], mn[3], bs[3]};
 
     // residual += x (layer 0: residual = x); h = rms_norm(residual) * ln1
     float* xp = x.data_ptr<float>();
@@ -291,8 +291,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 }
 
 // The same norm and activation over the rows of a prefill (the CPU kernel set's rms_norm and
-// silu_and_mul, layers/ops.py): torch's versions are 5-7 ops a call over [tokens, hidden],
-// ~25% of a 512-token prefill's time. Rows are split between threads.
+// silu_and_mul, layers/ops.py) in one pass each, where torch's versions are 5-7 ops a call
+// over [tokens, hidden] (a 512-token SmolLM2 prefill: -2% quiet; PERF_NOTES.md). Rows are
+// split between threads.
 
 // (normed x + residual, x + residual), or (normed x, x) without a residual.
 std::tuple<at::Tensor, at::Tensor> rms_norm_rows(const at::Tensor& x_in, const at::Tensor& weight,
