@@ -173,6 +173,14 @@ def layer_weights(layer: torch.nn.Module) -> tuple:
     )
 
 
+def layer_constants(layer: torch.nn.Module) -> tuple[tuple[int, int, int], float, float, float]:
+    """((num_heads, num_kv_heads, head_dim), attention scale, norm eps, q/k norm eps)."""
+    attn = layer.self_attn
+    qk_eps = float(attn.q_norm.eps) if attn.qk_norm else 0.0
+    shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+    return shape, float(attn.attn.scale), float(layer.input_layernorm.eps), qk_eps
+
+
 def _linear_weights(linear: torch.nn.Module) -> tuple:
     """(weight, bias, oneDNN packed, weight-only copy): `cpu_linear.linear`'s arguments.
 
@@ -208,12 +216,8 @@ class CPUDecodeStep:
         self.embedding = m.embed_tokens.weight
         self.final_norm = m.norm
         self.weights = [layer_weights(layer) for layer in m.layers]
-        attn = m.layers[0].self_attn
-        self.cos_sin_cache = attn.rotary_emb.cos_sin_cache
-        self.shape = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
-        self.scale = float(attn.attn.scale)
-        self.eps = float(m.layers[0].input_layernorm.eps)
-        self.qk_eps = float(attn.q_norm.eps) if attn.qk_norm else 0.0
+        self.cos_sin_cache = m.layers[0].self_attn.rotary_emb.cos_sin_cache
+        self.shape, self.scale, self.eps, self.qk_eps = layer_constants(m.layers[0])
         self.compile_seconds = 0.0
         self.skip_guards = True  # see _skip_guards
         self.layer = torch.compile(decode_layer, fullgraph=True, options=COMPILE_OPTIONS)
@@ -320,22 +324,18 @@ class NativeCPUDecodeStep:
         self.final_norm = m.norm
         norms, qk_norms, weights, scales, mins, biases = [], [], [], [], [], []
         for layer in m.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            qk_norms += [attn.q_norm.weight, attn.k_norm.weight] if attn.qk_norm else [None] * 2
-            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                lowp = linear.lowp
-                weights.append(linear.weight if lowp is None else lowp.packed)
+            ln1, qkv, q_norm, k_norm, o_proj, ln2, gate_up, down = layer_weights(layer)
+            norms += [ln1, ln2]
+            qk_norms += [q_norm, k_norm]
+            for weight, bias, _, lowp in (qkv, o_proj, gate_up, down):
+                weights.append(weight if lowp is None else lowp.packed)
                 scales.append(None if lowp is None else lowp.scales)
                 mins.append(None if lowp is None else lowp.mins)
-                biases.append(linear.bias)
+                biases.append(bias)
         self.layers = (norms, qk_norms, weights, scales, mins, biases)
-        attn = m.layers[0].self_attn
-        self.cos_sin_cache = attn.rotary_emb.cos_sin_cache.float().contiguous()
-        self.num_heads = attn.num_heads
-        self.scale = float(attn.attn.scale)
-        self.eps = float(m.layers[0].input_layernorm.eps)
-        self.qk_eps = float(attn.q_norm.eps) if attn.qk_norm else 0.0
+        rotary = m.layers[0].self_attn.rotary_emb
+        self.cos_sin_cache = rotary.cos_sin_cache.float().contiguous()
+        (self.num_heads, _, _), self.scale, self.eps, self.qk_eps = layer_constants(m.layers[0])
 
     def forward(
         self,
