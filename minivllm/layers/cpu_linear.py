@@ -155,14 +155,8 @@ def lowp_linears(model: torch.nn.Module, fmt: str) -> str | None:
 def _lowp_weight(kernel, weight: torch.Tensor, fmt: str, width: int) -> LowpWeight:
     n = weight.shape[0]
     if fmt == "compact":
-        for group_fmt in ("q4_1", "q8_0"):
-            if weight.shape[1] % kernel.GROUP:
-                break
-            lowp = _lowp_weight(kernel, weight, group_fmt, width)
-            if torch.equal(kernel.dequantize_group(lowp.packed, lowp.scales, lowp.mins, n),
-                           weight.detach()):
-                return lowp
-        fmt = "bfloat16"
+        exact = _exact_group_weight(kernel, weight, width)
+        return exact or _lowp_weight(kernel, weight, "bfloat16", width)
     if fmt == "bfloat16":
         return LowpWeight(kernel.pack_bf16(weight, width), None, n, fmt=fmt)
     if fmt == "int8":
@@ -171,3 +165,22 @@ def _lowp_weight(kernel, weight: torch.Tensor, fmt: str, width: int) -> LowpWeig
         return LowpWeight(*kernel.quantize_q8_0(weight, width), n, fmt=fmt)
     values, scales, mins = kernel.quantize_q4_1(weight, width)
     return LowpWeight(values, scales, n, mins, fmt)
+
+
+def _exact_group_weight(kernel, weight: torch.Tensor, width: int) -> LowpWeight | None:
+    """`weight` in the first of q4_1 / q8_0 that holds it exactly, or None. Each format is
+    tried on the first row before the whole weight: a weight that did not come from such a
+    file fails there, without quantizing all of it (start-up)."""
+    if weight.shape[1] % kernel.GROUP:
+        return None
+
+    def exact(lowp: LowpWeight, w: torch.Tensor) -> bool:
+        deq = kernel.dequantize_group(lowp.packed, lowp.scales, lowp.mins, w.shape[0])
+        return torch.equal(deq, w.detach())
+
+    for fmt in ("q4_1", "q8_0"):
+        if exact(_lowp_weight(kernel, weight[:1], fmt, width), weight[:1]):
+            lowp = _lowp_weight(kernel, weight, fmt, width)
+            if exact(lowp, weight):
+                return lowp
+    return None
