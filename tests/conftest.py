@@ -168,6 +168,44 @@ def step_loop(llm, prompts, params) -> list[list[int]]:
     return [results[i] for i in ids]
 
 
+def assert_product_matches_reference(product, reference, k: int, g) -> None:
+    """A CPU weight kernel `product(x)` against its torch `reference(x)` for x of 1..8 rows
+    (decode), 11 and 70 rows (more than one 8-row group and one 64-row tile), and a strided
+    x (a row slice of a wider tensor)."""
+    import torch
+
+    for rows in (*range(1, 9), 11, 70):
+        x = torch.randn(rows, k, generator=g)
+        torch.testing.assert_close(product(x), reference(x), rtol=1e-4, atol=1e-3)
+    wide = torch.randn(3, k + 5, generator=g)
+    torch.testing.assert_close(product(wide[:, :k]), reference(wide[:, :k]), rtol=1e-4,
+                               atol=1e-3)
+
+
+def assert_compiled_step_matches_eager(step, cases, tol: float) -> None:
+    """A compiled `CPUDecodeStep` against its `decode_layer` run eager, over a pool of
+    random K/V (the context matters) and random context slots, for each (num_seqs,
+    max_prev) of `cases`: hidden states and new K/V within `tol`. Leaves the pool zeroed."""
+    import torch
+
+    from minivllm.engine.cpu_step import decode_layer
+
+    g = torch.Generator().manual_seed(0)
+    num_slots = step.kv_cache.shape[2] * step.kv_cache.shape[3]
+    with torch.inference_mode():
+        step.kv_cache.normal_(generator=g)
+        for num_seqs, max_prev in cases:
+            ids = torch.randint(0, 512, (num_seqs,), generator=g)
+            lens = torch.randint(1, max_prev + 1, (num_seqs,), generator=g) + 1
+            lens[0] = max_prev + 1  # the longest sequence sets the width
+            prev = torch.randint(0, num_slots, (num_seqs, max_prev), generator=g)
+            got = step.forward(ids, lens - 1, prev, lens)
+            want = step.forward(ids, lens - 1, prev, lens, layer=decode_layer)
+            for a, b in zip(got, want, strict=True):
+                torch.testing.assert_close(a.float(), b.float(), rtol=tol, atol=tol)
+        step.kv_cache.zero_()
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     import torch
 

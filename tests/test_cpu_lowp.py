@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_engine
+from conftest import (
+    assert_compiled_step_matches_eager,
+    assert_product_matches_reference,
+    tiny_engine,
+)
 from minivllm.kernels import cpu_lowp_linear as kernel
 
 from minivllm import EngineConfig, SamplingParams
@@ -39,19 +43,11 @@ def test_kernel_equals_reference(fmt, shape):
         packed, scales = kernel.pack_bf16(weight, width), None
     else:
         packed, scales = kernel.quantize_int8(weight, width)
-    # 1..8 rows (decode), then more than one 8-row group and more than one 64-row tile.
-    for rows in (*range(1, 9), 11, 70):
-        x = torch.randn(rows, k, generator=g)
-        got = kernel.lowp_linear(x, packed, scales, bias, n)
-        want = kernel.lowp_linear_ref(x, packed, scales, bias, n)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
-    # A strided x (a row slice of a wider tensor) reads the same rows.
-    wide = torch.randn(3, k + 5, generator=g)
-    torch.testing.assert_close(
-        kernel.lowp_linear(wide[:, :k], packed, scales, bias, n),
-        kernel.lowp_linear_ref(wide[:, :k], packed, scales, bias, n),
-        rtol=1e-4,
-        atol=1e-3,
+    assert_product_matches_reference(
+        lambda x: kernel.lowp_linear(x, packed, scales, bias, n),
+        lambda x: kernel.lowp_linear_ref(x, packed, scales, bias, n),
+        k,
+        g,
     )
 
 
@@ -152,20 +148,7 @@ def test_compiled_step_equals_eager_with_int8_weights(tiny_llama, monkeypatch):
         step = llm.runner.cpu_step
         assert step is not None, "inductor could not compile here (see the warning)"
         assert llm.runner.model.model.layers[0].self_attn.qkv_proj.lowp.scales is not None
-        g = torch.Generator().manual_seed(0)
-        num_slots = step.kv_cache.shape[2] * step.kv_cache.shape[3]
-        with torch.inference_mode():
-            step.kv_cache.normal_(generator=g)
-            for num_seqs, max_prev in ((1, 1), (3, 7), (8, 40)):
-                ids = torch.randint(0, 512, (num_seqs,), generator=g)
-                lens = torch.randint(1, max_prev + 1, (num_seqs,), generator=g) + 1
-                lens[0] = max_prev + 1
-                prev = torch.randint(0, num_slots, (num_seqs, max_prev), generator=g)
-                got = step.forward(ids, lens - 1, prev, lens)
-                want = step.forward(ids, lens - 1, prev, lens, layer=cpu_step.decode_layer)
-                for a, b in zip(got, want, strict=True):
-                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-            step.kv_cache.zero_()
+        assert_compiled_step_matches_eager(step, ((1, 1), (3, 7), (8, 40)), tol=1e-5)
         prompts = [[(7 * i + j) % 512 for j in range(5 + 3 * i)] for i in range(4)]
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         assert eager.runner.cpu_step is None

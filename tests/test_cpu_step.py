@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from conftest import hf_greedy, tiny_engine
+from conftest import assert_compiled_step_matches_eager, hf_greedy, tiny_engine
 
 from minivllm import SamplingParams
 from minivllm.engine import cpu_step
@@ -114,20 +114,7 @@ def test_compiled_step_equals_the_eager_step(compiled_llama):
     # The wide weights went column-major for the compiled step; the tensors are the same.
     gate_up = compiled_llama.runner.model.model.layers[0].mlp.gate_up_proj.weight
     assert gate_up.stride() == (1, gate_up.shape[0])
-    g = torch.Generator().manual_seed(0)
-    num_slots = step.kv_cache.shape[2] * step.kv_cache.shape[3]
-    with torch.inference_mode():
-        step.kv_cache.normal_(generator=g)  # a filled pool: the context matters
-        for num_seqs, max_prev in ((1, 1), (1, 40), (3, 7), (8, 70)):
-            ids = torch.randint(0, 512, (num_seqs,), generator=g)
-            lens = torch.randint(1, max_prev + 1, (num_seqs,), generator=g) + 1
-            lens[0] = max_prev + 1  # the longest sequence sets the width
-            prev = torch.randint(0, num_slots, (num_seqs, max_prev), generator=g)
-            got = step.forward(ids, lens - 1, prev, lens)
-            want = step.forward(ids, lens - 1, prev, lens, layer=decode_layer)
-            for a, b in zip(got, want, strict=True):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        step.kv_cache.zero_()
+    assert_compiled_step_matches_eager(step, ((1, 1), (1, 40), (3, 7), (8, 70)), tol=1e-5)
 
 
 @pytest.mark.slow
@@ -165,20 +152,7 @@ def test_bf16_model_compiles_its_decode_step_where_the_cpu_has_bf16(tiny_llama, 
     try:
         step = llm.runner.cpu_step
         assert isinstance(step, CPUDecodeStep)
-        g = torch.Generator().manual_seed(0)
-        num_slots = step.kv_cache.shape[2] * step.kv_cache.shape[3]
-        with torch.inference_mode():
-            step.kv_cache.normal_(generator=g)
-            for num_seqs, max_prev in ((1, 1), (3, 7), (8, 40)):
-                ids = torch.randint(0, 512, (num_seqs,), generator=g)
-                lens = torch.randint(1, max_prev + 1, (num_seqs,), generator=g) + 1
-                lens[0] = max_prev + 1
-                prev = torch.randint(0, num_slots, (num_seqs, max_prev), generator=g)
-                got = step.forward(ids, lens - 1, prev, lens)
-                want = step.forward(ids, lens - 1, prev, lens, layer=decode_layer)
-                for a, b in zip(got, want, strict=True):
-                    torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
-            step.kv_cache.zero_()
+        assert_compiled_step_matches_eager(step, ((1, 1), (3, 7), (8, 40)), tol=5e-2)
         out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4))
         assert len(out["token_ids"][0]) == 4
     finally:
