@@ -76,6 +76,60 @@ def test_greedy_graphs_give_the_eager_tokens(tiny_qwen3, switches):
     assert outputs[:2] == outputs[2:]
 
 
+
+def test_decode_graph_inputs_stay_in_range_across_buckets(tiny_qwen3, switches):
+    """Every decode replay reads positions inside the rotary table, token ids inside the
+    vocabulary, slots and block ids inside the KV pool, also in padding rows the host did
+    not write: a greedy step of 30 rows (bucket 32) before a sampled step of 34 (bucket
+    48) once left the earlier step's slot numbers in the padding rows' positions (the
+    GPU's out-of-bounds fault with greedy graphs). Tokens equal the eager engine's."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (int(n),), generator=g).tolist()
+               for n in torch.randint(3, 30, (34,), generator=g)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, max_tokens=5, ignore_eos=True, seed=2)
+    settings = dict(max_num_batched_tokens=2048, max_num_sequences=64, max_model_length=256,
+                    max_cached_blocks=1024, async_scheduling=True)
+    switches({"MINIVLLM_GRAPH_GREEDY": "1"})
+    outputs, checked = [], []
+    for graphs in (False, True):
+        llm = tiny_engine(tiny_qwen3, **settings)
+        try:
+            if graphs:
+                llm.runner.capture_cuda_graphs(replay_eagerly=True)
+                runner = llm.runner.graphs
+                limits = {"positions": runner.max_len, "ids": llm.config.model.vocab_size,
+                          "blocks": llm.runner.num_blocks}
+
+                def checking(bucket: int, body):
+                    def replay() -> None:
+                        ids, positions, fill, meta = runner._decode_views(bucket)
+                        ids = runner.fill_tokens(ids, fill, runner.tokens)
+                        blocks = meta.block_tables[:, 0]
+                        slots = meta.slot_mapping
+                        bad = {
+                            "positions": positions[(positions < 0)
+                                                   | (positions >= limits["positions"])],
+                            "ids": ids[(ids < 0) | (ids >= limits["ids"])],
+                            "blocks": blocks[(blocks < 0) | (blocks >= limits["blocks"])],
+                            "slots": slots[(slots < -1)
+                                           | (slots >= limits["blocks"] * runner.block_size)],
+                        }
+                        assert all(v.numel() == 0 for v in bad.values()), (bucket, bad)
+                        checked.append(bucket)
+                        body()
+
+                    return replay
+
+                for bucket, replay in runner.graphs.items():
+                    replay.body = checking(bucket, replay.body)
+            outputs.append(llm.generate(prompts[:30], greedy)["token_ids"])
+            outputs.append(llm.generate(prompts, [greedy, sampled] * 17)["token_ids"])
+        finally:
+            llm.exit()
+    assert 48 in checked and outputs[:2] == outputs[2:]
+
+
 # -- on the GPU --------------------------------------------------------------------------------
 
 

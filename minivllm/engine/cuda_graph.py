@@ -133,11 +133,15 @@ class EagerReplay:
         self.body()
 
 
-def greedy_layout(bucket: int) -> int:
-    """The greedy decode graphs' input layout for `bucket` rows: P = the aligned row
-    count; int64 [input_ids | positions | slot_mapping | fill_from], each P long;
-    int32 [seq_lens (P) | block tables (bucket rows of max_blocks)]. Returns P."""
-    return round_up(bucket, ALIGN)
+def greedy_layout(max_rows: int) -> int:
+    """The greedy decode graphs' input layout, one for every bucket: P = the largest
+    bucket's rows, aligned; int64 [input_ids | positions | slot_mapping | fill_from], each
+    P long; int32 [seq_lens (P) | block tables (P rows of max_blocks)]. Returns P.
+
+    One layout for all buckets keeps each value in its own place: a padding row that the
+    host does not write holds an earlier row's id, position or block id, never another
+    bucket's slot number read as a position (which indexed past the rotary table)."""
+    return round_up(max_rows, ALIGN)
 
 
 class _Staging:
@@ -211,8 +215,8 @@ class CUDAGraphRunner:
             self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32)
             self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32)
             if self.greedy:
-                # One buffer per dtype, laid out per bucket (`greedy_layout`): one copy each.
-                p = greedy_layout(n)
+                # One buffer per dtype (`greedy_layout`): one copy each a step.
+                p = self.greedy_rows = greedy_layout(n)
                 self.greedy_longs = torch.zeros(4 * p, dtype=torch.long)
                 self.greedy_longs[2 * p :].fill_(-1)  # no slot, no fill
                 self.greedy_ints = torch.ones(p + n * max_blocks_per_seq, dtype=torch.int32)
@@ -270,7 +274,7 @@ class CUDAGraphRunner:
         """The static inputs of decode bucket `bs`: (input_ids, positions, fill_from or
         None, metadata)."""
         if self.greedy:
-            p, mb = greedy_layout(bs), self.max_blocks_per_seq
+            p, mb = self.greedy_rows, self.max_blocks_per_seq
             longs, ints = self.greedy_longs, self.greedy_ints
             ids, positions, fill = longs[:bs], longs[p : p + bs], longs[3 * p : 3 * p + bs]
             slot_mapping, seq_lens = longs[2 * p : 2 * p + bs], ints[:bs]
@@ -352,7 +356,7 @@ class CUDAGraphRunner:
         Returns the step's greedy tokens (a view of `tokens`, valid until the next replay)."""
         bs = len(input_ids)
         bucket = next(b for b in self.buckets if b >= bs)
-        p, mb = greedy_layout(bucket), self.max_blocks_per_seq
+        p, mb = self.greedy_rows, self.max_blocks_per_seq
         stage = self._staging[self._num_staged % 2]
         self._num_staged += 1
         if stage.copied is not None:
