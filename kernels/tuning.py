@@ -83,7 +83,7 @@ def decode_late_trigger() -> int:
 
 @functools.cache
 def graph_greedy() -> bool:
-    return _choice("MINIVLLM_GRAPH_GREEDY", "0", ("0", "1")) == "1"
+    return _choice("MINIVLLM_GRAPH_GREEDY", "1", ("0", "1")) == "1"
 
 
 def clear() -> None:

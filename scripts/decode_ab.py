@@ -29,7 +29,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     "off": OFF,
     "no_prefetch": {"MINIVLLM_DECODE_PREFETCH": "0"},
     "no_split": {"MINIVLLM_DECODE_MIN_SPLIT": "0"},
-    "greedy": {"MINIVLLM_GRAPH_GREEDY": "1"},
+    "no_greedy": {"MINIVLLM_GRAPH_GREEDY": "0"},
     "k2048": {"MINIVLLM_GEMV_MAX_K": "2048"},
     "late": {"MINIVLLM_DECODE_LATE_TRIGGER": "4096"},
     "silu8k": {"MINIVLLM_GEMV_SILU_TILE": "8192"},
@@ -150,7 +150,8 @@ def timeline(llm, batch: int, context: int, steps: int = 10) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--variants", default="default,off,late,silu8k",
-                        help="comma-separated; a name given twice is run twice (median)")
+                        help="comma-separated; a name given twice is run twice (median); "
+                        "greedy+late: both switches")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
@@ -167,13 +168,16 @@ def main() -> None:
         return
     names = opts.variants.split(",")
     for name in names:
-        if name not in VARIANTS:
-            sys.exit(f"--variants: unknown variant {name!r} (known: {', '.join(VARIANTS)})")
+        for part in name.split("+"):
+            if part not in VARIANTS:
+                sys.exit(f"--variants: unknown variant {part!r} (known: {', '.join(VARIANTS)}; "
+                         "join several with +)")
     results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for r in range(opts.rounds):
         for name in names:
             env = {k: v for k, v in os.environ.items() if not k.startswith("MINIVLLM_")}
-            env.update(VARIANTS[name])
+            for part in name.split("+"):
+                env.update(VARIANTS[part])
             env["DECODE_AB_NAME"] = name
             env["DECODE_AB_PROFILE"] = str(int(r == 0 and name in opts.profile.split(",")))
             t0 = time.perf_counter()
@@ -194,12 +198,12 @@ def main() -> None:
             print(f"round {r + 1} {name:9} {time.perf_counter() - t0:5.1f} s  "
                   + "  ".join(f"{k} {v:8.1f}" for k, v in figures.items()), flush=True)
     print("\n== decode A/B (decode-only tok/s; ms a step in brackets; median over rounds) ==")
-    print(f"{'variant':10}" + "".join(f"{name:>22}" for name, _, _ in SHAPES) + "  env")
+    print(f"{'variant':14}" + "".join(f"{name:>22}" for name, _, _ in SHAPES) + "  env")
     base = results.get("off") or []
     for name in dict.fromkeys(names):
         runs = results[name]
         if not runs:
-            print(f"{name:10} failed")
+            print(f"{name:14} failed")
             continue
         cells = []
         for shape, batch, _ in SHAPES:
@@ -208,8 +212,9 @@ def main() -> None:
             if base and name != "off":
                 ratio = f" {v / statistics.median(run[shape] for run in base):.2f}x"
             cells.append(f"{v:8.0f} ({1e3 * batch / v:5.3f}){ratio:>6}")
-        env = " ".join(f"{k[9:]}={v}" for k, v in VARIANTS[name].items()) or "defaults"
-        print(f"{name:10}" + "".join(f"{c:>22}" for c in cells) + f"  {env}")
+        env = " ".join(f"{k[9:]}={v}" for part in name.split("+")
+                       for k, v in VARIANTS[part].items()) or "defaults"
+        print(f"{name:14}" + "".join(f"{c:>22}" for c in cells) + f"  {env}")
 
 
 if __name__ == "__main__":

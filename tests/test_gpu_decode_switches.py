@@ -77,6 +77,35 @@ def test_greedy_graphs_give_the_eager_tokens(tiny_qwen3, switches):
 
 
 
+def check_decode_inputs(llm, checked: list[int]) -> None:
+    """Make every decode replay of `llm`'s (eagerly replayed) graphs first check that its
+    static inputs are in range, padding rows included; `checked` gets each bucket checked."""
+    runner = llm.runner.graphs
+    num_slots = llm.runner.num_blocks * runner.block_size
+
+    def out_of(t: torch.Tensor, low: int, high: int) -> list[int]:
+        return t[(t < low) | (t >= high)].tolist()
+
+    def checking(bucket: int, body):
+        def replay() -> None:
+            ids, positions, fill, meta = runner._decode_views(bucket)
+            bad = {
+                "positions": out_of(positions, 0, runner.max_len),
+                "ids": out_of(runner.fill_tokens(ids, fill, runner.tokens), 0,
+                              llm.config.model.vocab_size),
+                "blocks": out_of(meta.block_tables[:, 0], 0, llm.runner.num_blocks),
+                "slots": out_of(meta.slot_mapping, -1, num_slots),
+            }
+            assert not any(bad.values()), (bucket, bad)
+            checked.append(bucket)
+            body()
+
+        return replay
+
+    for bucket, graph in runner.graphs.items():
+        graph.body = checking(bucket, graph.body)
+
+
 def test_decode_graph_inputs_stay_in_range_across_buckets(tiny_qwen3, switches):
     """Every decode replay reads positions inside the rotary table, token ids inside the
     vocabulary, slots and block ids inside the KV pool, also in padding rows the host did
@@ -97,38 +126,12 @@ def test_decode_graph_inputs_stay_in_range_across_buckets(tiny_qwen3, switches):
         try:
             if graphs:
                 llm.runner.capture_cuda_graphs(replay_eagerly=True)
-                runner = llm.runner.graphs
-                limits = {"positions": runner.max_len, "ids": llm.config.model.vocab_size,
-                          "blocks": llm.runner.num_blocks}
-
-                def checking(bucket: int, body):
-                    def replay() -> None:
-                        ids, positions, fill, meta = runner._decode_views(bucket)
-                        ids = runner.fill_tokens(ids, fill, runner.tokens)
-                        blocks = meta.block_tables[:, 0]
-                        slots = meta.slot_mapping
-                        bad = {
-                            "positions": positions[(positions < 0)
-                                                   | (positions >= limits["positions"])],
-                            "ids": ids[(ids < 0) | (ids >= limits["ids"])],
-                            "blocks": blocks[(blocks < 0) | (blocks >= limits["blocks"])],
-                            "slots": slots[(slots < -1)
-                                           | (slots >= limits["blocks"] * runner.block_size)],
-                        }
-                        assert all(v.numel() == 0 for v in bad.values()), (bucket, bad)
-                        checked.append(bucket)
-                        body()
-
-                    return replay
-
-                for bucket, replay in runner.graphs.items():
-                    replay.body = checking(bucket, replay.body)
+                check_decode_inputs(llm, checked)
             outputs.append(llm.generate(prompts[:30], greedy)["token_ids"])
             outputs.append(llm.generate(prompts, [greedy, sampled] * 17)["token_ids"])
         finally:
             llm.exit()
     assert 48 in checked and outputs[:2] == outputs[2:]
-
 
 # -- on the GPU --------------------------------------------------------------------------------
 
