@@ -32,6 +32,11 @@ alone give 1,137 / 6,470 / 589 (greedy graphs added 3% / 2% / 1%). The others ar
   than this lets the next kernel launch only after its K/V loop (0: at its start). Long
   contexts run the split kernel in two waves; the o projection's waiting programs would
   take room from the second.
+- MINIVLLM_DECODE_SHORT (0 | 1): steps whose longest context is at most DECODE_MIN_SPLIT
+  positions launch decode attention with one split (a launch of num_seqs x KV heads
+  programs) instead of the bucket's split count (up to 32 times as many, all but one per
+  KV head exiting at once). The result is the same bit for bit: such a context is one
+  split either way. Decode graphs are captured for both launches.
 - MINIVLLM_GRAPH_GREEDY (0 | 1; off: the device-side index fault above is open): the decode
   CUDA graphs also take the previous step's tokens as input and produce the greedy tokens,
   so an all-greedy decode step is two host-to-device copies, one replay and one copy back
@@ -82,6 +87,11 @@ def decode_late_trigger() -> int:
 
 
 @functools.cache
+def decode_short() -> bool:
+    return _choice("MINIVLLM_DECODE_SHORT", "0", ("0", "1")) == "1"
+
+
+@functools.cache
 def graph_greedy() -> bool:
     return _choice("MINIVLLM_GRAPH_GREEDY", "1", ("0", "1")) == "1"
 
@@ -89,5 +99,5 @@ def graph_greedy() -> bool:
 def clear() -> None:
     """Forget the values read (tests that change the environment)."""
     for fn in (gemv_max_k_tile, gemv_silu_tile, gemv_wide, decode_prefetch, decode_min_split,
-               decode_late_trigger, graph_greedy):
+               decode_late_trigger, decode_short, graph_greedy):
         fn.cache_clear()

@@ -12,6 +12,7 @@ GB/s and % are from the graph time.
     python scripts/bench_kernels.py            # default tiles, then a small tile sweep
     python scripts/bench_kernels.py --no-sweep
     python scripts/bench_kernels.py --only decode-fused   # GEMV table, fused ops, 32k decode
+    python scripts/bench_kernels.py --only long-decode    # the engine's batch-1 attention, tiles
 """
 
 from __future__ import annotations
@@ -274,16 +275,68 @@ def long_decode_table(sms: int) -> None:
                       f"{graph:9.4f} {gbs:6.0f}")
 
 
+def long_fused_decode_table(sms: int) -> None:
+    """Batch 1 decode attention as the engine launches it (q/k norm + rotary + KV store in
+    the prologue, the first tile prefetched, splits of >= 512 positions), at 8k and 32k:
+    split counts x tile shapes. At 32k one layer reads 134 MB of K/V."""
+    from minivllm.kernels.tuning import decode_min_split
+
+    heads, head_dim = NUM_HEADS, HEAD_DIM
+    default = decode_tiles(DTYPE)
+    tiles_list = [default] + [dict(default, **change) for change in (
+        dict(BLOCK_N=64), dict(BLOCK_N=64, num_stages=3), dict(num_stages=3),
+        dict(num_warps=8), dict(BLOCK_N=64, num_warps=8, num_stages=3),
+        dict(BLOCK_N=64, num_stages=4), dict(BLOCK_N=32, num_stages=4))]
+    print(f"\n{'batch 1 fused decode attention':32} {'variant':>28} {'graph us':>9} {'GB/s':>6}")
+    qkv = torch.randn(1, (heads + 2 * NUM_KV_HEADS) * head_dim, device="cuda").to(DTYPE)
+    cs = torch.randn(40960, head_dim, device="cuda")
+    hw = torch.ones(head_dim, device="cuda", dtype=DTYPE)
+    counters = decode_counters(1, NUM_KV_HEADS, "cuda")
+    for context in (8192, 32768):
+        kv_bytes = context * NUM_KV_HEADS * head_dim * 2 * DTYPE.itemsize
+        copies = min(64, -(-ROTATE_BYTES // kv_bytes))
+        caches = [paged_kv([context], NUM_KV_HEADS, head_dim, 256, DTYPE, "cuda")
+                  for _ in range(copies)]
+        pos = torch.tensor([context - 1], device="cuda")
+        last = (context - 1) // 256
+        slots = [(c.block_tables[0, last:last + 1] * 256 + (context - 1) % 256).long()
+                 for c in caches]
+        chosen = choose_num_splits(1, NUM_KV_HEADS, context + 256, sms)
+        for splits in sorted({chosen, 16, 64}):
+            for tiles in tiles_list:
+                kw = dict(num_splits=splits, counters=counters, tile_config=tiles,
+                          prefetch=True, min_split_len=decode_min_split())
+                calls = [
+                    lambda a=(pos, qkv, heads, cs, c.k_cache, c.v_cache, slot, c.seq_lens,
+                              c.block_tables, 0.088, hw, hw), kw=kw: qkv_decode_attention(
+                        *a, **kw)
+                    for c, slot in zip(caches, slots, strict=True)]
+                try:
+                    t = graph_ms(calls)
+                except Exception as e:  # a shape out of shared memory: say so, go on
+                    print(f"{'ctx ' + str(context):32} {describe_tiles(tiles):>28} failed: "
+                          f"{type(e).__name__}")
+                    continue
+                mark = "*" if splits == chosen and tiles is default else " "
+                variant = f"splits {splits} {describe_tiles(tiles)}{mark}"
+                print(f"{'ctx ' + str(context):32} {variant:>28} {t * 1e3:9.1f} "
+                      f"{kv_bytes / (t * 1e-3) / 1e9:6.0f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--no-sweep", action="store_true", help="default tiles only")
-    parser.add_argument("--only", choices=["attention", "decode-fused"], default=None)
+    parser.add_argument("--only", choices=["attention", "decode-fused", "long-decode"],
+                        default=None)
     opts = parser.parse_args()
     random.seed(0)
     torch.manual_seed(0)
     sms = num_sms(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()} ({sms} SMs), torch {torch.__version__}, "
           f"triton {triton.__version__}; Qwen3-0.6B attention, one layer, {DTYPE}")
+    if opts.only == "long-decode":
+        long_fused_decode_table(sms)
+        return
     if opts.only != "attention":
         gemv_table(not opts.no_sweep)
         fused_ops_table()

@@ -35,6 +35,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     "silu8k": {"MINIVLLM_GEMV_SILU_TILE": "8192"},
     "wide": {"MINIVLLM_GEMV_WIDE": "1"},
     "pdl1": {"MINIVLLM_PDL": "1"},
+    "short": {"MINIVLLM_DECODE_SHORT": "1"},
 }
 SHAPES = [("b1 128", 1, 128), ("b8 128", 8, 128), ("b1 32k", 1, 32768)]
 

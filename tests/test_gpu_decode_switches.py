@@ -23,6 +23,7 @@ SWITCHES = {
     "late_trigger": {"MINIVLLM_DECODE_LATE_TRIGGER": "4096"},
     "silu_tile": {"MINIVLLM_GEMV_SILU_TILE": "8192"},
     "gemv_wide": {"MINIVLLM_GEMV_WIDE": "1"},
+    "short": {"MINIVLLM_DECODE_SHORT": "1"},
 }
 ALL_ON = {k: v for env in SWITCHES.values() for k, v in env.items()}
 # The measured winners are the defaults; this turns them off (the engine before them).
@@ -136,7 +137,8 @@ def test_decode_graph_inputs_stay_in_range_across_buckets(tiny_qwen3, switches):
 # -- on the GPU --------------------------------------------------------------------------------
 
 
-def _dummy_tokens(env: dict[str, str], switches, **kw) -> list[list[int]]:
+def _dummy_tokens(env: dict[str, str], switches, short_graphs: list | None = None,
+                  **kw) -> list[list[int]]:
     from minivllm import LLMEngine
 
     switches(env)
@@ -158,7 +160,10 @@ def _dummy_tokens(env: dict[str, str], switches, **kw) -> list[list[int]]:
               for n in (5000, 40, 700, 1900, 5)]
         greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
         one = llm.generate(ps[:1], greedy)["token_ids"]  # batch 1
-        return one + llm.generate(ps, greedy)["token_ids"]  # batch 5 (bucket 8)
+        short = llm.generate([ps[1], ps[4]], greedy)["token_ids"]  # contexts <= 512
+        if short_graphs is not None and llm.runner.graphs is not None:
+            short_graphs.extend(llm.runner.graphs.short_graphs)
+        return one + short + llm.generate(ps, greedy)["token_ids"]  # batch 5 (bucket 8)
     finally:
         llm.exit()
 
@@ -173,6 +178,16 @@ def test_switch_graph_equals_eager_bf16(name, switches):
     graphed = _dummy_tokens(env, switches)
     eager = _dummy_tokens(env, switches, enforce_eager=True)
     assert graphed == eager
+
+
+@pytest.mark.gpu
+def test_short_launch_gives_the_same_tokens(switches):
+    """bf16, graphs: steps whose contexts fit in one split replay the one-split graphs
+    (DECODE_SHORT) and give the tokens of the bucket's launch bit for bit."""
+    short_graphs: list[int] = []
+    short = _dummy_tokens({"MINIVLLM_DECODE_SHORT": "1"}, switches, short_graphs)
+    full = _dummy_tokens({"MINIVLLM_DECODE_SHORT": "0"}, switches)
+    assert short_graphs and short == full
 
 
 @pytest.mark.gpu

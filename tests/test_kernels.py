@@ -452,6 +452,18 @@ def check_qkv_decode_attention() -> None:
             _assert_close(f"{name} min split 64 prefetch={prefetch}", got[real], ref[real],
                           TOL[dtype])
             assert torch.equal(v_min, v_ref) and not counters.any()
+        # The engine's short launch (DECODE_SHORT): every context fits in one split of
+        # min_split_len, so one split gives the bits of the bucket's 4.
+        for prefetch in (False, True):
+            outs = []
+            for splits in (4, 1):
+                k_s, v_s = cache.k_cache.clone(), cache.v_cache.clone()
+                outs.append(qkv_decode_attention(
+                    positions, qkv, num_heads, cos_sin, k_s, v_s, slots, *step, **weights,
+                    num_splits=splits, counters=counters, prefetch=prefetch,
+                    min_split_len=max(seq_lens)))
+                assert torch.equal(k_s, k_out) and torch.equal(v_s, v_out), name
+            assert torch.equal(outs[0], outs[1]), f"{name}: one split vs 4, prefetch={prefetch}"
         k_two, v_two = cache.k_cache.clone(), cache.v_cache.clone()
         q = qkv_rotary_store(positions, qkv, num_heads, cos_sin, k_two, v_two, slots, **weights)
         two = decode_attention(q, k_two, v_two, *step, num_splits=4)

@@ -173,7 +173,7 @@ class CUDAGraphRunner:
         model: nn.Module,
         buckets: list[int],
         max_blocks_per_seq: int,
-        decode_splits: Callable[[int], int | None],
+        decode_splits: Callable[..., int | None],
         hidden_size: int,
         device: torch.device,
         dtype: torch.dtype,
@@ -236,6 +236,10 @@ class CUDAGraphRunner:
             self._num_staged = 0
 
         self.graphs: dict[int, torch.cuda.CUDAGraph | EagerReplay] = {}
+        # Buckets whose split count is above one also get a graph with one split, for
+        # steps whose contexts all fit in one (`decode_splits(bucket, 1)`: kernels/tuning.py's
+        # DECODE_SHORT; the same tokens, a launch of 1 / splits the programs).
+        self.short_graphs: dict[int, torch.cuda.CUDAGraph | EagerReplay] = {}
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph | EagerReplay] = {}
         self.pool = None
         total = len(self.buckets) + len(self.prefill_buckets)
@@ -247,6 +251,8 @@ class CUDAGraphRunner:
         for bs in reversed(self.buckets):
             progress(f"capturing CUDA graphs ({done + 1}/{total})", 0.8 + 0.2 * done / total)
             self.graphs[bs] = self._capture_decode(bs)
+            if self.decode_splits(bs, 1) != self.decode_splits(bs):
+                self.short_graphs[bs] = self._capture_decode(bs, self.decode_splits(bs, 1))
             done += 1
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -269,10 +275,10 @@ class CUDAGraphRunner:
     # -- decode ----------------------------------------------------------------------------
 
     def _decode_views(
-        self, bs: int
+        self, bs: int, splits: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, AttentionMetadata]:
         """The static inputs of decode bucket `bs`: (input_ids, positions, fill_from or
-        None, metadata)."""
+        None, metadata); `splits`: decode attention's split count, if not the bucket's."""
         if self.greedy:
             p, mb = self.greedy_rows, self.max_blocks_per_seq
             longs, ints = self.greedy_longs, self.greedy_ints
@@ -289,14 +295,15 @@ class CUDAGraphRunner:
             seq_lens=seq_lens,
             block_tables=block_tables,
             is_decode=True,
-            decode_splits=self.decode_splits(bs),
+            decode_splits=self.decode_splits(bs) if splits is None else splits,
         )
         return ids, positions, fill, meta
 
-    def _capture_decode(self, bs: int) -> torch.cuda.CUDAGraph | EagerReplay:
+    def _capture_decode(self, bs: int, splits: int | None = None
+                        ) -> torch.cuda.CUDAGraph | EagerReplay:
         def body() -> None:
             # Fresh views each call, as in `_capture_prefill`'s body.
-            ids, positions, fill, meta = self._decode_views(bs)
+            ids, positions, fill, meta = self._decode_views(bs, splits)
             input_ids = ids
             if fill is not None:
                 input_ids = self.fill_tokens(ids, fill, self.tokens)
@@ -330,8 +337,15 @@ class CUDAGraphRunner:
             static.seq_lens[bs:bucket] = 1
         if fill is not None:
             fill.fill_(-1)  # the inputs are complete
-        self.graphs[bucket].replay()
+        self._decode_graph(bucket, meta.decode_splits).replay()
         return self.outputs.last_hidden[:bs]
+
+    def _decode_graph(self, bucket: int, splits: int | None
+                      ) -> torch.cuda.CUDAGraph | EagerReplay:
+        """The bucket's decode graph for a step of `splits` (see `short_graphs`)."""
+        if splits == 1 and bucket in self.short_graphs:
+            return self.short_graphs[bucket]
+        return self.graphs[bucket]
 
     def greedy_fits(self, num_seqs: int, width: int) -> bool:
         """Whether `run_greedy` takes a decode step of this size."""
@@ -386,7 +400,7 @@ class CUDAGraphRunner:
             if prev_tokens.data_ptr() != self.tokens.data_ptr():
                 # The step before was not a greedy replay (a prefill, a sampled step).
                 self.tokens[: prev_tokens.shape[0]].copy_(prev_tokens)
-        self.graphs[bucket].replay()
+        self._decode_graph(bucket, self.decode_splits(bs, max(seq_lens))).replay()
         return self.tokens[:bs]
 
     # -- prefill and mixed -----------------------------------------------------------------

@@ -236,19 +236,23 @@ class ModelRunner:
         integers that vary per step are not specialised on (`do_not_specialize`) and
         `prepare` keeps every input view 16-byte aligned. Graph capture then reuses them.
         """
-        batches = [_dummy_batch([8, 8])]  # prefill: store_kvcache + prefill attention
+        batches = [(_dummy_batch([8, 8]), None)]  # prefill: store_kvcache + prefill attention
         # The few-row decode path (CUDA, <= 8 rows): the GEMVs, add + RMSNorm + GEMV and
         # q/k norm + rotary + store; one row and several rows are different variants (the
         # row count itself is not specialised past 1).
         sizes = [1, 2] if self.config.max_num_sequences > 1 else [1]
+        batches += [(_dummy_batch([1] * n), None) for n in sizes]
         backend = self.attn_backend
         if isinstance(backend, TritonAttentionBackend):
+            # Each split count once (the dummy contexts are short: the count is forced).
             for splits in backend.all_decode_splits():
-                bucket = next(b for b in self.buckets if backend.decode_splits(b) == splits)
-                sizes.append(bucket)
-        batches += [_dummy_batch([1] * n) for n in dict.fromkeys(sizes)]
-        for b in batches:
+                bucket = next((b for b in self.buckets if backend.decode_splits(b) == splits),
+                              self.buckets[0])
+                batches.append((_dummy_batch([1] * bucket), splits))
+        for b, splits in batches:
             input_ids, positions, meta = self.prepare(b)
+            if splits is not None:
+                meta.decode_splits = splits
             self._forward(b, input_ids, positions, meta)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -278,11 +282,12 @@ class ModelRunner:
             fill_tokens=self.kernels.fill_tokens,
         )
 
-    def decode_splits(self, num_seqs: int) -> int | None:
-        """Decode attention's split count for a batch: a function of its bucket only."""
+    def decode_splits(self, num_seqs: int, max_context: int | None = None) -> int | None:
+        """Decode attention's split count for a batch: its bucket's, or one split where
+        the longest context fits in one anyway (kernels/tuning.py's DECODE_SHORT)."""
         backend = self.attn_backend
         if isinstance(backend, TritonAttentionBackend):
-            return backend.decode_splits(num_seqs)
+            return backend.decode_splits(num_seqs, max_context)
         return None
 
     # -- one step ------------------------------------------------------------------------
@@ -329,7 +334,7 @@ class ModelRunner:
             block_tables=ints[s1:].view(n_seq, width),
             is_decode=b.is_decode,
         )
-        self.attn_backend.finish_metadata(meta, n_seq)
+        self.attn_backend.finish_metadata(meta, n_seq, max(b.seq_lens) if b.is_decode else None)
         return input_ids, positions, meta
 
     def _prepare_graph(

@@ -73,8 +73,10 @@ class AttentionBackend:
         self.block_size = block_size
         self.decode_kwargs: dict = {}  # buffers the decode kernel takes from its backend
 
-    def finish_metadata(self, meta: AttentionMetadata, num_seqs: int) -> AttentionMetadata:
-        """Add what this backend needs beyond the batch (once a step, not once a layer)."""
+    def finish_metadata(self, meta: AttentionMetadata, num_seqs: int,
+                        max_context: int | None = None) -> AttentionMetadata:
+        """Add what this backend needs beyond the batch (once a step, not once a layer);
+        `max_context`: the batch's longest context, when the host knows it."""
         return meta
 
     def forward(
@@ -158,7 +160,8 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, block_size: int, kernels: Kernels = TORCH_KERNELS) -> None:
         super().__init__(kernels, block_size)
 
-    def finish_metadata(self, meta: AttentionMetadata, num_seqs: int) -> AttentionMetadata:
+    def finish_metadata(self, meta: AttentionMetadata, num_seqs: int,
+                        max_context: int | None = None) -> AttentionMetadata:
         if meta.is_decode:
             meta.context_slots = context_slots(meta.seq_lens, meta.block_tables, self.block_size)
         return meta
@@ -190,7 +193,7 @@ class TritonAttentionBackend(AttentionBackend):
         device: torch.device,
     ) -> None:
         from minivllm.kernels.decode_attention import decode_counters
-        from minivllm.kernels.tuning import decode_min_split
+        from minivllm.kernels.tuning import decode_min_split, decode_short
 
         super().__init__(kernels, block_size)
         self.num_kv_heads = num_kv_heads
@@ -198,6 +201,9 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_buckets = decode_buckets
         self.num_sms = num_sms
         self._splits: dict[int, int] = {}
+        # A context of at most this many positions is one split whatever the launch's
+        # split count (kernels/tuning.py's DECODE_SHORT): 0 turns the short launch off.
+        self.short_context = decode_min_split() if decode_short() else 0
         # NOTE: allocated once, outside every graph: the split kernel's last program of each
         # (sequence, KV head) merges the partials and zeroes its counter for the next layer.
         self.decode_kwargs = {
@@ -205,7 +211,11 @@ class TritonAttentionBackend(AttentionBackend):
             "min_split_len": decode_min_split(),  # kernels/tuning.py
         }
 
-    def decode_splits(self, num_seqs: int) -> int:
+    def decode_splits(self, num_seqs: int, max_context: int | None = None) -> int:
+        """The split count of a decode launch for `num_seqs` sequences: the bucket's, or 1
+        when the longest context (`max_context`, if known) fits in one split anyway."""
+        if max_context is not None and max_context <= self.short_context:
+            return 1
         splits = self._splits.get(num_seqs)
         if splits is None:
             from minivllm.kernels.decode_attention import choose_num_splits
@@ -217,11 +227,13 @@ class TritonAttentionBackend(AttentionBackend):
 
     def all_decode_splits(self) -> list[int]:
         """Every split count an engine step can ask for (kernel variants to compile)."""
-        return sorted({self.decode_splits(b) for b in self.decode_buckets})
+        splits = {self.decode_splits(b) for b in self.decode_buckets}
+        return sorted(splits | {1} if self.short_context else splits)
 
-    def finish_metadata(self, meta: AttentionMetadata, num_seqs: int) -> AttentionMetadata:
+    def finish_metadata(self, meta: AttentionMetadata, num_seqs: int,
+                        max_context: int | None = None) -> AttentionMetadata:
         if meta.is_decode:
-            meta.decode_splits = self.decode_splits(num_seqs)
+            meta.decode_splits = self.decode_splits(num_seqs, max_context)
         return meta
 
 
