@@ -5,11 +5,12 @@ the measured winner. `scripts/decode_ab.py` runs one process per setting and pri
 batch-1 / 32k / batch-8 figures side by side. H200, 17:16 UTC (kern2@c926010): GEMV_MAX_K,
 DECODE_PREFETCH, DECODE_MIN_SPLIT and GRAPH_GREEDY together against all four off,
 decode-only tok/s: batch 1 at 128 context 1,043 -> 1,172, batch 8 6,241 -> 6,623, batch 1
-at 32k 513 -> 596. GRAPH_GREEDY is off by default: on the H200 (18:05 UTC) an engine with it
-hit an out-of-bounds index on the device in `test_no_triton_compilation_after_start_up`
-(mixed greedy / sampled batches) and the GPU engine tests pass without it; the other three
-alone give 1,137 / 6,470 / 589 (greedy graphs added 3% / 2% / 1%). The others are off
-(not yet measured).
+at 32k 513 -> 596. GRAPH_GREEDY was off for a while: an engine with it hit an out-of-bounds
+index on the device (a sampled step's padding rows read another bucket's inputs; fixed by one
+input layout for every bucket). H200, 20:45 UTC: 81 GPU tests pass with it on; against it off,
+1,173 vs 1,140 / 6,613 vs 6,486 / 597 vs 590. LATE_TRIGGER (1,166 / 6,608 / 594), SILU_TILE
+(1,134 / 6,612 / 586) and WIDE (1,171 / 5,405 / 597) measured no better than the defaults in
+the same run and stay off.
 
 - MINIVLLM_GEMV_MAX_K (2048 | 4096): the widest K tile of a one-row GEMV. With 4096,
   a projection with K <= 4096 (Qwen3's down: K = 3072) is one tile, so its weights are
@@ -37,7 +38,7 @@ alone give 1,137 / 6,470 / 589 (greedy graphs added 3% / 2% / 1%). The others ar
   programs) instead of the bucket's split count (up to 32 times as many, all but one per
   KV head exiting at once). The result is the same bit for bit: such a context is one
   split either way. Decode graphs are captured for both launches.
-- MINIVLLM_GRAPH_GREEDY (0 | 1; off: the device-side index fault above is open): the decode
+- MINIVLLM_GRAPH_GREEDY (0 | 1): the decode
   CUDA graphs also take the previous step's tokens as input and produce the greedy tokens,
   so an all-greedy decode step is two host-to-device copies, one replay and one copy back
   (engine side: cuda_graph.py).
