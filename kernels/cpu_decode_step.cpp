@@ -10,6 +10,7 @@
 
 #include <ATen/ops/linear.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -109,49 +110,192 @@ inline int64_t slot_of(const int64_t* block_tables, const Shape& d, int64_t s, i
   return block_tables[s * d.max_blocks + t / d.block_size] * d.block_size + t % d.block_size;
 }
 
+// The sum of a vector's lanes.
+inline float hsum(vf v) {
+#ifdef __AVX512F__
+  return _mm512_reduce_add_ps((__m512)v);
+#else
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  return _mm_cvtss_f32(_mm_add_ss(lo, _mm_movehdup_ps(lo)));
+#endif
+}
+
+constexpr int64_t MAX_GROUP = 16;    // query heads per KV head that `attend_head` holds
+constexpr int64_t PREFETCH_AHEAD = 8;  // positions: K/V rows are requested this far ahead
+
+// Touch the `bytes` of a K or V row (a context position of one KV head) into the cache.
+inline void prefetch_row(const float* row, int64_t bytes) {
+  for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch((const char*)row + c);
+}
+
+// One sequence's attention for one KV head and its `group` query heads, head size NV * L
+// (NV vectors a row): each K and V row is read once for the whole group, held in registers,
+// and requested PREFETCH_AHEAD positions early (the rows of a paged context are scattered,
+// and between two layers' attention the weights have pushed them out of the caches).
+// scores: scratch, group * len floats.
+template <int NV>
+void attend_head(const float* qs, const float* k_rows, const float* v_rows, const int64_t* sl,
+                 int64_t len, int64_t group, int64_t row_stride, float scale, float* os,
+                 std::vector<float>& scores) {
+  constexpr int64_t HD = NV * L;
+  scores.resize(group * len);
+  vf qv[MAX_GROUP][NV];
+  float top[MAX_GROUP], inv[MAX_GROUP];
+  for (int64_t j = 0; j < group; ++j) {
+    std::memcpy(qv[j], qs + j * HD, sizeof qv[j]);
+    for (int n = 0; n < NV; ++n) qv[j][n] *= scale;
+    top[j] = -INFINITY;
+  }
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + PREFETCH_AHEAD < len) prefetch_row(k_rows + sl[t + PREFETCH_AHEAD] * row_stride, HD * 4);
+    vf k[NV];
+    std::memcpy(k, k_rows + sl[t] * row_stride, sizeof k);
+    for (int64_t j = 0; j < group; ++j) {
+      vf acc[NV];
+      for (int n = 0; n < NV; ++n) acc[n] = qv[j][n] * k[n];
+      for (int w = NV / 2; w >= 1; w /= 2)  // a tree: no chain of dependent adds
+        for (int n = 0; n < w; ++n) acc[n] += acc[n + w];
+      const float score = hsum(acc[0]);
+      scores[j * len + t] = score;
+      top[j] = std::max(top[j], score);
+    }
+  }
+  for (int64_t j = 0; j < group; ++j) {
+    float* row = scores.data() + j * len;
+    for (int64_t t = 0; t < len; ++t) row[t] -= top[j];
+    exp_inplace(row, len);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < len; ++t) total += row[t];
+    inv[j] = 1.0f / total;
+  }
+  vf acc[MAX_GROUP][NV] = {};
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + PREFETCH_AHEAD < len) prefetch_row(v_rows + sl[t + PREFETCH_AHEAD] * row_stride, HD * 4);
+    vf v[NV];
+    std::memcpy(v, v_rows + sl[t] * row_stride, sizeof v);
+    for (int64_t j = 0; j < group; ++j) {
+      const float p = scores[j * len + t];
+      for (int n = 0; n < NV; ++n) acc[j][n] += p * v[n];
+    }
+  }
+  for (int64_t j = 0; j < group; ++j) {
+    for (int n = 0; n < NV; ++n) acc[j][n] *= inv[j];
+    std::memcpy(os + j * HD, acc[j], sizeof acc[j]);
+  }
+}
+
+// The same for any head size and group (the plain loops; no model the engine runs needs it
+// today with AVX-512 or AVX2: head sizes 64 and 128, groups up to 16).
+void attend_head_any(const float* qs, const float* k_rows, const float* v_rows,
+                     const int64_t* sl, int64_t len, int64_t group, int64_t row_stride,
+                     int64_t hd, float scale, float* os, std::vector<float>& scores) {
+  scores.assign(group * len, 0.0f);
+  for (int64_t t = 0; t < len; ++t) {
+    const float* k = k_rows + sl[t] * row_stride;
+    for (int64_t j = 0; j < group; ++j) scores[j * len + t] = dot(qs + j * hd, k, hd) * scale;
+  }
+  for (int64_t j = 0; j < group; ++j) {
+    float* row = scores.data() + j * len;
+    const float top = *std::max_element(row, row + len);
+    for (int64_t t = 0; t < len; ++t) row[t] -= top;
+    exp_inplace(row, len);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < len; ++t) total += row[t];
+    for (int64_t t = 0; t < len; ++t) row[t] /= total;
+  }
+  std::fill(os, os + group * hd, 0.0f);
+  for (int64_t t = 0; t < len; ++t) {
+    const float* v = v_rows + sl[t] * row_stride;
+    for (int64_t j = 0; j < group; ++j) {
+      const float p = scores[j * len + t];
+      for (int64_t i = 0; i < hd; ++i) os[j * hd + i] += p * v[i];
+    }
+  }
+}
+
 // out[s, head] = softmax(q . K_context * scale) V_context for each sequence over its
-// seq_lens[s] cached positions (the new token's included: it is stored first). Each KV head
-// is read once for its whole group of query heads.
+// seq_lens[s] cached positions (the new token's included: it is stored first), one job per
+// (sequence, KV head).
 // slots: [num_seqs, max_len], each position's cache slot (computed once a step: a division
 // per position per head and layer measured as much as the attention's arithmetic).
 void attend(const float* q, const float* k_cache, const float* v_cache, const int64_t* slots,
             int64_t max_len, const int64_t* seq_lens, const Shape& d, float scale, float* out) {
   const int64_t group = d.num_heads / d.num_kv_heads, hd = d.head_dim;
+  const int64_t row_stride = d.num_kv_heads * hd;
   at::parallel_for(0, d.num_seqs * d.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t s = job / d.num_kv_heads, g = job % d.num_kv_heads;
-      const int64_t len = seq_lens[s];
-      scores.assign(group * len, 0.0f);
       const float* qs = q + (s * d.num_heads + g * group) * hd;
-      for (int64_t t = 0; t < len; ++t) {
-        const float* k = k_cache + (slots[s * max_len + t] * d.num_kv_heads + g) * hd;
-        for (int64_t j = 0; j < group; ++j) scores[j * len + t] = dot(qs + j * hd, k, hd) * scale;
-      }
-      for (int64_t j = 0; j < group; ++j) {
-        float* row = scores.data() + j * len;
-        float top = row[0];
-        for (int64_t t = 1; t < len; ++t) top = std::max(top, row[t]);
-        for (int64_t t = 0; t < len; ++t) row[t] -= top;
-        exp_inplace(row, len);
-        float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < len; ++t) total += row[t];
-        const float inv = 1.0f / total;
-        for (int64_t t = 0; t < len; ++t) row[t] *= inv;
-      }
+      const float *k_rows = k_cache + g * hd, *v_rows = v_cache + g * hd;
+      const int64_t *sl = slots + s * max_len, len = seq_lens[s];
       float* os = out + (s * d.num_heads + g * group) * hd;
-      std::fill(os, os + group * hd, 0.0f);
-      for (int64_t t = 0; t < len; ++t) {
-        const float* v = v_cache + (slots[s * max_len + t] * d.num_kv_heads + g) * hd;
-        for (int64_t j = 0; j < group; ++j) {
-          const float p = scores[j * len + t];
-          float* o = os + j * hd;
-          for (int64_t i = 0; i < hd; ++i) o[i] += p * v[i];
-        }
-      }
+      if (group <= MAX_GROUP && hd == 4 * L)
+        attend_head<4>(qs, k_rows, v_rows, sl, len, group, row_stride, scale, os, scores);
+      else if (group <= MAX_GROUP && hd == 8 * L)
+        attend_head<8>(qs, k_rows, v_rows, sl, len, group, row_stride, scale, os, scores);
+      else if (group <= MAX_GROUP && hd == 16 * L)
+        attend_head<16>(qs, k_rows, v_rows, sl, len, group, row_stride, scale, os, scores);
+      else
+        attend_head_any(qs, k_rows, v_rows, sl, len, group, row_stride, hd, scale, os, scores);
     }
   });
+}
+
+inline int64_t longest(const int64_t* seq_lens, int64_t num_seqs) {
+  int64_t max_len = 1;
+  for (int64_t s = 0; s < num_seqs; ++s) max_len = std::max(max_len, seq_lens[s]);
+  return max_len;
+}
+
+// [num_seqs, max_len]: the cache slot of each context position, every block checked to be
+// in the pool (of `num_slots` slots) before anything reads or writes it.
+std::vector<int64_t> slot_table(const int64_t* bt, const int64_t* lens, const Shape& d,
+                                int64_t num_slots, int64_t max_len) {
+  std::vector<int64_t> slots(d.num_seqs * max_len, 0);
+  for (int64_t s = 0; s < d.num_seqs; ++s) {
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= d.max_blocks * d.block_size,
+                "decode attention: seq_len ", lens[s], " does not fit the block table");
+    for (int64_t b = 0; b * d.block_size < lens[s]; ++b)
+      TORCH_CHECK(bt[s * d.max_blocks + b] >= 0 &&
+                      bt[s * d.max_blocks + b] * d.block_size < num_slots,
+                  "decode attention: block ", bt[s * d.max_blocks + b], " is outside the pool");
+    for (int64_t t = 0; t < lens[s]; ++t) slots[s * max_len + t] = slot_of(bt, d, s, t);
+  }
+  return slots;
+}
+
+// Decode attention alone (tests; the step calls `attend`): q [num_seqs, num_heads,
+// head_dim], caches [blocks, block_size, kv_heads, head_dim] fp32; one token a sequence.
+at::Tensor paged_decode_attention(const at::Tensor& q_in, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables_in,
+                                  const at::Tensor& seq_lens_in, double scale) {
+  TORCH_CHECK(q_in.dim() == 3 && q_in.scalar_type() == at::kFloat && k_cache.dim() == 4 &&
+                  k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.is_contiguous() &&
+                  v_cache.scalar_type() == at::kFloat && q_in.size(2) == k_cache.size(3),
+              "paged_decode_attention: fp32 q [seqs, heads, head_dim] and contiguous fp32 "
+              "caches [blocks, block_size, kv_heads, head_dim]");
+  const at::Tensor q = q_in.contiguous();
+  const at::Tensor block_tables = block_tables_in.to(at::kLong).contiguous();
+  const at::Tensor seq_lens = seq_lens_in.to(at::kLong).contiguous();
+  Shape d{q.size(0), 0, q.size(1), k_cache.size(2), k_cache.size(3), k_cache.size(1),
+          block_tables.size(1)};
+  TORCH_CHECK(block_tables.size(0) == d.num_seqs && seq_lens.numel() == d.num_seqs &&
+                  d.num_heads % d.num_kv_heads == 0,
+              "paged_decode_attention: one block table row and seq_len per sequence; "
+              "heads a multiple of KV heads");
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t max_len = longest(lens, d.num_seqs);
+  const std::vector<int64_t> slots = slot_table(block_tables.data_ptr<int64_t>(), lens, d,
+                                                k_cache.size(0) * d.block_size, max_len);
+  at::Tensor out = at::empty_like(q);
+  attend(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+         slots.data(), max_len, lens, d, (float)scale, out.data_ptr<float>());
+  return out;
 }
 
 // norms: ln1, ln2 per layer. qk_norms: q_norm, k_norm per layer (None without them).
@@ -199,21 +343,13 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   TORCH_CHECK(seq_lens.numel() == d.num_seqs && positions.numel() == d.num_seqs &&
                   block_tables.size(0) == d.num_seqs,
               "decode_layers: one seq_len, position and block table row per sequence");
-  int64_t max_len = 1;
-  for (int64_t s = 0; s < d.num_seqs; ++s) max_len = std::max(max_len, lens[s]);
-  std::vector<int64_t> slots(d.num_seqs * max_len, 0), new_slots(d.num_seqs);
-  for (int64_t s = 0; s < d.num_seqs; ++s) {
-    TORCH_CHECK(lens[s] >= 1 && lens[s] <= d.max_blocks * d.block_size,
-                "decode_layers: seq_len ", lens[s], " does not fit the block table");
+  for (int64_t s = 0; s < d.num_seqs; ++s)
     TORCH_CHECK(pos[s] >= 0 && pos[s] < cos_sin_cache.size(0),
                 "decode_layers: position ", pos[s], " is past the rotary cache");
-    for (int64_t b = 0; b * d.block_size < lens[s]; ++b)
-      TORCH_CHECK(bt[s * d.max_blocks + b] >= 0 &&
-                      bt[s * d.max_blocks + b] * d.block_size < num_slots,
-                  "decode_layers: block ", bt[s * d.max_blocks + b], " is outside the pool");
-    for (int64_t t = 0; t < lens[s]; ++t) slots[s * max_len + t] = slot_of(bt, d, s, t);
-    new_slots[s] = slots[s * max_len + lens[s] - 1];
-  }
+  const int64_t max_len = longest(lens, d.num_seqs);
+  const std::vector<int64_t> slots = slot_table(bt, lens, d, num_slots, max_len);
+  std::vector<int64_t> new_slots(d.num_seqs);
+  for (int64_t s = 0; s < d.num_seqs; ++s) new_slots[s] = slots[s * max_len + lens[s] - 1];
 
   at::Tensor x = x_in.contiguous();
   at::Tensor residual = at::empty_like(x);
@@ -352,10 +488,13 @@ TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
       "float eps, float qk_eps) -> (Tensor, Tensor)");
   m.def("rms_norm_rows(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
   m.def("silu_and_mul_rows(Tensor x) -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {
   m.impl("decode_layers", &decode_layers);
   m.impl("rms_norm_rows", &rms_norm_rows);
   m.impl("silu_and_mul_rows", &silu_and_mul_rows);
+  m.impl("paged_decode_attention", &paged_decode_attention);
 }

@@ -159,6 +159,31 @@ def test_cpu_rows_ops_equal_the_references():
     assert torch.equal(silu_and_mul_cpu(half), silu_and_mul_ref(half))
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 48])  # vector paths (AVX-512 / AVX2); plain
+@pytest.mark.parametrize("heads", [(9, 3), (8, 8), (16, 4)])  # groups of 3, 1 and 4
+def test_native_decode_attention_equals_the_reference(head_dim, heads):
+    """The native step's attention (`minivllm_cpu::paged_decode_attention`: K and V rows
+    prefetched ahead, each read once for its query group) against the torch reference,
+    over scattered blocks and contexts from 1 position to several blocks."""
+    from minivllm.kernels.decode_attention import decode_attention_ref
+    from minivllm.kernels.testing import paged_kv
+
+    num_heads, num_kv_heads = heads
+    seq_lens = [1, 7, 9, 130, 300]
+    cache = paged_kv(seq_lens, num_kv_heads, head_dim, 16, torch.float32, "cpu")
+    q = torch.randn(len(seq_lens), num_heads, head_dim) * 2
+    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens)
+    got = torch.ops.minivllm_cpu.paged_decode_attention(*args, head_dim**-0.5)
+    want = decode_attention_ref(q, cache.k_cache, cache.v_cache, cache.seq_lens,
+                                cache.block_tables, head_dim**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    bad = cache.block_tables.clone()
+    bad[3, 2] = 10**6
+    with pytest.raises(RuntimeError, match="block 1000000 is outside the pool"):
+        torch.ops.minivllm_cpu.paged_decode_attention(q, cache.k_cache, cache.v_cache, bad,
+                                                      cache.seq_lens, 0.1)
+
+
 def test_cpu_engine_takes_the_cpu_kernel_set(tiny_llama):
     llm = tiny_engine(tiny_llama)
     try:
