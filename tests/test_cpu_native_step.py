@@ -169,16 +169,17 @@ def test_native_decode_attention_equals_the_reference(head_dim, heads):
     from minivllm.kernels.testing import paged_kv
 
     num_heads, num_kv_heads = heads
-    seq_lens = [1, 7, 9, 130, 300]
-    cache = paged_kv(seq_lens, num_kv_heads, head_dim, 16, torch.float32, "cpu")
-    q = torch.randn(len(seq_lens), num_heads, head_dim) * 2
-    args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens)
-    got = torch.ops.minivllm_cpu.paged_decode_attention(*args, head_dim**-0.5)
-    want = decode_attention_ref(q, cache.k_cache, cache.v_cache, cache.seq_lens,
-                                cache.block_tables, head_dim**-0.5)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # Many sequences; one long one; a long and a short one.
+    for seq_lens in ([1, 7, 9, 130, 300], [1000], [700, 5]):
+        cache = paged_kv(seq_lens, num_kv_heads, head_dim, 16, torch.float32, "cpu")
+        q = torch.randn(len(seq_lens), num_heads, head_dim) * 2
+        args = (q, cache.k_cache, cache.v_cache, cache.block_tables, cache.seq_lens)
+        got = torch.ops.minivllm_cpu.paged_decode_attention(*args, head_dim**-0.5)
+        want = decode_attention_ref(q, cache.k_cache, cache.v_cache, cache.seq_lens,
+                                    cache.block_tables, head_dim**-0.5)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     bad = cache.block_tables.clone()
-    bad[3, 2] = 10**6
+    bad[0, 2] = 10**6
     with pytest.raises(RuntimeError, match="block 1000000 is outside the pool"):
         torch.ops.minivllm_cpu.paged_decode_attention(q, cache.k_cache, cache.v_cache, bad,
                                                       cache.seq_lens, 0.1)
