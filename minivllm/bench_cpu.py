@@ -28,6 +28,7 @@ import torch
 
 from . import LLMEngine, SamplingParams
 from .config import APP_CPU_WEIGHT_DTYPE
+from .frontend.engine_frontend import dtype_label
 
 # Greedy tokens compared with transformers once a round (the engine's pool must hold them).
 PARITY_TOKENS = 32
@@ -141,7 +142,7 @@ def bench_latency_cpu(args: argparse.Namespace):
         return statistics.median(times[engine][figure])
 
     hf_dt = str(dtype).replace("torch.", "")
-    mv_dt = hf_dt + (f", {llm.cpu_weight_format} weights" if llm.cpu_weight_format else "")
+    mv_dt = dtype_label(llm)
     rounds = f"median of {args.repeats} interleaved rounds, {torch.get_num_threads()} threads"
     rows = []
     for engine, label in (("mv", "minivllm"), ("hf", "transformers")):

@@ -11,7 +11,7 @@ import re
 import sys
 from typing import Any
 
-from .config import APP_CPU_WEIGHT_DTYPE, CPU_WEIGHT_DTYPES
+from .config import APP_CPU_WEIGHT_DTYPE, CPU_PREFILL_DTYPES, CPU_WEIGHT_DTYPES
 from .progress import print_progress
 
 DEFAULT_CHAT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -25,6 +25,7 @@ OPTION_OF_KEY = {
     "load_format": "--load-format",
     "dtype": "--dtype",
     "cpu_weight_dtype": "--cpu-weight-dtype",
+    "cpu_prefill_dtype": "--cpu-prefill-dtype",
 }
 # What loading can raise for a user's mistake (bad values, missing or broken files).
 USER_ERRORS = (ValueError, TypeError, OSError)
@@ -66,6 +67,7 @@ def generate(args: argparse.Namespace) -> None:
         "device": args.device,
         "max_model_length": args.max_model_length,
         "cpu_weight_dtype": args.cpu_weight_dtype,
+        "cpu_prefill_dtype": args.cpu_prefill_dtype,
     }
     params = SamplingParams(
         temperature=args.temperature,
@@ -129,6 +131,13 @@ def main(argv: list[str] | None = None) -> None:
         help="CPU linear weights, weight-only formats with fp32 compute (default "
         f"{APP_CPU_WEIGHT_DTYPE}: a GGUF model's own Q4_1 / Q8_0 where they hold its weights "
         "exactly, else bfloat16; auto: the compute dtype)",
+    )
+    g.add_argument(
+        "--cpu-prefill-dtype",
+        default="auto",
+        choices=CPU_PREFILL_DTYPES,
+        help="a prefill's products and attention with a CPU weight format (default auto: "
+        "bfloat16 where the CPU multiplies bf16, AMX or AVX-512 BF16, else float32)",
     )
 
     from .bench import add_arguments

@@ -32,6 +32,7 @@ ARCH_KEYS = {
 
 # `cpu_weight_dtype` values: "auto" keeps the CPU's linear weights in the compute dtype.
 CPU_WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "q8_0", "q4_1", "compact")
+CPU_PREFILL_DTYPES = ("auto", "bfloat16", "float32")
 # `cpu_weight_dtype` of `minivllm generate`, `minivllm-chat` and `bench latency --device cpu`
 # (EngineConfig's default stays "auto": fp32 weights keep the exact parity with transformers).
 # Chosen by measurement on SmolLM2-135M (PERF_NOTES.md, issue 10): "compact" keeps a model
@@ -56,6 +57,7 @@ ENGINE_KEYS = {
     "device",
     "dtype",
     "cpu_weight_dtype",
+    "cpu_prefill_dtype",
     "load_format",
     "enable_prefix_caching",
     "enable_chunked_prefill",
@@ -249,6 +251,10 @@ class EngineConfig:
     # The CPU's linear weights: "auto" = in `dtype`; "bfloat16" / "int8" (per output channel)
     # = weight-only formats with fp32 activations (needs dtype float32); ignored on CUDA.
     cpu_weight_dtype: str = "auto"
+    # The dtype of a prefill's products under a weight-only format: "auto" = bf16 where
+    # `dtype` is "auto" and the CPU multiplies bf16 (AMX, AVX-512 BF16), else fp32 (the
+    # weight-only kernel's exact sums); "bfloat16" / "float32" force one.
+    cpu_prefill_dtype: str = "auto"
     load_format: str = "auto"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -285,6 +291,11 @@ class EngineConfig:
             raise ValueError(
                 f"cpu_weight_dtype={self.cpu_weight_dtype!r}: must be one of "
                 + ", ".join(repr(d) for d in CPU_WEIGHT_DTYPES)
+            )
+        if self.cpu_prefill_dtype not in CPU_PREFILL_DTYPES:
+            raise ValueError(
+                f"cpu_prefill_dtype={self.cpu_prefill_dtype!r}: must be one of "
+                + ", ".join(repr(d) for d in CPU_PREFILL_DTYPES)
             )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format={self.load_format!r}: must be 'auto' or 'dummy'")

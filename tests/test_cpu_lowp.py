@@ -169,8 +169,11 @@ def test_compiled_step_equals_eager_with_int8_weights(tiny_llama, monkeypatch):
 def test_header_names_the_weight_format():
     from types import SimpleNamespace
 
-    from minivllm.frontend.engine_frontend import _dtype_label
+    from minivllm.frontend.engine_frontend import dtype_label
 
     engine = SimpleNamespace(dtype=torch.float32, cpu_weight_format="int8")
-    assert _dtype_label(engine) == "float32, int8 weights"
-    assert _dtype_label(SimpleNamespace(dtype=torch.bfloat16)) == "bfloat16"
+    assert dtype_label(engine) == "float32, int8 weights"
+    assert dtype_label(SimpleNamespace(dtype=torch.bfloat16)) == "bfloat16"
+    engine = SimpleNamespace(dtype=torch.float32, cpu_weight_format="q4_1/q8_0",
+                             cpu_prefill_dtype=torch.bfloat16)
+    assert dtype_label(engine) == "float32, q4_1/q8_0 weights, bfloat16 prefill"

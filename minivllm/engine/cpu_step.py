@@ -187,8 +187,12 @@ def _linear_weights(linear: torch.nn.Module) -> tuple:
     NOTE: without the oneDNN-packed copy: inductor (torch 2.13) fails to lower
     `mkldnn._linear_pointwise` on it (LoweringException on the packed weight's layout), which
     left a bf16 model's decode eager on AVX-512 BF16 CPUs; given the plain bf16 weight,
-    inductor picks its own oneDNN product."""
-    return (linear.weight, linear.bias, None, linear.lowp)
+    inductor picks its own oneDNN product. So, for a weight-only copy, without its packed
+    bf16 copy for prefill (a decode step's rows are few)."""
+    lowp = linear.lowp
+    if lowp is not None and lowp.wide is not None:
+        lowp = lowp._replace(wide=None)
+    return (linear.weight, linear.bias, None, lowp)
 
 
 def compile_unavailable_reason() -> str | None:

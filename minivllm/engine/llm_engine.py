@@ -93,6 +93,7 @@ class LLMEngine:
         self.dtype = _resolve_dtype(config.dtype, self.device, config.cpu_weight_dtype)
         # "bfloat16" / "int8" where the CPU's linears take a weight-only format, else None.
         self.cpu_weight_format = weight_format(config.cpu_weight_dtype, self.device, self.dtype)
+        self.cpu_prefill_dtype: torch.dtype | None = None
         if config.world_size > 1:
             self.device = tp_device(self.device, config.world_size)  # rank 0's; checks GPUs
 
@@ -113,6 +114,8 @@ class LLMEngine:
                 lambda: ModelRunner(config, self.device, self.dtype, on_progress=progress),
             )
             self.cpu_weight_format = self.runner.cpu_weight_format  # None if it did not build
+            # torch.bfloat16 where a prefill's products and attention run in bf16, else None
+            self.cpu_prefill_dtype = self.runner.cpu_prefill_dtype
             progress("sizing the KV cache", 0.5)
             mine, theirs = self._on_all_ranks(SizeKVPool(), self.runner.size_kv_pool)
             num_blocks = min([mine, *theirs])  # every rank holds every block

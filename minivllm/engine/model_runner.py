@@ -18,8 +18,16 @@ from ..layers.attention import (
     attention_metadata,
     make_backend,
 )
-from ..layers.cpu_linear import lowp_linears, pack_linears, weight_format
-from ..layers.ops import bind_kernels, select_kernels
+from ..layers.cpu_linear import (
+    WideRows,
+    add_wide_copies,
+    lowp_linears,
+    pack_linears,
+    prefill_dtype,
+    weight_format,
+    wide_rows,
+)
+from ..layers.ops import bind_kernels, select_kernels, with_prefill_dtype
 from ..layers.sampler import (
     LogprobsTensors,
     PenaltyTensors,
@@ -109,12 +117,20 @@ class ModelRunner:
             self.progress(stage, 0.3)
             # None where the kernel did not build here (warned)
             self.cpu_weight_format = lowp_linears(self.model, self.cpu_weight_format)
+        # bf16 where a prefill's products and attention run in bf16 (oneDNN, AMX), else None.
+        self.cpu_prefill_dtype = prefill_dtype(
+            config.cpu_prefill_dtype, config.dtype, self.cpu_weight_format
+        )
+        if self.cpu_prefill_dtype is not None and not add_wide_copies(self.model):
+            self.cpu_prefill_dtype = None  # oneDNN does not pack bf16 here
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.buckets = batch_buckets(config.max_num_sequences)
         self.max_blocks_per_seq = (config.max_len + self.block_size - 1) // self.block_size
         # NOTE: the kernel set and the attention backend are chosen here, once per engine;
         # every layer is pointed at them (nothing asks for its device per call).
         self.kernels = select_kernels(device)
+        if self.cpu_prefill_dtype is not None:
+            self.kernels = with_prefill_dtype(self.kernels, self.cpu_prefill_dtype)
         bind_kernels(self.model, self.kernels)
         self.attn_backend = make_backend(
             device,
@@ -122,6 +138,7 @@ class ModelRunner:
             self.attention_layers[0].num_kv_heads,
             self.max_blocks_per_seq * self.block_size,
             self.buckets,
+            self.kernels,
         )
         for layer in self.attention_layers:
             layer.backend = self.attn_backend
@@ -577,7 +594,9 @@ class ModelRunner:
         elif b.is_decode and self.cpu_step is not None:
             last = self.cpu_step(input_ids, positions, meta)
         else:
-            with attention_metadata(meta):
+            # bf16 prefill (CPU): the rows of this step's prefill chunks
+            rows = WideRows.of(b.cu_seqlens_q) if self.cpu_prefill_dtype is not None else None
+            with attention_metadata(meta), wide_rows(rows):
                 hidden = self.model(input_ids, positions)  # [num_tokens, hidden]
             last = hidden if b.is_decode else hidden[meta.cu_seqlens_q[1:].long() - 1]
         if logits is None:

@@ -41,12 +41,18 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _dtype_label(engine: Any) -> str:
-    """The compute dtype, and the CPU's weight-only format where one is on
-    ("float32, int8 weights")."""
+def dtype_label(engine: Any) -> str:
+    """The compute dtype, and the CPU's weight-only format and prefill dtype where they
+    differ from it ("float32, q4_1/q8_0 weights, bfloat16 prefill")."""
     dtype = str(getattr(engine, "dtype", "?")).replace("torch.", "")
+    label = [dtype]
     weights = getattr(engine, "cpu_weight_format", None)
-    return f"{dtype}, {weights} weights" if weights else dtype
+    if weights:
+        label.append(f"{weights} weights")
+    prefill = getattr(engine, "cpu_prefill_dtype", None)
+    if prefill is not None:
+        label.append(f"{str(prefill).replace('torch.', '')} prefill")
+    return ", ".join(label)
 
 
 def engine_info(engine: Any) -> EngineInfo:
@@ -56,7 +62,7 @@ def engine_info(engine: Any) -> EngineInfo:
     return EngineInfo(
         model=str(getattr(cfg, "model_name_or_path", "?")),
         device=str(getattr(engine, "device", getattr(cfg, "device", "?"))),
-        dtype=_dtype_label(engine),
+        dtype=dtype_label(engine),
         world_size=int(getattr(cfg, "world_size", 1)),
         block_size=int(stats.block_size),
         num_blocks=int(stats.num_blocks),

@@ -243,9 +243,11 @@ def make_backend(
     num_kv_heads: int,
     max_seq_len: int,
     decode_buckets: list[int],
+    kernels: Kernels | None = None,
 ) -> AttentionBackend:
-    """The engine's attention backend, chosen once from its device."""
-    kernels = select_kernels(device)
+    """The engine's attention backend, chosen once from its device (over `kernels`, default:
+    the device's set)."""
+    kernels = kernels or select_kernels(device)
     if not kernels.is_triton:
         return TorchAttentionBackend(block_size, kernels)
     from minivllm.kernels.dispatch import num_sms

@@ -7,17 +7,67 @@ multiplies bf16 (PERF.md). The two ops are private to torch (`torch.ops.mkldnn`)
 use goes through `pack_weight` / `linear`: where they are missing or refuse the dtype, the
 layer keeps `F.linear`, and tests/test_cpu_path.py checks the two agree.
 
-Weight-only formats (`cpu_weight_dtype`): the fp32 weight is replaced by a packed bf16 or
-int8 copy (`LowpWeight`), and every product with it, decode and prefill, runs our kernel:
-a decode token reads half or a quarter of fp32's bytes.
+Weight-only formats (`cpu_weight_dtype`): the fp32 weight is replaced by a packed bf16,
+int8, Q8_0 or Q4_1 copy (`LowpWeight`), and every product with it runs our kernel: a decode
+token reads half to a sixth of fp32's bytes. Where the CPU multiplies bf16 (AMX: ~2 TFLOP/s
+on two cores against the kernel's ~0.2), a prefill's products are compute-bound, not
+bandwidth-bound, so such a weight also keeps a oneDNN-packed bf16 copy for products of many
+rows (`cpu_prefill_dtype`, `add_wide_copies`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class WideRows:
+    """Which rows of an eager CPU step take the linears' bf16 copies: those of its prefill
+    chunks (sequences with more than one query this step). A decode row keeps the
+    weight-only kernel's fp32 sums whatever shares its step, so a reply's tokens do not
+    depend on another request's prefill beside it. (Per rows, all 30 layers' linears of
+    SmolLM2, q4_1 kernel vs oneDNN bf16 on AMX, 2 threads: 8 rows 9.4 vs 15.1 ms, 16 rows
+    17.6 vs 13.4, 512 rows 515 vs 85: a prefill of a few tokens loses a few ms to bf16, and
+    keeps the precision of a longer one.)"""
+
+    every: bool  # every row; else the two index tensors
+    wide: torch.Tensor | None = None
+    narrow: torch.Tensor | None = None
+
+    @staticmethod
+    def of(cu_seqlens_q: list[int]) -> WideRows | None:
+        """The split of a step whose sequences' rows start at `cu_seqlens_q`; None where no
+        sequence has more than one query."""
+        spans = list(itertools.pairwise(cu_seqlens_q))
+        if all(end - start > 1 for start, end in spans if end > start):
+            return WideRows(every=True) if cu_seqlens_q[-1] > 0 else None
+        wide = [r for start, end in spans if end - start > 1 for r in range(start, end)]
+        if not wide:
+            return None
+        narrow = [start for start, end in spans if end - start == 1]
+        return WideRows(False, torch.tensor(wide), torch.tensor(narrow))
+
+
+_WIDE_ROWS: ContextVar[WideRows | None] = ContextVar("wide_rows", default=None)
+
+
+@contextlib.contextmanager
+def wide_rows(rows: WideRows | None) -> Iterator[None]:
+    """Within it, products of linears with a bf16 copy run `rows` on it (model_runner sets
+    it around an eager CPU step's forward)."""
+    token = _WIDE_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _WIDE_ROWS.reset(token)
 
 
 class LowpWeight(NamedTuple):
@@ -31,9 +81,31 @@ class LowpWeight(NamedTuple):
     out_features: int
     mins: torch.Tensor | None = None  # q4_1: like its scales
     fmt: str = "bfloat16"  # bfloat16, int8, q8_0 or q4_1
+    # The same weight in bf16, packed by oneDNN, for a prefill's rows (`add_wide_copies`,
+    # `WideRows`); None: every product runs the weight-only kernel.
+    wide: torch.Tensor | None = None
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, in] fp32 (unit stride in `in`) @ weight^T (+ bias): [M, out] fp32."""
+        rows = _WIDE_ROWS.get() if self.wide is not None else None
+        if rows is None:
+            return self.exact_product(x, bias)
+        if rows.every:
+            return self.wide_product(x, bias)
+        y = x.new_empty(x.shape[0], self.out_features)
+        y[rows.narrow] = self.exact_product(x[rows.narrow], bias)
+        y[rows.wide] = self.wide_product(x[rows.wide], bias)
+        return y
+
+    def wide_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The product on the bf16 copy: x rounded to bf16, fp32 sums, bf16 out, as fp32."""
+        y = torch.ops.mkldnn._linear_pointwise(
+            x.to(torch.bfloat16), self.wide, None, "none", [], ""
+        ).float()
+        return y if bias is None else y + bias
+
+    def exact_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The weight-only kernel's product: fp32 activations and sums."""
         from minivllm.kernels import cpu_lowp_linear as kernel
 
         if self.fmt in ("q8_0", "q4_1"):
@@ -150,6 +222,47 @@ def lowp_linears(model: torch.nn.Module, fmt: str) -> str | None:
         if module.lowp.fmt not in taken:
             taken.append(module.lowp.fmt)
     return "/".join(taken) or None
+
+
+def prefill_dtype(cpu_prefill_dtype: str, dtype: str, fmt: str | None) -> torch.dtype | None:
+    """The dtype of a weight-only model's prefill (products and attention), or None where
+    it stays on the weight-only kernel (fp32 activations and sums, the exact path).
+    `cpu_prefill_dtype` "auto" takes bf16 where the engine's dtype was left at "auto"
+    and the CPU multiplies bf16 (AMX, AVX-512 BF16); "bfloat16" asks for it anywhere, and
+    "float32", or `dtype="float32"` asked for, keeps fp32. `fmt`: the format taken (None:
+    the linears keep their own dtype, and so do their products)."""
+    if fmt is None or cpu_prefill_dtype == "float32":
+        return None
+    if cpu_prefill_dtype == "bfloat16":
+        return torch.bfloat16
+    from ..cpu_features import has_fast_bf16
+
+    return torch.bfloat16 if dtype == "auto" and has_fast_bf16() else None
+
+
+def add_wide_copies(model: torch.nn.Module) -> int:
+    """Give every weight-only linear but the LM head (one row a sequence) a oneDNN-packed bf16
+    copy of its weight for a prefill's products; returns how many took one (none where oneDNN
+    cannot pack bf16 here). Costs 2 bytes a weight (SmolLM2-135M: ~210 MB)."""
+    from minivllm.kernels import cpu_lowp_linear as kernel
+
+    head = getattr(model, "lm_head", None)
+    count = 0
+    for module in model.modules():
+        lowp = getattr(module, "lowp", None)
+        if lowp is None or module is head:
+            continue
+        if lowp.fmt in ("q8_0", "q4_1"):
+            weight = kernel.dequantize_group(lowp.packed, lowp.scales, lowp.mins,
+                                             lowp.out_features)
+        else:
+            weight = kernel.dequantize(lowp.packed, lowp.scales, lowp.out_features)
+        wide = pack_weight(weight.to(torch.bfloat16))
+        if wide is None:
+            return count
+        module.lowp = lowp._replace(wide=wide)
+        count += 1
+    return count
 
 
 def _lowp_weight(kernel, weight: torch.Tensor, fmt: str, width: int) -> LowpWeight:
