@@ -348,3 +348,19 @@ def test_bare_kernels_import_from_the_clone_gets_the_installed_package(tmp_path)
         assert not run.stdout.startswith(os.path.join(repo, "kernels") + os.sep)
     else:
         assert "ModuleNotFoundError: No module named 'kernels'" in run.stderr
+
+
+def test_row_argmax_takes_the_first_maximum_like_argmax():
+    """The sampler's CPU argmax (through `max`) picks what torch.argmax picks, ties (the first
+    maximal index), -inf rows from banned tokens and NaN included."""
+    from minivllm.layers.sampler import row_argmax
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 49152, generator=g)
+    x[1, [7, 300, 9000]] = 50.0  # a tie: the first wins
+    x[2] = float("-inf")
+    x[2, 123] = -1e30
+    x[3, 42] = float("nan")
+    x[4] = x[4].round()  # many ties at the top
+    assert torch.equal(row_argmax(x), x.argmax(dim=-1))
+    assert row_argmax(x)[1] == 7

@@ -152,7 +152,7 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs)
 
     def _sample(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-        greedy = logits.argmax(dim=-1)
+        greedy = row_argmax(logits)
         if t.all_greedy:
             return greedy
         logits = logits.float()
@@ -164,15 +164,24 @@ class Sampler:
             # Gumbel-max in log space: argmax(logits / T - log q), q ~ Exp(1), samples
             # from softmax(logits / T) without computing it.
             q = _exponential_noise(logits.shape, t.seeds, logits.device, self.generator)
-            sampled = (logits - q.log_()).argmax(dim=-1)
+            sampled = row_argmax(logits - q.log_())
             return torch.where(t.temperatures > 0, sampled, greedy)
         probs = torch.softmax(logits, dim=-1)
         floor = t.min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = torch.where(probs < floor, 0.0, probs)
         # Gumbel-max in its exponential form: argmax(p / q), q ~ Exp(1), samples from p.
         q = _exponential_noise(probs.shape, t.seeds, probs.device, self.generator)
-        sampled = (probs / q).argmax(dim=-1)
+        sampled = row_argmax(probs / q)
         return torch.where(t.temperatures > 0, sampled, greedy)
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:  # [rows, n] -> [rows] int64
+    """Each row's first maximal index. On the CPU through `max`: torch's CPU argmax is a plain
+    reduction, 0.56 ms for 8 x 49,152 fp32 on one thread against max's 0.17 (a batch-8
+    decode step of SmolLM2 is ~18 ms); both return the first maximal index."""
+    if x.device.type == "cpu":
+        return x.max(dim=-1).indices
+    return x.argmax(dim=-1)
 
 
 def _top_k_top_p(logits, top_ks, top_ps, use_k: bool, use_p: bool) -> torch.Tensor:
