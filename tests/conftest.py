@@ -182,6 +182,26 @@ def assert_product_matches_reference(product, reference, k: int, g) -> None:
                                atol=1e-3)
 
 
+def assert_greedy_chat_follows(reference, engine, questions: list[str], max_tokens: int) -> None:
+    """`engine`'s greedy replies to `questions` (as chat prompts) equal `reference`'s, or
+    first differ at a token in the reference's top-5 there (both share the prefix up to it)."""
+    from minivllm import SamplingParams
+
+    prompts = [
+        reference.tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False
+        )
+        for q in questions
+    ]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+    want = reference.generate(prompts, params)
+    got = engine.generate(prompts, params)["token_ids"]
+    for w, g, lps in zip(want["token_ids"], got, want["logprobs"], strict=True):
+        d = next((i for i, (a, b) in enumerate(zip(w, g, strict=True)) if a != b), None)
+        if d is not None:
+            assert g[d] in lps[d].top, (d, g[d], lps[d].top)
+
+
 def assert_compiled_step_matches_eager(step, cases, tol: float) -> None:
     """A compiled `CPUDecodeStep` against its `decode_layer` run eager, over a pool of
     random K/V (the context matters) and random context slots, for each (num_seqs,

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_greedy_chat_follows
 from minivllm.kernels import cpu_lowp_linear as kernel
 
-from minivllm import EngineConfig, SamplingParams
+from minivllm import EngineConfig
 from minivllm.cpu_features import has_fast_bf16
 from minivllm.layers import cpu_linear
 
@@ -130,18 +131,6 @@ def test_smollm2_bf16_prefill_follows_fp32(smollm2, smollm2_path):
         model = llm.runner.model
         assert model.model.layers[0].mlp.down_proj.lowp.wide is not None
         assert model.lm_head.lowp.wide is None  # one row a sequence: the q8_0 kernel
-        prompts = [
-            smollm2.tokenizer.apply_chat_template(
-                [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
-            )
-            for p in CHAT
-        ]
-        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
-        want = smollm2.generate(prompts, params)
-        got = llm.generate(prompts, params)["token_ids"]
-        for w, g, lps in zip(want["token_ids"], got, want["logprobs"], strict=True):
-            d = next((i for i, (a, b) in enumerate(zip(w, g, strict=True)) if a != b), None)
-            if d is not None:
-                assert g[d] in lps[d].top, (d, g[d], lps[d].top)
+        assert_greedy_chat_follows(smollm2, llm, CHAT, max_tokens=24)
     finally:
         llm.exit()

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import (
     assert_compiled_step_matches_eager,
+    assert_greedy_chat_follows,
     assert_product_matches_reference,
     tiny_engine,
 )
@@ -116,19 +117,7 @@ def test_smollm2_bf16_weights_follow_fp32(smollm2, smollm2_bf16):
     layer = smollm2_bf16.runner.model.model.layers[0]
     assert layer.mlp.gate_up_proj.weight is None  # the fp32 copy is freed
     assert layer.mlp.gate_up_proj.lowp.packed.dtype == torch.bfloat16
-    prompts = [
-        smollm2.tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False
-        )
-        for p in CHAT
-    ]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
-    want = smollm2.generate(prompts, params)
-    got = smollm2_bf16.generate(prompts, params)["token_ids"]
-    for w, g, lps in zip(want["token_ids"], got, want["logprobs"], strict=True):
-        d = next((i for i, (a, b) in enumerate(zip(w, g, strict=True)) if a != b), None)
-        if d is not None:
-            assert g[d] in lps[d].top, (d, g[d], lps[d].top)
+    assert_greedy_chat_follows(smollm2, smollm2_bf16, CHAT, max_tokens=16)
 
 
 @pytest.mark.slow
