@@ -104,6 +104,15 @@ class LowpWeight(NamedTuple):
         ).float()
         return y if bias is None else y + bias
 
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 weight [out, in] this copy stands for."""
+        from minivllm.kernels import cpu_lowp_linear as kernel
+
+        if self.fmt in ("q8_0", "q4_1"):
+            return kernel.dequantize_group(self.packed, self.scales, self.mins,
+                                           self.out_features)
+        return kernel.dequantize(self.packed, self.scales, self.out_features)
+
     def exact_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The weight-only kernel's product: fp32 activations and sums."""
         from minivllm.kernels import cpu_lowp_linear as kernel
@@ -244,20 +253,13 @@ def add_wide_copies(model: torch.nn.Module) -> int:
     """Give every weight-only linear but the LM head (one row a sequence) a oneDNN-packed bf16
     copy of its weight for a prefill's products; returns how many took one (none where oneDNN
     cannot pack bf16 here). Costs 2 bytes a weight (SmolLM2-135M: ~210 MB)."""
-    from minivllm.kernels import cpu_lowp_linear as kernel
-
     head = getattr(model, "lm_head", None)
     count = 0
     for module in model.modules():
         lowp = getattr(module, "lowp", None)
         if lowp is None or module is head:
             continue
-        if lowp.fmt in ("q8_0", "q4_1"):
-            weight = kernel.dequantize_group(lowp.packed, lowp.scales, lowp.mins,
-                                             lowp.out_features)
-        else:
-            weight = kernel.dequantize(lowp.packed, lowp.scales, lowp.out_features)
-        wide = pack_weight(weight.to(torch.bfloat16))
+        wide = pack_weight(lowp.dequantized().to(torch.bfloat16))
         if wide is None:
             return count
         module.lowp = lowp._replace(wide=wide)
@@ -288,8 +290,7 @@ def _exact_group_weight(kernel, weight: torch.Tensor, width: int) -> LowpWeight 
         return None
 
     def exact(lowp: LowpWeight, w: torch.Tensor) -> bool:
-        deq = kernel.dequantize_group(lowp.packed, lowp.scales, lowp.mins, w.shape[0])
-        return torch.equal(deq, w.detach())
+        return torch.equal(lowp.dequantized(), w.detach())
 
     for fmt in ("q4_1", "q8_0"):
         if exact(_lowp_weight(kernel, weight[:1], fmt, width), weight[:1]):
