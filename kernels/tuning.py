@@ -25,6 +25,11 @@ the same run and stay off.
 - MINIVLLM_DECODE_PREFETCH (0 | 1): decode attention loads its first K/V tile before the
   PDL wait (the cache is not written by the kernels before it) and splices the new token
   in from registers.
+- MINIVLLM_DECODE_LOOKAHEAD (0 | 1): each decode-attention program issues its next K/V
+  tile's loads before it attends the tile in hand (register double-buffering, on top of
+  the compiler's pipelining), so a long split always has a tile in flight.
+- MINIVLLM_DECODE_TILE (128x4x2 | ...): BLOCK_N x warps x stages of the 16-bit decode
+  attention's tiles.
 - MINIVLLM_DECODE_MIN_SPLIT (0 | 256 | 512 | 1024): context positions a decode split takes
   at least in an engine's steps (0: one tile, the kernels' own default). A context up to
   that length is one program per KV head that writes its output directly: no partials
@@ -86,6 +91,22 @@ def decode_min_split() -> int:
 
 
 @functools.cache
+def decode_lookahead() -> bool:
+    return _choice("MINIVLLM_DECODE_LOOKAHEAD", "0", ("0", "1")) == "1"
+
+
+DECODE_TILES = ("128x4x2", "128x4x1", "128x8x1", "128x8x2", "64x4x1", "64x4x2", "64x8x1",
+                "32x4x1")
+
+
+@functools.cache
+def decode_tile() -> tuple[int, int, int]:
+    """(BLOCK_N, warps, stages) of the 16-bit decode attention's tiles."""
+    block_n, warps, stages = _choice("MINIVLLM_DECODE_TILE", "128x4x2", DECODE_TILES).split("x")
+    return int(block_n), int(warps), int(stages)
+
+
+@functools.cache
 def decode_late_trigger() -> int:
     return int(_choice("MINIVLLM_DECODE_LATE_TRIGGER", "0", ("0", "4096")))
 
@@ -103,5 +124,5 @@ def graph_greedy() -> bool:
 def clear() -> None:
     """Forget the values read (tests that change the environment)."""
     for fn in (gemv_max_k_tile, gemv_silu_tile, gemv_wide, decode_prefetch, decode_min_split,
-               decode_late_trigger, decode_short, graph_greedy):
+               decode_lookahead, decode_tile, decode_late_trigger, decode_short, graph_greedy):
         fn.cache_clear()

@@ -13,6 +13,8 @@ GB/s and % are from the graph time.
     python scripts/bench_kernels.py --no-sweep
     python scripts/bench_kernels.py --only decode-fused   # GEMV table, fused ops, 32k decode
     python scripts/bench_kernels.py --only long-decode    # the engine's batch-1 attention, tiles
+    python scripts/bench_kernels.py --only decode-latency # ... 128 to 32k, next tile ahead or not;
+                                                          # the K/V gather's own ceiling
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 import triton.testing
 from minivllm.kernels.decode_attention import _tile_config as decode_tiles
 from minivllm.kernels.decode_attention import (
@@ -275,24 +279,32 @@ def long_decode_table(sms: int) -> None:
                       f"{graph:9.4f} {gbs:6.0f}")
 
 
-def long_fused_decode_table(sms: int) -> None:
+def fused_decode_table(sms: int, contexts: tuple[int, ...], sweep: str) -> None:
     """Batch 1 decode attention as the engine launches it (q/k norm + rotary + KV store in
-    the prologue, the first tile prefetched, splits of >= 512 positions), at 8k and 32k:
-    split counts x tile shapes. At 32k one layer reads 134 MB of K/V."""
+    the prologue, the first tile prefetched, splits of >= 512 positions): split counts x
+    tile shapes (`sweep` "splits") or tile shapes with and without the next tile's loads
+    issued ahead (`sweep` "lookahead"). One layer reads context x 32 KB of K/V (Qwen3)."""
     from minivllm.kernels.tuning import decode_min_split
 
     heads, head_dim = NUM_HEADS, HEAD_DIM
     default = decode_tiles(DTYPE)
-    tiles_list = [default] + [dict(default, **change) for change in (
-        dict(BLOCK_N=64), dict(BLOCK_N=64, num_stages=3), dict(num_stages=3),
-        dict(num_warps=8), dict(BLOCK_N=64, num_warps=8, num_stages=3),
-        dict(BLOCK_N=64, num_stages=4), dict(BLOCK_N=32, num_stages=4))]
-    print(f"\n{'batch 1 fused decode attention':32} {'variant':>28} {'graph us':>9} {'GB/s':>6}")
+    if sweep == "splits":
+        variants = [(default, False)] + [(dict(default, **change), False) for change in (
+            dict(BLOCK_N=64), dict(BLOCK_N=64, num_stages=3), dict(num_stages=3),
+            dict(num_warps=8), dict(BLOCK_N=64, num_warps=8, num_stages=3),
+            dict(BLOCK_N=64, num_stages=4), dict(BLOCK_N=32, num_stages=4))]
+    else:
+        variants = [(default, False), (dict(default, num_warps=8), False),
+                    (dict(default, BLOCK_N=64), False)] + [
+            (dict(default, BLOCK_N=n, num_warps=w, num_stages=st), True)
+            for n, w, st in ((128, 4, 1), (128, 8, 1), (64, 4, 1), (64, 8, 1), (128, 4, 2),
+                             (64, 4, 2), (32, 4, 1))]
+    print(f"\n{'batch 1 fused decode attention':32} {'variant':>34} {'graph us':>9} {'GB/s':>6}")
     qkv = torch.randn(1, (heads + 2 * NUM_KV_HEADS) * head_dim, device="cuda").to(DTYPE)
     cs = torch.randn(40960, head_dim, device="cuda")
     hw = torch.ones(head_dim, device="cuda", dtype=DTYPE)
     counters = decode_counters(1, NUM_KV_HEADS, "cuda")
-    for context in (8192, 32768):
+    for context in contexts:
         kv_bytes = context * NUM_KV_HEADS * head_dim * 2 * DTYPE.itemsize
         copies = min(64, -(-ROTATE_BYTES // kv_bytes))
         caches = [paged_kv([context], NUM_KV_HEADS, head_dim, 256, DTYPE, "cuda")
@@ -302,32 +314,85 @@ def long_fused_decode_table(sms: int) -> None:
         slots = [(c.block_tables[0, last:last + 1] * 256 + (context - 1) % 256).long()
                  for c in caches]
         chosen = choose_num_splits(1, NUM_KV_HEADS, context + 256, sms)
-        for splits in sorted({chosen, 16, 64}):
-            for tiles in tiles_list:
+        split_counts = sorted({chosen, 16, 64}) if sweep == "splits" else [chosen]
+        for splits in split_counts:
+            for tiles, lookahead in variants:
                 kw = dict(num_splits=splits, counters=counters, tile_config=tiles,
-                          prefetch=True, min_split_len=decode_min_split())
+                          prefetch=True, min_split_len=decode_min_split(), lookahead=lookahead)
                 calls = [
                     lambda a=(pos, qkv, heads, cs, c.k_cache, c.v_cache, slot, c.seq_lens,
                               c.block_tables, 0.088, hw, hw), kw=kw: qkv_decode_attention(
                         *a, **kw)
                     for c, slot in zip(caches, slots, strict=True)]
+                label = f"{describe_tiles(tiles)}{' ahead' if lookahead else ''}"
                 try:
                     t = graph_ms(calls)
                 except Exception as e:  # a shape out of shared memory: say so, go on
-                    print(f"{'ctx ' + str(context):32} {describe_tiles(tiles):>28} failed: "
-                          f"{type(e).__name__}")
+                    print(f"{'ctx ' + str(context):32} {label:>34} failed: {type(e).__name__}")
                     continue
-                mark = "*" if splits == chosen and tiles is default else " "
-                variant = f"splits {splits} {describe_tiles(tiles)}{mark}"
-                print(f"{'ctx ' + str(context):32} {variant:>28} {t * 1e3:9.1f} "
+                mark = "*" if splits == chosen and tiles is default and not lookahead else " "
+                variant = f"splits {splits} {label}{mark}"
+                print(f"{'ctx ' + str(context):32} {variant:>34} {t * 1e3:9.1f} "
                       f"{kv_bytes / (t * 1e-3) / 1e9:6.0f}", flush=True)
+
+
+@triton.jit
+def _gather_sum_kernel(k_ptr, v_ptr, table_ptr, out_ptr, seq_len, split_len,
+                       HEADS_PER_PROGRAM: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr):
+    """Reads K and V of `split_len` positions through the block table, as decode attention
+    does, and sums them (no attention math): the bandwidth the access pattern allows.
+    HEADS_PER_PROGRAM 1: one KV head's 256-byte rows (attention's pattern); NUM_KV_HEADS:
+    whole positions, contiguous across heads."""
+    group = tl.program_id(0)  # which heads
+    split = tl.program_id(1)
+    cols = group * HEADS_PER_PROGRAM * HEAD_DIM + tl.arange(0, HEADS_PER_PROGRAM * HEAD_DIM)
+    acc = tl.zeros([HEADS_PER_PROGRAM * HEAD_DIM], tl.float32)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    for tile in range(start, end, ROWS):
+        offs = tile + tl.arange(0, ROWS)
+        valid = offs < end
+        page = tl.load(table_ptr + offs // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        rows = (page * BLOCK_SIZE + offs % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM)
+        k = tl.load(k_ptr + rows[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + rows[:, None] + cols[None, :], mask=valid[:, None], other=0.0)
+        acc += tl.sum(k.to(tl.float32) + v.to(tl.float32), axis=0)
+    tl.store(out_ptr + (split * NUM_KV_HEADS * HEAD_DIM) + cols, acc)
+
+
+def gather_ceiling_table(contexts: tuple[int, ...]) -> None:
+    """What reading a context's K/V through the block table costs without the math: one
+    KV head a program (decode attention's pattern) against whole positions a program."""
+    print(f"\n{'K/V gather, no math':32} {'variant':>34} {'graph us':>9} {'GB/s':>6}")
+    for context in contexts:
+        kv_bytes = context * NUM_KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize
+        copies = min(64, -(-ROTATE_BYTES // kv_bytes))
+        caches = [paged_kv([context], NUM_KV_HEADS, HEAD_DIM, 256, DTYPE, "cuda")
+                  for _ in range(copies)]
+        for heads_per_program, splits, rows, warps, stages in (
+                (1, 32, 128, 4, 1), (1, 32, 128, 4, 3), (1, 64, 64, 4, 3), (1, 32, 128, 8, 3),
+                (8, 256, 16, 4, 1), (8, 256, 16, 4, 3), (8, 128, 32, 8, 3), (8, 512, 16, 4, 3)):
+            split_len = -(-context // splits)
+            out = torch.empty(splits, NUM_KV_HEADS * HEAD_DIM, device="cuda")
+            grid = (NUM_KV_HEADS // heads_per_program, splits)
+            consts = dict(HEADS_PER_PROGRAM=heads_per_program, NUM_KV_HEADS=NUM_KV_HEADS,
+                          HEAD_DIM=HEAD_DIM, BLOCK_SIZE=256, ROWS=rows, num_warps=warps,
+                          num_stages=stages)
+            calls = [lambda c=c, a=(out, context, split_len), g=grid, kw=consts:
+                     _gather_sum_kernel[g](c.k_cache, c.v_cache, c.block_tables, *a, **kw)
+                     for c in caches]
+            t = graph_ms(calls)
+            variant = f"{heads_per_program} head(s) x{splits} rows {rows} w{warps} s{stages}"
+            print(f"{'ctx ' + str(context):32} {variant:>34} {t * 1e3:9.1f} "
+                  f"{kv_bytes / (t * 1e-3) / 1e9:6.0f}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--no-sweep", action="store_true", help="default tiles only")
-    parser.add_argument("--only", choices=["attention", "decode-fused", "long-decode"],
-                        default=None)
+    parser.add_argument("--only", choices=["attention", "decode-fused", "long-decode",
+                                           "decode-latency"], default=None)
     opts = parser.parse_args()
     random.seed(0)
     torch.manual_seed(0)
@@ -335,7 +400,11 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()} ({sms} SMs), torch {torch.__version__}, "
           f"triton {triton.__version__}; Qwen3-0.6B attention, one layer, {DTYPE}")
     if opts.only == "long-decode":
-        long_fused_decode_table(sms)
+        fused_decode_table(sms, (8192, 32768), "splits")
+        return
+    if opts.only == "decode-latency":
+        fused_decode_table(sms, (128, 512, 2048, 8192, 32768), "lookahead")
+        gather_ceiling_table((8192, 32768))
         return
     if opts.only != "attention":
         gemv_table(not opts.no_sweep)

@@ -113,6 +113,11 @@ def decode_kernels(batch: int, context: int, steps: int = 5) -> None:
     kv_bytes = batch * (context + 50) * 2 * attn.num_kv_heads * attn.head_dim * itemsize
     per_step_matmuls = 4 * len(layers) + 1
     times: dict[str, float] = defaultdict(float)
+    # How far each kernel moves the step's end: with PDL a kernel overlaps the one before,
+    # so its own time overstates what it costs; this counts only its time past every
+    # earlier kernel's end (idle gaps excluded). The sum is the GPU's busy time.
+    critical: dict[str, float] = defaultdict(float)
+    frontier = float("-inf")
     calls: dict[str, int] = defaultdict(int)
     nbytes: dict[str, float] = defaultdict(float)
     matmul_index = 0
@@ -131,6 +136,9 @@ def decode_kernels(batch: int, context: int, steps: int = 5) -> None:
         elif "decode_attention" in name:
             nbytes[label] += kv_bytes
         times[label] += e.time_range.elapsed_us()
+        begin, end = e.time_range.start, e.time_range.end
+        critical[label] += max(0.0, end - max(frontier, begin))
+        frontier = max(frontier, end)
         calls[label] += 1
     aligned = matmul_index % per_step_matmuls == 0
     total = sum(times.values())
@@ -139,11 +147,15 @@ def decode_kernels(batch: int, context: int, steps: int = 5) -> None:
     if not aligned:
         print(f"NOTE: {matmul_index} matrix-product launches is not a multiple of "
               f"{per_step_matmuls}: projection labels are unreliable")
-    print(f"{'kernel':58} {'calls':>6} {'us/step':>9} {'share':>6} {'GB/s':>7}")
+    busy = sum(critical.values())
+    print(f"GPU busy {busy / steps:.1f} us a step (kernels' time past the earlier ones' end)")
+    print(f"{'kernel':58} {'calls':>6} {'us/step':>9} {'share':>6} {'GB/s':>7} "
+          f"{'critical':>9} {'share':>6}")
     for label, t in sorted(times.items(), key=lambda kv: -kv[1]):
         gbs = f"{nbytes[label] / (t * 1e-6) / 1e9:7.0f}" if nbytes[label] else ""
         print(f"{label:58} {calls[label] // steps:6d} {t / steps:9.1f} "
-              f"{100 * t / total:5.1f}% {gbs:>7}")
+              f"{100 * t / total:5.1f}% {gbs:>7} {critical[label] / steps:9.1f} "
+              f"{100 * critical[label] / busy:5.1f}%")
     llm.exit()
 
 

@@ -24,6 +24,8 @@ SWITCHES = {
     "silu_tile": {"MINIVLLM_GEMV_SILU_TILE": "8192"},
     "gemv_wide": {"MINIVLLM_GEMV_WIDE": "1"},
     "short": {"MINIVLLM_DECODE_SHORT": "1"},
+    "lookahead": {"MINIVLLM_DECODE_LOOKAHEAD": "1"},
+    "decode_tile": {"MINIVLLM_DECODE_TILE": "64x8x1"},
 }
 ALL_ON = {k: v for env in SWITCHES.values() for k, v in env.items()}
 # The measured winners are the defaults; this turns them off (the engine before them).

@@ -217,6 +217,12 @@ def check_decode_attention() -> None:
         # Any program may be the last to finish; the merge reads partials in split order.
         again = decode_attention(q, *args, scale, num_splits=4)  # its own zeroed counters
         assert torch.equal(again, out), "the merged output depends on the counters' source"
+        # The next tile's loads issued before the current tile's math: the same bits
+        # (the empty context's zeros included), with one split and with four.
+        for splits in (1, 4):
+            plain = decode_attention(q, *args, scale, num_splits=splits, lookahead=False)
+            ahead = decode_attention(q, *args, scale, num_splits=splits, lookahead=True)
+            assert torch.equal(ahead, plain), f"{name}: lookahead, {splits} splits"
 
 
 def check_decode_attention_many_splits() -> None:
@@ -441,6 +447,18 @@ def check_qkv_decode_attention() -> None:
             assert torch.equal(pre[real], out[real]), f"{name} splits {splits}: prefetch"
             assert torch.equal(k_pre, k_out) and torch.equal(v_pre, v_out), name
             assert not counters.any()
+            # Each program's next tile loaded before the current one's math, with and
+            # without the prefetched first tile: the same bits, the same cache.
+            for prefetch in (False, True):
+                k_la, v_la = cache.k_cache.clone(), cache.v_cache.clone()
+                ahead = qkv_decode_attention(positions, qkv, num_heads, cos_sin, k_la, v_la,
+                                             slots, *step, **weights, num_splits=splits,
+                                             counters=counters, prefetch=prefetch,
+                                             lookahead=True)
+                assert torch.equal(ahead[real], out[real]), (
+                    f"{name} splits {splits}: lookahead, prefetch={prefetch}")
+                assert torch.equal(k_la, k_out) and torch.equal(v_la, v_out), name
+                assert not counters.any()
         # Splits of at least 64 positions: 37 and 64 in one program (direct write), 129 in
         # three; with and without the prefetched first tile (which puts the padding row's
         # unstored token in its output: not compared).
@@ -513,15 +531,17 @@ def check_compile_sm90() -> None:
                k_norm_ptr="*bf16", qk_scale="fp32", eps="fp32")
     # Direct write; split + merge in one chunk; in four; with q/k norm + rotary + store.
     # The last two: the first K/V tile loaded before the PDL wait.
-    for splits, from_qkv, prefetch in ((1, False, False), (32, False, False),
-                                       (128, False, False), (32, True, False),
-                                       (32, True, True), (1, True, True)):
+    # The last two: each program's next tile loaded ahead of its math.
+    for splits, from_qkv, prefetch, lookahead in (
+            (1, False, False, False), (32, False, False, False), (128, False, False, False),
+            (32, True, False, False), (32, True, True, False), (1, True, True, False),
+            (32, True, True, True), (1, False, False, True)):
         _compile_sm90(_decode_attention_kernel, sig,
                       dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128,
                            BLOCK_SIZE=256, BLOCK_N=128, NUM_SPLITS=splits,
                            MERGE_CHUNK=min(splits, 32), FROM_QKV=from_qkv, QK_NORM=from_qkv,
                            DOT_PRECISION="tf32", PDL=True, PREFETCH=prefetch,
-                           MIN_SPLIT_LEN=512 if prefetch else 128,
+                           LOOKAHEAD=lookahead, MIN_SPLIT_LEN=512 if prefetch else 128,
                            LATE_TRIGGER=4096 if prefetch else 0), 4, 2)
 
 

@@ -568,14 +568,16 @@ def test_qkv_decode_attention_batch1_32k() -> None:
 @pytest.mark.parametrize("model", MODELS, ids=[m[0] for m in MODELS])
 def test_qkv_decode_attention_prefetch_and_min_split(model) -> None:
     """kernels/tuning.py's attention switches, bf16, contexts 1 to 8k (+ batch 1 at 32k):
-    the first K/V tile loaded before the wait gives the same bits and the same cache as
-    without it; splits of at least 512 positions agree with the float64 reference (1e-2)."""
+    the first K/V tile loaded before the wait, and each next tile loaded ahead of the
+    current one's math (three tile shapes), give the same bits and the same cache as
+    without; splits of at least 512 positions agree with the float64 reference (1e-2)."""
     from minivllm.kernels.decode_attention import (
+        _tile_config,
         decode_counters,
         qkv_decode_attention,
         qkv_decode_attention_ref,
     )
-    from minivllm.kernels.testing import paged_kv
+    from minivllm.kernels.testing import describe_tiles, paged_kv
 
     _, _, heads, kv_heads, head_dim, _, _ = model
     dtype = torch.bfloat16
@@ -598,19 +600,25 @@ def test_qkv_decode_attention_prefetch_and_min_split(model) -> None:
                                        **{k: w.double() for k, w in norms.items()})
         counters = decode_counters(n, kv_heads, DEVICE)
         for num_splits, min_split in ((None, None), (32, 512), (1, None)):
-            outs = []
-            for prefetch in (False, True):
-                k_out, v_out = cache.k_cache.clone(), cache.v_cache.clone()
-                out = qkv_decode_attention(positions, qkv, heads, cos_sin, k_out, v_out,
-                                           slots, *step, **norms, num_splits=num_splits,
-                                           counters=counters, prefetch=prefetch,
-                                           min_split_len=min_split)
-                name = (f"{model[0]} ctx {max(lens)} splits {num_splits} min {min_split} "
-                        f"prefetch {prefetch}")
-                _assert_close(name, out[real], ref[real], TOL[dtype])
-                outs.append((out[real], k_out, v_out))
-            assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True)), name
-            assert not counters.any()
+            for tiles in (None, dict(_tile_config(dtype), num_warps=8, num_stages=1),
+                          dict(_tile_config(dtype), BLOCK_N=64, num_warps=8, num_stages=1)):
+                outs = []
+                for prefetch, lookahead in ((False, False), (True, False), (True, True),
+                                            (False, True)):
+                    k_out, v_out = cache.k_cache.clone(), cache.v_cache.clone()
+                    out = qkv_decode_attention(positions, qkv, heads, cos_sin, k_out, v_out,
+                                               slots, *step, **norms, num_splits=num_splits,
+                                               counters=counters, prefetch=prefetch,
+                                               min_split_len=min_split, tile_config=tiles,
+                                               lookahead=lookahead)
+                    name = (f"{model[0]} ctx {max(lens)} splits {num_splits} min {min_split} "
+                            f"tiles {tiles and describe_tiles(tiles)} prefetch {prefetch} "
+                            f"lookahead {lookahead}")
+                    _assert_close(name, out[real], ref[real], TOL[dtype])
+                    outs.append((out[real], k_out, v_out))
+                    assert not counters.any()
+                for other in outs[1:]:
+                    assert all(torch.equal(a, b) for a, b in zip(outs[0], other, strict=True)), name
 
 
 def test_fill_tokens() -> None:
