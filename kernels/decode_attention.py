@@ -24,8 +24,8 @@ from minivllm.kernels.pdl import attention_pdl
 from minivllm.kernels.qkv_rotary_store import check_qkv_inputs, qkv_rotary_store_ref
 from minivllm.kernels.tuning import (
     decode_late_trigger,
-    decode_lookahead,
     decode_prefetch,
+    decode_short_tile,
     decode_tile,
 )
 
@@ -193,7 +193,6 @@ def _decode_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
     PREFETCH: tl.constexpr,  # FROM_QKV only: the first K/V tile is loaded before the wait
-    LOOKAHEAD: tl.constexpr,  # the next tile's loads go out before the current tile's math
     MIN_SPLIT_LEN: tl.constexpr,  # context positions a split takes at least (BLOCK_N's multiple)
     LATE_TRIGGER: tl.constexpr,  # PDL: contexts longer than this launch the next kernel late
 ):
@@ -279,39 +278,17 @@ def _decode_attention_kernel(
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    if LOOKAHEAD:
-        # Each iteration issues the next tile's loads before it attends the tile in hand,
-        # so a program always has a tile's loads in flight while it computes.
-        if not PREFETCH:
-            offs0 = start + tl.arange(0, BLOCK_N)
-            valid0 = offs0 < end
-            k0, v0 = load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, offs0, valid0,
-                                  head_offset, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-        k_cur, v_cur, valid_cur = k0, v0, valid0
-        for tile_start in range(start + BLOCK_N, end, BLOCK_N):
-            offs = tile_start + tl.arange(0, BLOCK_N)
-            valid = offs < end
-            k_next, v_next = load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, offs, valid,
-                                          head_offset, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-            m, l_sum, acc = attend_loaded_tile(q, m, l_sum, acc, k_cur, v_cur,
-                                               valid_cur[None, :], qk_scale, DOT_PRECISION)
-            k_cur, v_cur, valid_cur = k_next, v_next, valid
-        if end > start:  # an empty context (seq_len 0) attends nothing: zeros out
-            m, l_sum, acc = attend_loaded_tile(q, m, l_sum, acc, k_cur, v_cur,
-                                               valid_cur[None, :], qk_scale, DOT_PRECISION)
-    else:
-        loop_start = start
-        if PREFETCH:
-            m, l_sum, acc = attend_loaded_tile(q, m, l_sum, acc, k0, v0, valid0[None, :],
-                                               qk_scale, DOT_PRECISION)
-            loop_start = start + BLOCK_N
-        for tile_start in range(loop_start, end, BLOCK_N):
-            offs = tile_start + tl.arange(0, BLOCK_N)
-            valid = offs < end
-            m, l_sum, acc = attend_kv_tile(q, m, l_sum, acc, k_cache_ptr, v_cache_ptr,
-                                           block_table, offs, valid, valid[None, :],
-                                           head_offset, qk_scale, BLOCK_SIZE, NUM_KV_HEADS,
-                                           HEAD_DIM, DOT_PRECISION)
+    loop_start = start
+    if PREFETCH:
+        m, l_sum, acc = attend_loaded_tile(q, m, l_sum, acc, k0, v0, valid0[None, :],
+                                           qk_scale, DOT_PRECISION)
+        loop_start = start + BLOCK_N
+    for tile_start in range(loop_start, end, BLOCK_N):
+        offs = tile_start + tl.arange(0, BLOCK_N)
+        valid = offs < end
+        m, l_sum, acc = attend_kv_tile(q, m, l_sum, acc, k_cache_ptr, v_cache_ptr, block_table,
+                                       offs, valid, valid[None, :], head_offset, qk_scale,
+                                       BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, DOT_PRECISION)
     if PDL:
         if LATE_TRIGGER > 0 and seq_len > LATE_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
@@ -378,6 +355,17 @@ def _tile_config(dtype: torch.dtype) -> dict:
     return dict(BLOCK_N=block_n, DOT_PRECISION="tf32", num_warps=warps, num_stages=stages)
 
 
+def short_tile_config(dtype: torch.dtype) -> dict | None:
+    """Tiles of the engine's short launch (MINIVLLM_DECODE_SHORT: one program per KV head
+    over a context of at most DECODE_MIN_SPLIT positions); None keeps the default (fp32).
+    H200, batch 1, fused kernel alone: N128 w8 s2 took 6.4 us a layer at 128 positions and
+    14.1 at 512 against 7.3 and 15.3 with the default N128 w4 s2 (2026-12-04)."""
+    if dtype == torch.float32:
+        return None
+    block_n, warps, stages = decode_short_tile()
+    return dict(_tile_config(dtype), BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+
+
 def decode_counters(num_seqs: int, num_kv_heads: int, device: torch.device | str) -> torch.Tensor:
     """The split-completion counters `decode_attention` needs for up to `num_seqs` sequences:
     zeros, and zero again after every launch (the merging program resets its own). An
@@ -398,7 +386,6 @@ def decode_attention(
     counters: torch.Tensor | None = None,  # from `decode_counters`
     tile_config: dict | None = None,
     min_split_len: int | None = None,
-    lookahead: bool | None = None,
     check: bool = True,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Triton version of `decode_attention_ref`: one launch, no host sync.
@@ -408,9 +395,7 @@ def decode_attention(
     so the launch is graph-capturable. `num_splits` (a power of two) and `tile_config`
     override the choices (tests, benchmarks); so does `min_split_len` (context positions a
     split takes at least; default one tile; an engine passes MINIVLLM_DECODE_MIN_SPLIT,
-    kernels/tuning.py); so does `lookahead` (default MINIVLLM_DECODE_LOOKAHEAD: each
-    program loads its next K/V tile before it attends the current one; same result, bit
-    for bit); `check=False` skips the input checks (an
+    kernels/tuning.py); `check=False` skips the input checks (an
     engine checks each kernel's first launch). Without `counters` each call allocates
     zeroed ones (one memset launch more).
     """
@@ -419,8 +404,7 @@ def decode_attention(
         _check_decode_rows(q.shape[0], seq_lens, block_tables, counters)
     return _launch(q, q.shape[1], q.stride(0), q.stride(1), k_cache, v_cache, seq_lens,
                    block_tables, scale, max_seq_len, num_splits, counters, tile_config,
-                   min_split_len=min_split_len,
-                   lookahead=decode_lookahead() if lookahead is None else lookahead)
+                   min_split_len=min_split_len)
 
 
 def qkv_decode_attention_ref(
@@ -466,7 +450,6 @@ def qkv_decode_attention(
     tile_config: dict | None = None,
     prefetch: bool | None = None,
     min_split_len: int | None = None,
-    lookahead: bool | None = None,
     check: bool = True,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Triton version of `qkv_decode_attention_ref` in one launch (one token per
@@ -474,7 +457,7 @@ def qkv_decode_attention(
     program normalises and rotates its q heads; the one holding the new token stores its
     K/V first. Arguments as `qkv_rotary_store` and `decode_attention`; `prefetch` (default:
     MINIVLLM_DECODE_PREFETCH, kernels/tuning.py) loads each split's first K/V tile before
-    the PDL wait (same result, bit for bit); `lookahead` as `decode_attention`."""
+    the PDL wait (same result, bit for bit)."""
     if check:
         check_qkv_inputs(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache,
                          slot_mapping, q_norm_weight, k_norm_weight)
@@ -485,8 +468,7 @@ def qkv_decode_attention(
                    qkv=(positions, cos_sin_cache, q_norm_weight, k_norm_weight, slot_mapping,
                         eps),
                    prefetch=decode_prefetch() if prefetch is None else prefetch,
-                   min_split_len=min_split_len,
-                   lookahead=decode_lookahead() if lookahead is None else lookahead)
+                   min_split_len=min_split_len)
 
 
 def _check_decode_rows(num_seqs: int, seq_lens: torch.Tensor, block_tables: torch.Tensor,
@@ -518,7 +500,6 @@ def _launch(
     qkv: tuple | None = None,  # (positions, cos_sin, q_norm_w, k_norm_w, slot_mapping, eps)
     prefetch: bool = False,  # with `qkv` only
     min_split_len: int | None = None,
-    lookahead: bool = False,
 ) -> torch.Tensor:
     device = k_cache.device
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -595,7 +576,6 @@ def _launch(
         QK_NORM=qkv is not None and qk_norm,
         PDL=pdl,
         PREFETCH=prefetch and qkv is not None,
-        LOOKAHEAD=lookahead,
         MIN_SPLIT_LEN=triton.cdiv(max(min_split_len, 1), block_n) * block_n,
         LATE_TRIGGER=decode_late_trigger(),
         **config,

@@ -22,14 +22,16 @@ the same run and stay off.
 - MINIVLLM_GEMV_WIDE (0 | 1): batches of 2-8 rows take the GEMV for every projection but the
   LM head (cuBLAS measured faster for the wide ones alone, but without them the layer's
   norms and SiLU are separate launches again: eight a layer instead of five).
+- MINIVLLM_GEMV_L2_PREFETCH (0 | 1): the one-row o projection's programs, launched early
+  under PDL beside a decode attention that reads little at short contexts, pull the
+  layer's gate_up and down weights and the next layer's qkv weights into L2 before their
+  wait, so those GEMVs stream from L2 rather than DRAM.
 - MINIVLLM_DECODE_PREFETCH (0 | 1): decode attention loads its first K/V tile before the
   PDL wait (the cache is not written by the kernels before it) and splices the new token
   in from registers.
-- MINIVLLM_DECODE_LOOKAHEAD (0 | 1): each decode-attention program issues its next K/V
-  tile's loads before it attends the tile in hand (register double-buffering, on top of
-  the compiler's pipelining), so a long split always has a tile in flight.
 - MINIVLLM_DECODE_TILE (128x4x2 | ...): BLOCK_N x warps x stages of the 16-bit decode
-  attention's tiles.
+  attention's tiles; MINIVLLM_DECODE_SHORT_TILE (128x8x2 | ...) those of the short launch
+  (DECODE_SHORT), where one program per KV head makes latency, not bandwidth, the cost.
 - MINIVLLM_DECODE_MIN_SPLIT (0 | 256 | 512 | 1024): context positions a decode split takes
   at least in an engine's steps (0: one tile, the kernels' own default). A context up to
   that length is one program per KV head that writes its output directly: no partials
@@ -81,6 +83,11 @@ def gemv_wide() -> bool:
 
 
 @functools.cache
+def gemv_l2_prefetch() -> bool:
+    return _choice("MINIVLLM_GEMV_L2_PREFETCH", "0", ("0", "1")) == "1"
+
+
+@functools.cache
 def decode_prefetch() -> bool:
     return _choice("MINIVLLM_DECODE_PREFETCH", "1", ("0", "1")) == "1"
 
@@ -90,20 +97,25 @@ def decode_min_split() -> int:
     return int(_choice("MINIVLLM_DECODE_MIN_SPLIT", "512", ("0", "256", "512", "1024")))
 
 
-@functools.cache
-def decode_lookahead() -> bool:
-    return _choice("MINIVLLM_DECODE_LOOKAHEAD", "0", ("0", "1")) == "1"
-
-
 DECODE_TILES = ("128x4x2", "128x4x1", "128x8x1", "128x8x2", "64x4x1", "64x4x2", "64x8x1",
                 "32x4x1")
+
+
+def _tile(name: str, default: str) -> tuple[int, int, int]:
+    block_n, warps, stages = _choice(name, default, DECODE_TILES).split("x")
+    return int(block_n), int(warps), int(stages)
 
 
 @functools.cache
 def decode_tile() -> tuple[int, int, int]:
     """(BLOCK_N, warps, stages) of the 16-bit decode attention's tiles."""
-    block_n, warps, stages = _choice("MINIVLLM_DECODE_TILE", "128x4x2", DECODE_TILES).split("x")
-    return int(block_n), int(warps), int(stages)
+    return _tile("MINIVLLM_DECODE_TILE", "128x4x2")
+
+
+@functools.cache
+def decode_short_tile() -> tuple[int, int, int]:
+    """The same for the engine's short launch (DECODE_SHORT)."""
+    return _tile("MINIVLLM_DECODE_SHORT_TILE", "128x8x2")
 
 
 @functools.cache
@@ -123,6 +135,7 @@ def graph_greedy() -> bool:
 
 def clear() -> None:
     """Forget the values read (tests that change the environment)."""
-    for fn in (gemv_max_k_tile, gemv_silu_tile, gemv_wide, decode_prefetch, decode_min_split,
-               decode_lookahead, decode_tile, decode_late_trigger, decode_short, graph_greedy):
+    for fn in (gemv_max_k_tile, gemv_silu_tile, gemv_wide, gemv_l2_prefetch, decode_prefetch,
+               decode_min_split, decode_tile, decode_short_tile, decode_late_trigger, decode_short,
+               graph_greedy):
         fn.cache_clear()

@@ -13,7 +13,7 @@ GB/s and % are from the graph time.
     python scripts/bench_kernels.py --no-sweep
     python scripts/bench_kernels.py --only decode-fused   # GEMV table, fused ops, 32k decode
     python scripts/bench_kernels.py --only long-decode    # the engine's batch-1 attention, tiles
-    python scripts/bench_kernels.py --only decode-latency # ... 128 to 32k, next tile ahead or not;
+    python scripts/bench_kernels.py --only decode-latency # ... 128 to 32k, tile shapes;
                                                           # the K/V gather's own ceiling
 """
 
@@ -282,23 +282,21 @@ def long_decode_table(sms: int) -> None:
 def fused_decode_table(sms: int, contexts: tuple[int, ...], sweep: str) -> None:
     """Batch 1 decode attention as the engine launches it (q/k norm + rotary + KV store in
     the prologue, the first tile prefetched, splits of >= 512 positions): split counts x
-    tile shapes (`sweep` "splits") or tile shapes with and without the next tile's loads
-    issued ahead (`sweep` "lookahead"). One layer reads context x 32 KB of K/V (Qwen3)."""
+    tile shapes (`sweep` "splits") or tile shapes at the chosen split count ("tiles").
+    One layer reads context x 32 KB of K/V (Qwen3-0.6B)."""
     from minivllm.kernels.tuning import decode_min_split
 
     heads, head_dim = NUM_HEADS, HEAD_DIM
     default = decode_tiles(DTYPE)
+    changes = [dict(BLOCK_N=64), dict(num_warps=8)]
     if sweep == "splits":
-        variants = [(default, False)] + [(dict(default, **change), False) for change in (
-            dict(BLOCK_N=64), dict(BLOCK_N=64, num_stages=3), dict(num_stages=3),
-            dict(num_warps=8), dict(BLOCK_N=64, num_warps=8, num_stages=3),
-            dict(BLOCK_N=64, num_stages=4), dict(BLOCK_N=32, num_stages=4))]
+        changes += [dict(BLOCK_N=64, num_stages=3), dict(num_stages=3),
+                    dict(BLOCK_N=64, num_warps=8, num_stages=3), dict(BLOCK_N=64, num_stages=4),
+                    dict(BLOCK_N=32, num_stages=4)]
     else:
-        variants = [(default, False), (dict(default, num_warps=8), False),
-                    (dict(default, BLOCK_N=64), False)] + [
-            (dict(default, BLOCK_N=n, num_warps=w, num_stages=st), True)
-            for n, w, st in ((128, 4, 1), (128, 8, 1), (64, 4, 1), (64, 8, 1), (128, 4, 2),
-                             (64, 4, 2), (32, 4, 1))]
+        changes += [dict(num_warps=8, num_stages=1), dict(BLOCK_N=64, num_warps=8, num_stages=1),
+                    dict(BLOCK_N=32, num_warps=2, num_stages=1)]
+    variants = [default] + [dict(default, **change) for change in changes]
     print(f"\n{'batch 1 fused decode attention':32} {'variant':>34} {'graph us':>9} {'GB/s':>6}")
     qkv = torch.randn(1, (heads + 2 * NUM_KV_HEADS) * head_dim, device="cuda").to(DTYPE)
     cs = torch.randn(40960, head_dim, device="cuda")
@@ -316,21 +314,21 @@ def fused_decode_table(sms: int, contexts: tuple[int, ...], sweep: str) -> None:
         chosen = choose_num_splits(1, NUM_KV_HEADS, context + 256, sms)
         split_counts = sorted({chosen, 16, 64}) if sweep == "splits" else [chosen]
         for splits in split_counts:
-            for tiles, lookahead in variants:
+            for tiles in variants:
                 kw = dict(num_splits=splits, counters=counters, tile_config=tiles,
-                          prefetch=True, min_split_len=decode_min_split(), lookahead=lookahead)
+                          prefetch=True, min_split_len=decode_min_split())
                 calls = [
                     lambda a=(pos, qkv, heads, cs, c.k_cache, c.v_cache, slot, c.seq_lens,
                               c.block_tables, 0.088, hw, hw), kw=kw: qkv_decode_attention(
                         *a, **kw)
                     for c, slot in zip(caches, slots, strict=True)]
-                label = f"{describe_tiles(tiles)}{' ahead' if lookahead else ''}"
+                label = describe_tiles(tiles)
                 try:
                     t = graph_ms(calls)
                 except Exception as e:  # a shape out of shared memory: say so, go on
                     print(f"{'ctx ' + str(context):32} {label:>34} failed: {type(e).__name__}")
                     continue
-                mark = "*" if splits == chosen and tiles is default and not lookahead else " "
+                mark = "*" if splits == chosen and tiles is default else " "
                 variant = f"splits {splits} {label}{mark}"
                 print(f"{'ctx ' + str(context):32} {variant:>34} {t * 1e3:9.1f} "
                       f"{kv_bytes / (t * 1e-3) / 1e9:6.0f}", flush=True)
@@ -403,7 +401,7 @@ def main() -> None:
         fused_decode_table(sms, (8192, 32768), "splits")
         return
     if opts.only == "decode-latency":
-        fused_decode_table(sms, (128, 512, 2048, 8192, 32768), "lookahead")
+        fused_decode_table(sms, (128, 512, 2048, 8192, 32768), "tiles")
         gather_ceiling_table((8192, 32768))
         return
     if opts.only != "attention":

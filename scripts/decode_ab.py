@@ -36,9 +36,9 @@ VARIANTS: dict[str, dict[str, str]] = {
     "wide": {"MINIVLLM_GEMV_WIDE": "1"},
     "pdl1": {"MINIVLLM_PDL": "1"},
     "short": {"MINIVLLM_DECODE_SHORT": "1"},
-    "look128x8": {"MINIVLLM_DECODE_LOOKAHEAD": "1", "MINIVLLM_DECODE_TILE": "128x8x1"},
-    "look64x8": {"MINIVLLM_DECODE_LOOKAHEAD": "1", "MINIVLLM_DECODE_TILE": "64x8x1"},
     "tile128x8": {"MINIVLLM_DECODE_TILE": "128x8x2"},
+    "l2": {"MINIVLLM_GEMV_L2_PREFETCH": "1"},
+    "l2short": {"MINIVLLM_GEMV_L2_PREFETCH": "1", "MINIVLLM_DECODE_SHORT": "1"},
 }
 SHAPES = [("b1 128", 1, 128), ("b8 128", 8, 128), ("b1 32k", 1, 32768)]
 

@@ -266,6 +266,10 @@ class ModelRunner:
                 bucket = next((b for b in self.buckets if backend.decode_splits(b) == splits),
                               self.buckets[0])
                 batches.append((_dummy_batch([1] * bucket), splits))
+            first = self.buckets[0]
+            if backend.short_context and backend.decode_splits(first) != 1:
+                # The short launch (one split where the bucket takes more) has its own tiles.
+                batches.append((_dummy_batch([1] * first), 1))
         for b, splits in batches:
             input_ids, positions, meta = self.prepare(b)
             if splits is not None:

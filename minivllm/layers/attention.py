@@ -73,6 +73,10 @@ class AttentionBackend:
         self.block_size = block_size
         self.decode_kwargs: dict = {}  # buffers the decode kernel takes from its backend
 
+    def decode_launch(self, num_seqs: int, splits: int | None, dtype: torch.dtype) -> dict:
+        """Keyword arguments of a decode-attention launch beside its split count."""
+        return self.decode_kwargs
+
     def finish_metadata(self, meta: AttentionMetadata, num_seqs: int,
                         max_context: int | None = None) -> AttentionMetadata:
         """Add what this backend needs beyond the batch (once a step, not once a layer);
@@ -104,7 +108,7 @@ class AttentionBackend:
                 meta.block_tables,
                 scale,
                 num_splits=meta.decode_splits,
-                **self.decode_kwargs,
+                **self.decode_launch(q.shape[0], meta.decode_splits, k_cache.dtype),
             )
         return kernels.prefill_attention(
             q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale
@@ -145,7 +149,7 @@ class AttentionBackend:
                 k_norm_weight,
                 eps,
                 num_splits=meta.decode_splits,
-                **self.decode_kwargs,
+                **self.decode_launch(qkv.shape[0], meta.decode_splits, k_cache.dtype),
             )
         q = kernels.qkv_rotary_store(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache,
                                      meta.slot_mapping, q_norm_weight, k_norm_weight, eps)
@@ -210,6 +214,22 @@ class TritonAttentionBackend(AttentionBackend):
             "counters": decode_counters(max(decode_buckets), num_kv_heads, device),
             "min_split_len": decode_min_split(),  # kernels/tuning.py
         }
+        # The short launch (one program per KV head) has its own tiles: latency, not
+        # bandwidth, sets its time (MINIVLLM_DECODE_SHORT_TILE).
+        self._short_kwargs: dict[torch.dtype, dict] = {}
+
+    def decode_launch(self, num_seqs: int, splits: int | None, dtype: torch.dtype) -> dict:
+        """The short launch (its contexts fit one split, so `decode_splits` gave 1 where the
+        bucket takes more) gets the short tiles; graph capture and eager steps decide alike."""
+        if splits != 1 or not self.short_context or self.decode_splits(num_seqs) == 1:
+            return self.decode_kwargs
+        kwargs = self._short_kwargs.get(dtype)
+        if kwargs is None:
+            from minivllm.kernels.decode_attention import short_tile_config
+
+            kwargs = dict(self.decode_kwargs, tile_config=short_tile_config(dtype))
+            self._short_kwargs[dtype] = kwargs
+        return kwargs
 
     def decode_splits(self, num_seqs: int, max_context: int | None = None) -> int:
         """The split count of a decode launch for `num_seqs` sequences: the bucket's, or 1
