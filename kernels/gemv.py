@@ -19,7 +19,6 @@ activation dtype where they would be written to memory), so results equal
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -61,25 +60,6 @@ def rms_norm_gemv_ref(
     return (silu_and_mul_ref(y) if silu_mul else y), (x if residual is None else new_residual)
 
 
-L2_LINE = 128  # bytes
-
-
-@triton.jit
-def _prefetch_to_l2(base_ptr, lines, LINE_ELEMS: tl.constexpr, CHUNK: tl.constexpr):
-    """This program's share of `lines` 128-byte lines from `base_ptr` into L2, kept there
-    ahead of streaming data (evict_last); nothing waits for them."""
-    pid = tl.program_id(0)
-    share = tl.cdiv(lines, tl.num_programs(0))
-    first = pid * share
-    last = tl.minimum(first + share, lines)
-    for i in range(first, last, CHUNK):
-        line = tl.minimum(i + tl.arange(0, CHUNK), last - 1)  # the tail repeats a line
-        tl.inline_asm_elementwise(
-            "prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
-            [base_ptr + line.to(tl.int64) * LINE_ELEMS], dtype=tl.int32, is_pure=False,
-            pack=1)
-
-
 @triton.jit
 def _gemv_kernel(
     x_ptr,
@@ -97,12 +77,6 @@ def _gemv_kernel(
     stride_wn,
     stride_om,
     eps,
-    pf0_ptr,  # L2_PREFETCH: up to three weights later kernels read, and their 128-byte lines
-    pf0_lines,
-    pf1_ptr,
-    pf1_lines,
-    pf2_ptr,
-    pf2_lines,
     BLOCK_M: tl.constexpr,  # >= M; 16 with USE_DOT
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -114,8 +88,6 @@ def _gemv_kernel(
     DOT_PRECISION: tl.constexpr,
     ONE_TILE: tl.constexpr,  # BLOCK_K >= K
     PDL: tl.constexpr,  # launched with programmatic dependent launch (Hopper+)
-    L2_PREFETCH: tl.constexpr = 0,  # how many of pf0..pf2 to prefetch before the PDL wait
-    LINE_ELEMS: tl.constexpr = 64,  # elements of a prefetched weight in 128 bytes
 ):
     pid = tl.program_id(0)
     rows = tl.arange(0, BLOCK_M)
@@ -137,14 +109,6 @@ def _gemv_kernel(
         w_first = tl.load(w_ptr + w_offsets, mask=w_mask, other=0.0)  # [BLOCK_N, BLOCK_K]
         if SILU_MUL:
             w_up_first = tl.load(w_ptr + w_offsets + N * stride_wn, mask=w_mask, other=0.0)
-    # While the kernel before runs (a decode attention reads little at a short context),
-    # the weights of the kernels after this one are pulled into L2 (MINIVLLM_GEMV_L2_PREFETCH).
-    if L2_PREFETCH >= 1:
-        _prefetch_to_l2(pf0_ptr, pf0_lines, LINE_ELEMS, 256)
-    if L2_PREFETCH >= 2:
-        _prefetch_to_l2(pf1_ptr, pf1_lines, LINE_ELEMS, 256)
-    if L2_PREFETCH >= 3:
-        _prefetch_to_l2(pf2_ptr, pf2_lines, LINE_ELEMS, 256)
     if PDL:
         # Everything below reads the previous kernels' outputs or writes memory they
         # may still read: wait until they are complete and visible.
@@ -349,7 +313,7 @@ def _gemv_wins(m: int, n: int, k: int, dtype: torch.dtype, wide: bool = False) -
 
 
 def _launch(x, residual, norm_weight, weight, bias, out, residual_out, n, eps, config, *,
-            norm, silu_mul, l2_prefetch=()) -> None:
+            norm, silu_mul) -> None:
     m, k = x.shape
     cfg = dict(config or default_config(m, n, k, x.dtype, num_sms(x.device), silu_mul))
     explicit = cfg.pop("PDL", None)  # tests and benchmarks may force it either way
@@ -357,10 +321,6 @@ def _launch(x, residual, norm_weight, weight, bias, out, residual_out, n, eps, c
     block_n = cfg.pop("BLOCK_N")
     use_dot = cfg["USE_DOT"]
     block_m = 16 if use_dot else max(1, triton.next_power_of_2(m))
-    # Prefetching only pays before a PDL wait (while the kernel before still runs).
-    prefetch = list(l2_prefetch) if pdl else []
-    pf = [(t, t.numel() * t.element_size() // L2_LINE) for t in prefetch]
-    pf += [(weight, 0)] * (3 - len(pf))
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         x if residual is None else residual,
@@ -377,12 +337,6 @@ def _launch(x, residual, norm_weight, weight, bias, out, residual_out, n, eps, c
         weight.stride(0),
         out.stride(0),
         eps,
-        pf[0][0],
-        pf[0][1],
-        pf[1][0],
-        pf[1][1],
-        pf[2][0],
-        pf[2][1],
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         NORM=norm,
@@ -391,8 +345,6 @@ def _launch(x, residual, norm_weight, weight, bias, out, residual_out, n, eps, c
         SILU_MUL=silu_mul,
         ONE_TILE=cfg["BLOCK_K"] >= k,
         PDL=pdl,
-        L2_PREFETCH=len(prefetch),
-        LINE_ELEMS=L2_LINE // weight.element_size(),
         **cfg,
         **({"launch_pdl": True} if pdl else {}),
     )
@@ -417,28 +369,16 @@ def gemv(
     bias: torch.Tensor | None = None,  # [N]
     *,
     config: dict | None = None,
-    l2_prefetch: Sequence[torch.Tensor] = (),
     check: bool = True,
 ) -> torch.Tensor:  # [M, N]
     """Triton version of `gemv_ref` (fp32 accumulation); `config` overrides the tiles.
-    `l2_prefetch`: up to three weights that kernels after this one read; with PDL each
-    program pulls its share of them into L2 before it waits for the kernel before (an
-    engine passes the layer's MLP weights and the next layer's QKV to the o projection;
-    MINIVLLM_GEMV_L2_PREFETCH, kernels/tuning.py). The result does not change.
     `check=False` skips the input checks (an engine checks each kernel's first launch)."""
     if check:
         require_triton()
         _check(x, weight, bias)
-        if len(l2_prefetch) > 3:
-            raise ValueError(f"l2_prefetch takes at most 3 tensors, got {len(l2_prefetch)}")
-        for i, t in enumerate(l2_prefetch):  # read as whole lines of weight's dtype
-            check_tensor(f"l2_prefetch[{i}]", t, t.dim(), (weight.dtype,), device=x.device)
-            if not t.is_contiguous():
-                raise ValueError(f"l2_prefetch[{i}] must be contiguous, got strides {t.stride()}")
     n = weight.shape[0]
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-    _launch(x, None, None, weight, bias, out, None, n, 0.0, config, norm=False, silu_mul=False,
-            l2_prefetch=l2_prefetch)
+    _launch(x, None, None, weight, bias, out, None, n, 0.0, config, norm=False, silu_mul=False)
     return out
 
 

@@ -22,10 +22,6 @@ the same run and stay off.
 - MINIVLLM_GEMV_WIDE (0 | 1): batches of 2-8 rows take the GEMV for every projection but the
   LM head (cuBLAS measured faster for the wide ones alone, but without them the layer's
   norms and SiLU are separate launches again: eight a layer instead of five).
-- MINIVLLM_GEMV_L2_PREFETCH (0 | 1): the one-row o projection's programs, launched early
-  under PDL beside a decode attention that reads little at short contexts, pull the
-  layer's gate_up and down weights and the next layer's qkv weights into L2 before their
-  wait, so those GEMVs stream from L2 rather than DRAM.
 - MINIVLLM_DECODE_PREFETCH (0 | 1): decode attention loads its first K/V tile before the
   PDL wait (the cache is not written by the kernels before it) and splices the new token
   in from registers.
@@ -44,10 +40,11 @@ the same run and stay off.
   positions launch decode attention with one split (a launch of num_seqs x KV heads
   programs) instead of the bucket's split count (up to 32 times as many, all but one per
   KV head exiting at once). The result is the same bit for bit: such a context is one
-  split either way. Decode graphs are captured for both launches. H200, 2026-12-03 22:00
-  UTC, two rounds against the defaults: 1,174 vs 1,172 / 6,507 vs 6,602 / 596 vs 596, no
-  gain: the attention kept ~9.6 us a layer at 128 positions with 8 programs as with 256, so
-  the exiting programs were not what it costs. It stays off.
+  split either way (with the same tiles). Decode graphs are captured for both launches.
+  H200, 2026-12-03 22:00 UTC, with the bucket's tiles: 1,174 vs 1,172 / 6,507 vs 6,602 /
+  596 vs 596, no gain (the attention kept ~9.6 us a layer at 128 positions with 8 programs
+  as with 256). 2026-12-04 16:40 UTC, with its own tiles (DECODE_SHORT_TILE N128 w8): batch
+  1 at 128 1,291 vs 1,171, batch 8 6,749 vs 6,583, 32k 598 vs 599: on by default since.
 - MINIVLLM_GRAPH_GREEDY (0 | 1): the decode
   CUDA graphs also take the previous step's tokens as input and produce the greedy tokens,
   so an all-greedy decode step is two host-to-device copies, one replay and one copy back
@@ -80,11 +77,6 @@ def gemv_silu_tile() -> int:
 @functools.cache
 def gemv_wide() -> bool:
     return _choice("MINIVLLM_GEMV_WIDE", "0", ("0", "1")) == "1"
-
-
-@functools.cache
-def gemv_l2_prefetch() -> bool:
-    return _choice("MINIVLLM_GEMV_L2_PREFETCH", "0", ("0", "1")) == "1"
 
 
 @functools.cache
@@ -125,7 +117,7 @@ def decode_late_trigger() -> int:
 
 @functools.cache
 def decode_short() -> bool:
-    return _choice("MINIVLLM_DECODE_SHORT", "0", ("0", "1")) == "1"
+    return _choice("MINIVLLM_DECODE_SHORT", "1", ("0", "1")) == "1"
 
 
 @functools.cache
@@ -135,7 +127,7 @@ def graph_greedy() -> bool:
 
 def clear() -> None:
     """Forget the values read (tests that change the environment)."""
-    for fn in (gemv_max_k_tile, gemv_silu_tile, gemv_wide, gemv_l2_prefetch, decode_prefetch,
+    for fn in (gemv_max_k_tile, gemv_silu_tile, gemv_wide, decode_prefetch,
                decode_min_split, decode_tile, decode_short_tile, decode_late_trigger, decode_short,
                graph_greedy):
         fn.cache_clear()

@@ -23,7 +23,8 @@ import time
 # The defaults (kernels/tuning.py) are the measured winners; "off" is the engine before
 # them, the others add one switch to the defaults.
 OFF = {"MINIVLLM_GEMV_MAX_K": "2048", "MINIVLLM_DECODE_PREFETCH": "0",
-       "MINIVLLM_DECODE_MIN_SPLIT": "0", "MINIVLLM_GRAPH_GREEDY": "0"}
+       "MINIVLLM_DECODE_MIN_SPLIT": "0", "MINIVLLM_GRAPH_GREEDY": "0",
+       "MINIVLLM_DECODE_SHORT": "0"}
 VARIANTS: dict[str, dict[str, str]] = {
     "default": {},
     "off": OFF,
@@ -35,12 +36,14 @@ VARIANTS: dict[str, dict[str, str]] = {
     "silu8k": {"MINIVLLM_GEMV_SILU_TILE": "8192"},
     "wide": {"MINIVLLM_GEMV_WIDE": "1"},
     "pdl1": {"MINIVLLM_PDL": "1"},
-    "short": {"MINIVLLM_DECODE_SHORT": "1"},
+    "noshort": {"MINIVLLM_DECODE_SHORT": "0"},
+    "short_w4": {"MINIVLLM_DECODE_SHORT_TILE": "128x4x2"},
+    "short_s1": {"MINIVLLM_DECODE_SHORT_TILE": "128x8x1"},
+    "short_64": {"MINIVLLM_DECODE_SHORT_TILE": "64x8x1"},
+    "short1k": {"MINIVLLM_DECODE_MIN_SPLIT": "1024"},
     "tile128x8": {"MINIVLLM_DECODE_TILE": "128x8x2"},
-    "l2": {"MINIVLLM_GEMV_L2_PREFETCH": "1"},
-    "l2short": {"MINIVLLM_GEMV_L2_PREFETCH": "1", "MINIVLLM_DECODE_SHORT": "1"},
 }
-SHAPES = [("b1 128", 1, 128), ("b8 128", 8, 128), ("b1 32k", 1, 32768)]
+SHAPES = [("b1 128", 1, 128), ("b1 2k", 1, 2048), ("b8 128", 8, 128), ("b1 32k", 1, 32768)]
 
 
 def measure(new_tokens: int, repeats: int, model: str, long: int,

@@ -25,12 +25,12 @@ SWITCHES = {
     "gemv_wide": {"MINIVLLM_GEMV_WIDE": "1"},
     "short": {"MINIVLLM_DECODE_SHORT": "1"},
     "decode_tile": {"MINIVLLM_DECODE_TILE": "128x8x2", "MINIVLLM_DECODE_SHORT_TILE": "64x8x1"},
-    "l2_prefetch": {"MINIVLLM_GEMV_L2_PREFETCH": "1"},
 }
 ALL_ON = {k: v for env in SWITCHES.values() for k, v in env.items()}
 # The measured winners are the defaults; this turns them off (the engine before them).
 OFF = {"MINIVLLM_GEMV_MAX_K": "2048", "MINIVLLM_DECODE_PREFETCH": "0",
-       "MINIVLLM_DECODE_MIN_SPLIT": "0", "MINIVLLM_GRAPH_GREEDY": "0"}
+       "MINIVLLM_DECODE_MIN_SPLIT": "0", "MINIVLLM_GRAPH_GREEDY": "0",
+       "MINIVLLM_DECODE_SHORT": "0"}
 
 
 @pytest.fixture

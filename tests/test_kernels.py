@@ -342,10 +342,6 @@ def check_fused_wrapper_errors() -> None:
         (lambda: gemv(torch.randn(2, 7), w), "does not take x"),
         (lambda: gemv(torch.randn(2, 8), w.half()), "weight has dtype"),
         (lambda: gemv(torch.randn(2, 8), w, torch.randn(5)), "bias has 5"),
-        (lambda: gemv(torch.randn(2, 8), w, l2_prefetch=[w] * 4), "at most 3 tensors, got 4"),
-        (lambda: gemv(torch.randn(2, 8), w, l2_prefetch=[w, w.half()]),
-         "l2_prefetch[1] has dtype"),
-        (lambda: gemv(torch.randn(2, 8), w, l2_prefetch=[w.t()]), "l2_prefetch[0] must be"),
         (lambda: rms_norm_gemv(torch.randn(2, 8), None, torch.ones(7), 1e-6, w), "norm_weight"),
         (lambda: rms_norm_gemv(torch.randn(2, 8), None, torch.ones(8), 1e-6, w[:5],
                                silu_mul=True), "even number"),
@@ -500,7 +496,7 @@ def check_compile_sm90() -> None:
                  DOT_PRECISION="tf32")
     _compile_sm90(_gemv_kernel, {**bf16, "eps": "fp32"},
                   dict(flags, BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, USE_DOT=False, ONE_TILE=True,
-                       PDL=True, L2_PREFETCH=3))  # three weights pulled into L2 (inline PTX)
+                       PDL=True))
     _compile_sm90(_gemv_kernel, {**bf16, "eps": "fp32"},
                   dict(flags, BLOCK_M=16, BLOCK_N=16, BLOCK_K=512, USE_DOT=True, ONE_TILE=False,
                        PDL=True),
@@ -591,37 +587,6 @@ def test_gemv_choice_is_per_row_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
         assert gemv.gemv_wins(1, 7, 5, torch.bfloat16) == gemv._wins_by_default(1)
     finally:
         gemv._gemv_wins.cache_clear()
-
-
-def test_l2_prefetch_switch_wires_the_later_weights(monkeypatch: pytest.MonkeyPatch) -> None:
-    """MINIVLLM_GEMV_L2_PREFETCH=1: each layer's o projection names the layer's gate_up and
-    down and the next layer's qkv (the last layer: its MLP only), outside the module tree
-    (the checkpoint's parameters are unchanged); off, it names none."""
-    from minivllm.kernels import tuning
-
-    from minivllm.config import ModelConfig
-    from minivllm.models.llama import LlamaForCausalLM
-
-    config = ModelConfig(num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2,
-                         head_dim=16, intermediate_size=128, vocab_size=256)
-    monkeypatch.setenv("MINIVLLM_GEMV_L2_PREFETCH", "1")
-    tuning.clear()
-    try:
-        model = LlamaForCausalLM(config)
-        monkeypatch.setenv("MINIVLLM_GEMV_L2_PREFETCH", "0")
-        tuning.clear()
-        plain = LlamaForCausalLM(config)
-        off_names = [n for n, _ in plain.named_parameters()]
-    finally:
-        tuning.clear()
-    layers = model.model.layers
-    for i, layer in enumerate(layers):
-        want = [layer.mlp.gate_up_proj, layer.mlp.down_proj]
-        if i + 1 < len(layers):
-            want.append(layers[i + 1].self_attn.qkv_proj)
-        assert list(layer.self_attn.o_proj.l2_prefetch_from) == want
-        assert plain.model.layers[i].self_attn.o_proj.l2_prefetch_from == ()
-    assert [n for n, _ in model.named_parameters()] == off_names
 
 
 def test_kernel_modules_import_without_triton() -> None:

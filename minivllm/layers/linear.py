@@ -21,11 +21,9 @@ def cuda_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     gemv: Callable | None = None,
-    l2_prefetch: tuple[torch.Tensor, ...] = (),
 ):
     """F.linear on CUDA, or `gemv` (the kernel set's Triton GEMV; None: not in the set)
-    for the few-row shapes where it measured faster than cuBLAS (kernels/gemv.py's table);
-    the GEMV pulls `l2_prefetch` (later kernels' weights) into L2 as it starts."""
+    for the few-row shapes where it measured faster than cuBLAS (kernels/gemv.py's table)."""
     from minivllm.kernels.gemv import MAX_ROWS, gemv_wins
 
     if (
@@ -35,8 +33,6 @@ def cuda_linear(
         and x.stride(1) == 1
         and gemv_wins(x.shape[0], *weight.shape, x.dtype)
     ):
-        if l2_prefetch:
-            return gemv(x, weight, bias, l2_prefetch=l2_prefetch)
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -58,9 +54,6 @@ class LinearBase(nn.Module):
         # A weight-only bf16 / int8 copy replacing the weight on CPU (cpu_linear.lowp_linears).
         self.lowp: cpu_linear.LowpWeight | None = None
         self.kernels = ops.TORCH_KERNELS  # the engine binds its own set (ops.bind_kernels)
-        # Layers whose weights the kernels after this one read: a one-row GEMV pulls them
-        # into L2 while it waits (a plain tuple: not submodules; set by the model).
-        self.l2_prefetch_from: tuple[LinearBase, ...] = ()
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         param.data.copy_(loaded)
@@ -70,8 +63,7 @@ class LinearBase(nn.Module):
 
     def _linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.is_cuda:
-            prefetch = tuple(layer.weight for layer in self.l2_prefetch_from)
-            return cuda_linear(x, self.weight, bias, self.kernels.gemv, prefetch)
+            return cuda_linear(x, self.weight, bias, self.kernels.gemv)
         return cpu_linear.linear(x, self.weight, bias, self.packed, self.lowp)
 
 

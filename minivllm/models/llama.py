@@ -12,7 +12,6 @@ from torch import nn
 
 from minivllm.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from minivllm.kernels.gemv import gemv_wins
-from minivllm.kernels.tuning import gemv_l2_prefetch
 
 from ..config import ModelConfig
 from ..distributed import get_tp_size
@@ -155,15 +154,6 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, rotary_emb) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        if gemv_l2_prefetch():
-            # The o projection starts beside the attention (PDL), when little else reads
-            # memory: it pulls the weights of the three GEMVs after it into L2.
-            for layer, after in zip(self.layers, [*self.layers[1:], None], strict=True):
-                mlp = layer.mlp
-                later = (mlp.gate_up_proj, mlp.down_proj)
-                if after is not None:
-                    later += (after.self_attn.qkv_proj,)
-                layer.self_attn.o_proj.l2_prefetch_from = later
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
