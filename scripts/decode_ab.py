@@ -41,6 +41,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     "short_s1": {"MINIVLLM_DECODE_SHORT_TILE": "128x8x1"},
     "short_64": {"MINIVLLM_DECODE_SHORT_TILE": "64x8x1"},
     "short1k": {"MINIVLLM_DECODE_MIN_SPLIT": "1024"},
+    "split256": {"MINIVLLM_DECODE_MIN_SPLIT": "256"},
     "tile128x8": {"MINIVLLM_DECODE_TILE": "128x8x2"},
 }
 SHAPES = [("b1 128", 1, 128), ("b1 2k", 1, 2048), ("b8 128", 8, 128), ("b1 32k", 1, 32768)]
