@@ -28,7 +28,7 @@ the same run and stay off.
 - MINIVLLM_DECODE_TILE (128x4x2 | ...): BLOCK_N x warps x stages of the 16-bit decode
   attention's tiles; MINIVLLM_DECODE_SHORT_TILE (128x8x2 | ...) those of the short launch
   (DECODE_SHORT), where one program per KV head makes latency, not bandwidth, the cost.
-- MINIVLLM_DECODE_MIN_SPLIT (0 | 256 | 512 | 1024): context positions a decode split takes
+- MINIVLLM_DECODE_MIN_SPLIT (0 | 128 | 256 | 512 | 1024): context positions a decode split takes
   at least in an engine's steps (0: one tile, the kernels' own default). A context up to
   that length is one program per KV head that writes its output directly: no partials
   and no merge on the step's critical path.
@@ -86,7 +86,7 @@ def decode_prefetch() -> bool:
 
 @functools.cache
 def decode_min_split() -> int:
-    return int(_choice("MINIVLLM_DECODE_MIN_SPLIT", "512", ("0", "256", "512", "1024")))
+    return int(_choice("MINIVLLM_DECODE_MIN_SPLIT", "512", ("0", "128", "256", "512", "1024")))
 
 
 DECODE_TILES = ("128x4x2", "128x4x1", "128x8x1", "128x8x2", "64x4x1", "64x4x2", "64x8x1",

@@ -42,9 +42,11 @@ VARIANTS: dict[str, dict[str, str]] = {
     "short_64": {"MINIVLLM_DECODE_SHORT_TILE": "64x8x1"},
     "short1k": {"MINIVLLM_DECODE_MIN_SPLIT": "1024"},
     "split256": {"MINIVLLM_DECODE_MIN_SPLIT": "256"},
+    "split128": {"MINIVLLM_DECODE_MIN_SPLIT": "128"},
     "tile128x8": {"MINIVLLM_DECODE_TILE": "128x8x2"},
 }
-SHAPES = [("b1 128", 1, 128), ("b1 2k", 1, 2048), ("b8 128", 8, 128), ("b1 32k", 1, 32768)]
+SHAPES = [("b1 128", 1, 128), ("b1 512", 1, 512), ("b1 2k", 1, 2048), ("b8 128", 8, 128),
+          ("b1 32k", 1, 32768)]
 
 
 def measure(new_tokens: int, repeats: int, model: str, long: int,
