@@ -28,23 +28,27 @@ the same run and stay off.
 - MINIVLLM_DECODE_TILE (128x4x2 | ...): BLOCK_N x warps x stages of the 16-bit decode
   attention's tiles; MINIVLLM_DECODE_SHORT_TILE (128x8x2 | ...) those of the short launch
   (DECODE_SHORT), where one program per KV head makes latency, not bandwidth, the cost.
-- MINIVLLM_DECODE_MIN_SPLIT (0 | 128 | 256 | 512 | 1024): context positions a decode split takes
-  at least in an engine's steps (0: one tile, the kernels' own default). A context up to
-  that length is one program per KV head that writes its output directly: no partials
-  and no merge on the step's critical path.
+- MINIVLLM_DECODE_MIN_SPLIT (0 | 128 | 256 | 512 | 1024): context positions a decode split
+  takes at least in an engine's steps (0: one tile, the kernels' own default); a context
+  up to that length is one program per KV head that writes its output directly (no
+  partials, no merge). H200, 2026-12-04, batch 1 at 128 / 512 / 2k / 32k and batch 8 at
+  128: 512 gave 1,293 / 1,003 / 975 / 599 / 6,755 tok/s, 256 1,294 / 1,142 / 1,119 / 599 /
+  6,767, 128 1,162 / 1,183 / 1,188 / 599 / 5,948 (there 128-256 contexts lost the short
+  launch, which DECODE_SHORT now keeps apart): 128 since.
 - MINIVLLM_DECODE_LATE_TRIGGER (0 | 4096): with PDL, decode attention over a context longer
   than this lets the next kernel launch only after its K/V loop (0: at its start). Long
   contexts run the split kernel in two waves; the o projection's waiting programs would
   take room from the second.
-- MINIVLLM_DECODE_SHORT (0 | 1): steps whose longest context is at most DECODE_MIN_SPLIT
-  positions launch decode attention with one split (a launch of num_seqs x KV heads
-  programs) instead of the bucket's split count (up to 32 times as many, all but one per
-  KV head exiting at once). The result is the same bit for bit: such a context is one
-  split either way (with the same tiles). Decode graphs are captured for both launches.
-  H200, 2026-12-03 22:00 UTC, with the bucket's tiles: 1,174 vs 1,172 / 6,507 vs 6,602 /
-  596 vs 596, no gain (the attention kept ~9.6 us a layer at 128 positions with 8 programs
-  as with 256). 2026-12-04 16:40 UTC, with its own tiles (DECODE_SHORT_TILE N128 w8): batch
-  1 at 128 1,291 vs 1,171, batch 8 6,749 vs 6,583, 32k 598 vs 599: on by default since.
+- MINIVLLM_DECODE_SHORT (0 | 128 | 256 | 512 | 1024): steps whose longest context is at
+  most this many positions launch decode attention with one split (num_seqs x KV heads
+  programs, DECODE_SHORT_TILE's tiles) instead of the bucket's split count; 0: never.
+  Decode graphs are captured for both launches. With the bucket's tiles and contexts up
+  to DECODE_MIN_SPLIT, the result is the same bit for bit. H200, 2026-12-03 22:00 UTC,
+  with the bucket's tiles: 1,174 vs 1,172 / 6,507 vs 6,602 / 596 vs 596, no gain (the
+  attention kept ~9.6 us a layer at 128 positions with 8 programs as with 256).
+  2026-12-04 16:40 UTC, with its own tiles (N128 w8): batch 1 at 128 1,291 vs 1,171,
+  batch 8 6,749 vs 6,583, 32k 598 vs 599; at 512 positions the one program per KV head
+  lost to splits of 256 (1,003 vs 1,142 tok/s): up to 256 positions since.
 - MINIVLLM_GRAPH_GREEDY (0 | 1): the decode
   CUDA graphs also take the previous step's tokens as input and produce the greedy tokens,
   so an all-greedy decode step is two host-to-device copies, one replay and one copy back
@@ -86,7 +90,7 @@ def decode_prefetch() -> bool:
 
 @functools.cache
 def decode_min_split() -> int:
-    return int(_choice("MINIVLLM_DECODE_MIN_SPLIT", "512", ("0", "128", "256", "512", "1024")))
+    return int(_choice("MINIVLLM_DECODE_MIN_SPLIT", "128", ("0", "128", "256", "512", "1024")))
 
 
 DECODE_TILES = ("128x4x2", "128x4x1", "128x8x1", "128x8x2", "64x4x1", "64x4x2", "64x8x1",
@@ -116,8 +120,8 @@ def decode_late_trigger() -> int:
 
 
 @functools.cache
-def decode_short() -> bool:
-    return _choice("MINIVLLM_DECODE_SHORT", "1", ("0", "1")) == "1"
+def decode_short_max() -> int:
+    return int(_choice("MINIVLLM_DECODE_SHORT", "256", ("0", "128", "256", "512", "1024")))
 
 
 @functools.cache
@@ -128,6 +132,6 @@ def graph_greedy() -> bool:
 def clear() -> None:
     """Forget the values read (tests that change the environment)."""
     for fn in (gemv_max_k_tile, gemv_silu_tile, gemv_wide, decode_prefetch,
-               decode_min_split, decode_tile, decode_short_tile, decode_late_trigger, decode_short,
+               decode_min_split, decode_tile, decode_short_tile, decode_late_trigger, decode_short_max,
                graph_greedy):
         fn.cache_clear()

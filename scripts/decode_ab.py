@@ -37,6 +37,8 @@ VARIANTS: dict[str, dict[str, str]] = {
     "wide": {"MINIVLLM_GEMV_WIDE": "1"},
     "pdl1": {"MINIVLLM_PDL": "1"},
     "noshort": {"MINIVLLM_DECODE_SHORT": "0"},
+    # The engine before 2026-12-04's short launch and splits of 128.
+    "start": {"MINIVLLM_DECODE_SHORT": "0", "MINIVLLM_DECODE_MIN_SPLIT": "512"},
     "short_w4": {"MINIVLLM_DECODE_SHORT_TILE": "128x4x2"},
     "short_s1": {"MINIVLLM_DECODE_SHORT_TILE": "128x8x1"},
     "short_64": {"MINIVLLM_DECODE_SHORT_TILE": "64x8x1"},

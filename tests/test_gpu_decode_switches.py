@@ -23,7 +23,7 @@ SWITCHES = {
     "late_trigger": {"MINIVLLM_DECODE_LATE_TRIGGER": "4096"},
     "silu_tile": {"MINIVLLM_GEMV_SILU_TILE": "8192"},
     "gemv_wide": {"MINIVLLM_GEMV_WIDE": "1"},
-    "short": {"MINIVLLM_DECODE_SHORT": "1"},
+    "short": {"MINIVLLM_DECODE_SHORT": "512"},
     "decode_tile": {"MINIVLLM_DECODE_TILE": "128x8x2", "MINIVLLM_DECODE_SHORT_TILE": "64x8x1"},
 }
 ALL_ON = {k: v for env in SWITCHES.values() for k, v in env.items()}
@@ -186,13 +186,14 @@ def test_switch_graph_equals_eager_bf16(name, switches):
 def test_short_launch_gives_the_same_tokens(switches):
     """bf16, graphs: steps whose contexts fit in one split replay the one-split graphs
     (DECODE_SHORT) and give the tokens of the bucket's launch bit for bit when the short
-    launch keeps the bucket's tiles (its own tiles reduce in another order: their kernel
+    launch keeps the bucket's tiles and its contexts fit one of the bucket's splits (its
+    own tiles reduce in another order: their kernel
     is checked against the reference in test_kernels_gpu.py, their graphs against eager
     steps in test_switch_graph_equals_eager_bf16)."""
     short_graphs: list[int] = []
-    short = _dummy_tokens({"MINIVLLM_DECODE_SHORT": "1", "MINIVLLM_DECODE_SHORT_TILE": "128x4x2"},
-                          switches, short_graphs)
-    full = _dummy_tokens({"MINIVLLM_DECODE_SHORT": "0"}, switches)
+    same = {"MINIVLLM_DECODE_MIN_SPLIT": "512", "MINIVLLM_DECODE_SHORT_TILE": "128x4x2"}
+    short = _dummy_tokens({**same, "MINIVLLM_DECODE_SHORT": "512"}, switches, short_graphs)
+    full = _dummy_tokens({**same, "MINIVLLM_DECODE_SHORT": "0"}, switches)
     assert short_graphs and short == full
 
 

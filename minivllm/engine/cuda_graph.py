@@ -236,9 +236,9 @@ class CUDAGraphRunner:
             self._num_staged = 0
 
         self.graphs: dict[int, torch.cuda.CUDAGraph | EagerReplay] = {}
-        # Buckets whose split count is above one also get a graph with one split, for
-        # steps whose contexts all fit in one (`decode_splits(bucket, 1)`: kernels/tuning.py's
-        # DECODE_SHORT; the same tokens, a launch of 1 / splits the programs).
+        # Buckets whose split count is above one also get a graph with one split (the short
+        # launch, its own tiles), for steps whose contexts are all short
+        # (`decode_splits(bucket, 1)`: kernels/tuning.py's DECODE_SHORT).
         self.short_graphs: dict[int, torch.cuda.CUDAGraph | EagerReplay] = {}
         self.prefill_graphs: dict[int, torch.cuda.CUDAGraph | EagerReplay] = {}
         self.pool = None

@@ -304,8 +304,8 @@ class ModelRunner:
         )
 
     def decode_splits(self, num_seqs: int, max_context: int | None = None) -> int | None:
-        """Decode attention's split count for a batch: its bucket's, or one split where
-        the longest context fits in one anyway (kernels/tuning.py's DECODE_SHORT)."""
+        """Decode attention's split count for a batch: its bucket's, or one split (the short
+        launch) where the longest context is short (kernels/tuning.py's DECODE_SHORT)."""
         backend = self.attn_backend
         if isinstance(backend, TritonAttentionBackend):
             return backend.decode_splits(num_seqs, max_context)

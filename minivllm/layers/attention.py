@@ -197,7 +197,7 @@ class TritonAttentionBackend(AttentionBackend):
         device: torch.device,
     ) -> None:
         from minivllm.kernels.decode_attention import decode_counters
-        from minivllm.kernels.tuning import decode_min_split, decode_short
+        from minivllm.kernels.tuning import decode_min_split, decode_short_max
 
         super().__init__(kernels, block_size)
         self.num_kv_heads = num_kv_heads
@@ -205,9 +205,9 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_buckets = decode_buckets
         self.num_sms = num_sms
         self._splits: dict[int, int] = {}
-        # A context of at most this many positions is one split whatever the launch's
-        # split count (kernels/tuning.py's DECODE_SHORT): 0 turns the short launch off.
-        self.short_context = decode_min_split() if decode_short() else 0
+        # Steps whose contexts are all at most this long take the short launch, one split
+        # (kernels/tuning.py's DECODE_SHORT; 0: never).
+        self.short_context = decode_short_max()
         # NOTE: allocated once, outside every graph: the split kernel's last program of each
         # (sequence, KV head) merges the partials and zeroes its counter for the next layer.
         self.decode_kwargs = {
@@ -219,8 +219,8 @@ class TritonAttentionBackend(AttentionBackend):
         self._short_kwargs: dict[torch.dtype, dict] = {}
 
     def decode_launch(self, num_seqs: int, splits: int | None, dtype: torch.dtype) -> dict:
-        """The short launch (its contexts fit one split, so `decode_splits` gave 1 where the
-        bucket takes more) gets the short tiles; graph capture and eager steps decide alike."""
+        """The short launch (every context short, so `decode_splits` gave 1 where the bucket
+        takes more) gets the short tiles; graph capture and eager steps decide alike."""
         if splits != 1 or not self.short_context or self.decode_splits(num_seqs) == 1:
             return self.decode_kwargs
         kwargs = self._short_kwargs.get(dtype)
@@ -233,7 +233,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def decode_splits(self, num_seqs: int, max_context: int | None = None) -> int:
         """The split count of a decode launch for `num_seqs` sequences: the bucket's, or 1
-        when the longest context (`max_context`, if known) fits in one split anyway."""
+        (the short launch) when the longest context (`max_context`, if known) is at most
+        `short_context` positions."""
         if max_context is not None and max_context <= self.short_context:
             return 1
         splits = self._splits.get(num_seqs)
