@@ -131,7 +131,7 @@ def graph_greedy() -> bool:
 
 def clear() -> None:
     """Forget the values read (tests that change the environment)."""
-    for fn in (gemv_max_k_tile, gemv_silu_tile, gemv_wide, decode_prefetch,
-               decode_min_split, decode_tile, decode_short_tile, decode_late_trigger, decode_short_max,
+    for fn in (gemv_max_k_tile, gemv_silu_tile, gemv_wide, decode_prefetch, decode_min_split,
+               decode_tile, decode_short_tile, decode_late_trigger, decode_short_max,
                graph_greedy):
         fn.cache_clear()
