@@ -3,7 +3,8 @@
 // the paged pool, grouped attention over each sequence's context, the output product, the
 // second norm, gate/up, SiLU * up and down (kernels/cpu_decode_step.py: the wrapper, and
 // why). fp32 activations and KV cache; each linear's weight is either fp32 [N, K] (MKL, the
-// same call as F.linear) or a weight-only copy (lowp_linear, group_linear).
+// same call as F.linear) or a weight-only copy (lowp_linear, group_linear: with
+// `int8_activations`, its q4_1 / q8_0 products quantize their inputs to int8 per group).
 //
 // Built after cpu_lowp_linear.cpp as one translation unit (one extension): it calls that
 // file's `lowp_linear` / `group_linear` and adds its op to the same `minivllm_cpu` library.
@@ -24,11 +25,12 @@ struct Linear {
   const std::optional<at::Tensor>& scales;
   const std::optional<at::Tensor>& mins;
   const std::optional<at::Tensor>& bias;
+  bool int8_act;  // group formats: int8 activations (group_linear's VNNI path)
 
   at::Tensor operator()(const at::Tensor& x, int64_t n) const {
     if (weight.dim() != 3) return at::linear(x, weight, bias);
     if (scales.has_value() && scales->scalar_type() == at::kHalf)
-      return group_linear(x, weight, *scales, mins, bias, n);
+      return group_linear(x, weight, *scales, mins, bias, n, int8_act);
     return lowp_linear(x, weight, scales, bias, n);
   }
 };
@@ -311,7 +313,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const c10::List<std::optional<at::Tensor>>& biases, at::Tensor& kv_cache,
     const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
     const at::Tensor& positions_in, const at::Tensor& cos_sin_cache, int64_t num_heads,
-    double scale, double eps, double qk_eps) {
+    double scale, double eps, double qk_eps, bool int8_act) {
   const int64_t num_layers = (int64_t)norms.size() / 2;
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat,
               "decode_layers: x must be fp32 [num_seqs, hidden]");
@@ -369,10 +371,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
       mn[i] = mins.get(4 * l + i);
       bs[i] = biases.get(4 * l + i);
     }
-    const Linear qkv{weights[4 * l], sc[0], mn[0], bs[0]};
-    const Linear o_proj{weights[4 * l + 1], sc[1], mn[1], bs[1]};
-    const Linear gate_up{weights[4 * l + 2], sc[2], mn[2], bs[2]};
-    const Linear down{weights[4 * l + 3], sc[3], mn[3], bs[3]};
+    const Linear qkv{weights[4 * l], sc[0], mn[0], bs[0], int8_act};
+    const Linear o_proj{weights[4 * l + 1], sc[1], mn[1], bs[1], int8_act};
+    const Linear gate_up{weights[4 * l + 2], sc[2], mn[2], bs[2], int8_act};
+    const Linear down{weights[4 * l + 3], sc[3], mn[3], bs[3], int8_act};
 
     // residual += x (layer 0: residual = x); h = rms_norm(residual) * ln1
     float* xp = x.data_ptr<float>();
@@ -485,7 +487,7 @@ TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
       "decode_layers(Tensor x, Tensor[] norms, Tensor?[] qk_norms, Tensor[] weights, "
       "Tensor?[] scales, Tensor?[] mins, Tensor?[] biases, Tensor(a!) kv_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor positions, Tensor cos_sin_cache, int num_heads, float scale, "
-      "float eps, float qk_eps) -> (Tensor, Tensor)");
+      "float eps, float qk_eps, bool int8_activations=False) -> (Tensor, Tensor)");
   m.def("rms_norm_rows(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
   m.def("silu_and_mul_rows(Tensor x) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "

@@ -361,10 +361,172 @@ void group_linear_impl(const float* x, int64_t ldx, int64_t M, int64_t K, const 
   });
 }
 
+// Int8 activations for the group formats (`group_linear_i8`), llama.cpp's arithmetic: each
+// row of x is quantized per group of G, s = max|x| / 127 and xq = round(x / s), and a
+// group's sum is d * s * sum(q * xq) (+ m * sum(x) for Q4_1, with the exact fp32 sum), the
+// inner sums in int32 by AVX512-VNNI's 4-way byte dot products (vpdpbusd: 64 products an
+// instruction where fp32 takes 16 a multiply-add). At 8 rows the fp32 kernel above is
+// bound by multiply-adds, not by the bytes it reads; at 1 row either kernel streams.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512VBMI__)
+#define MINIVLLM_INT8_ACTIVATIONS 1
+
+struct QuantizedRows {
+  std::vector<int8_t> q;     // [M, K]
+  std::vector<float> scale;  // [M, K / G]
+  std::vector<float> sum;    // [M, K / G]: fp32 sums of x (Q4_1's minimum term)
+};
+
+void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, QuantizedRows& out) {
+  const int64_t groups = K / G;
+  out.q.resize(M * K);
+  out.scale.resize(M * groups);
+  out.sum.resize(M * groups);
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* xg = x + r * ldx + g * G;
+      const __m512 a0 = _mm512_loadu_ps(xg), a1 = _mm512_loadu_ps(xg + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a0), _mm512_abs_ps(a1)));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      // Rounded to nearest, ties to even (the default rounding mode), as torch.round.
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(a0, _mm512_set1_ps(inv)));
+      const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(a1, _mm512_set1_ps(inv)));
+      int8_t* dst = out.q.data() + r * K + g * G;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(q1));
+      out.scale[r * groups + g] = amax / 127.0f;
+      out.sum[r * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+    }
+  }
+}
+
+// Byte permutations that turn 4 consecutive k's of a block (as packed) into one 32-bit lane
+// per output holding its 4 weights in k order, the operand layout of vpdpbusd.
+inline __m512i quad_index(bool q4) {
+  alignas(64) uint8_t idx[64];
+  for (int o = 0; o < 16; ++o)
+    for (int t = 0; t < 4; ++t)
+      idx[4 * o + t] = q4 ? (o < 8 ? t * 8 + o : 32 + t * 8 + (o - 8)) : t * 16 + o;
+  return _mm512_load_si512(idx);
+}
+
+template <bool Q4, int R>
+inline void i8_block_sums(const QuantizedRows& xq, int64_t r0, int64_t K, int64_t groups,
+                          const uint8_t* q, const uint16_t* d, const uint16_t* m,
+                          const __m512i index, vf* acc) {
+  for (int r = 0; r < R; ++r) acc[r] = vf{};
+  const __m512i nibble = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512i w[G / 4];
+    for (int t = 0; t < G / 4; ++t) {
+      __m512i z;
+      if constexpr (Q4) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (g * G + 4 * t) * (L / 2)));
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+        z = _mm512_and_si512(both, nibble);
+      } else {
+        z = _mm512_loadu_si512(q + (g * G + 4 * t) * L);
+      }
+      w[t] = _mm512_permutexvar_epi8(index, z);
+    }
+    _mm_prefetch(reinterpret_cast<const char*>(q + (g + 1) * G * (Q4 ? L / 2 : L)) + PREFETCH_BYTES,
+                 _MM_HINT_T0);
+    // Q8_0's weights are signed: x + 128 is the unsigned operand, and 128 * sum(w) comes off.
+    __m512i wsum = _mm512_setzero_si512();
+    if constexpr (!Q4)
+      for (int t = 0; t < G / 4; ++t) wsum = _mm512_dpbusd_epi32(wsum, ones, w[t]);
+    const vf dv = widen_halves(d + g * L);
+    vf mv{};
+    if constexpr (Q4) mv = widen_halves(m + g * L);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xr = xq.q.data() + (r0 + r) * K + g * G;
+      __m512i s = _mm512_setzero_si512();
+      for (int t = 0; t < G / 4; ++t) {
+        int32_t quad;
+        std::memcpy(&quad, xr + 4 * t, sizeof quad);
+        if constexpr (Q4)
+          s = _mm512_dpbusd_epi32(s, w[t], _mm512_set1_epi32(quad));
+        else
+          s = _mm512_dpbusd_epi32(s, _mm512_set1_epi32(quad ^ (int32_t)0x80808080), w[t]);
+      }
+      if constexpr (!Q4) s = _mm512_sub_epi32(s, _mm512_slli_epi32(wsum, 7));
+      const int64_t rg = (r0 + r) * groups + g;
+      acc[r] += dv * ((vf)_mm512_cvtepi32_ps(s) * xq.scale[rg]);
+      if constexpr (Q4) acc[r] += mv * xq.sum[rg];
+    }
+  }
+}
+
+template <bool Q4>
+void i8_rows(const QuantizedRows& xq, int64_t r0, int64_t K, int64_t groups, const uint8_t* q,
+             const uint16_t* d, const uint16_t* m, const __m512i index, int rows, vf* acc) {
+  switch (rows) {
+    case 1: return i8_block_sums<Q4, 1>(xq, r0, K, groups, q, d, m, index, acc);
+    case 2: return i8_block_sums<Q4, 2>(xq, r0, K, groups, q, d, m, index, acc);
+    case 3: return i8_block_sums<Q4, 3>(xq, r0, K, groups, q, d, m, index, acc);
+    case 4: return i8_block_sums<Q4, 4>(xq, r0, K, groups, q, d, m, index, acc);
+    case 5: return i8_block_sums<Q4, 5>(xq, r0, K, groups, q, d, m, index, acc);
+    case 6: return i8_block_sums<Q4, 6>(xq, r0, K, groups, q, d, m, index, acc);
+    case 7: return i8_block_sums<Q4, 7>(xq, r0, K, groups, q, d, m, index, acc);
+    default: return i8_block_sums<Q4, 8>(xq, r0, K, groups, q, d, m, index, acc);
+  }
+}
+
+template <bool Q4>
+void group_linear_i8_impl(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* q,
+                          const uint16_t* d, const uint16_t* m, const float* bias, float* y,
+                          int64_t N) {
+  const int64_t num_blocks = (N + L - 1) / L, groups = K / G;
+  QuantizedRows xq;
+  quantize_rows(x, ldx, M, K, xq);
+  const __m512i index = quad_index(Q4);
+  const int64_t bytes_per_k = Q4 ? L / 2 : L;
+  at::parallel_for(0, num_blocks, 4, [&](int64_t b0, int64_t b1) {
+    vf acc[MAX_ROWS];
+    for (int64_t t = 0; t < M; t += ROW_TILE) {
+      const int64_t t_end = std::min(M, t + ROW_TILE);
+      for (int64_t b = b0; b < b1; ++b) {
+        const uint8_t* qb = q + b * K * bytes_per_k;
+        const uint16_t* db = d + b * groups * L;
+        const uint16_t* mb = m ? m + b * groups * L : nullptr;
+        const int64_t n0 = b * L;
+        const int width = (int)std::min<int64_t>(L, N - n0);
+        vf add;
+        for (int j = 0; j < L; ++j) add[j] = bias && j < width ? bias[n0 + j] : 0.0f;
+        for (int64_t r0 = t; r0 < t_end; r0 += MAX_ROWS) {
+          const int rows = (int)std::min<int64_t>(MAX_ROWS, t_end - r0);
+          i8_rows<Q4>(xq, r0, K, groups, qb, db, mb, index, rows, acc);
+          for (int r = 0; r < rows; ++r) {
+            const vf out = acc[r] + add;
+            float* dst = y + (r0 + r) * N + n0;
+            if (width == L) {
+              std::memcpy(dst, &out, sizeof out);
+            } else {
+              for (int j = 0; j < width; ++j) dst[j] = out[j];
+            }
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
+bool int8_activations() {
+#if defined(MINIVLLM_INT8_ACTIVATIONS)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // y = x @ W^T (+ bias) for a Q8_0 (int8 values, no mins) or Q4_1 (byte values, mins) weight.
 at::Tensor group_linear(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
                         const std::optional<at::Tensor>& mins,
-                        const std::optional<at::Tensor>& bias, int64_t n) {
+                        const std::optional<at::Tensor>& bias, int64_t n,
+                        bool int8_act = false) {
+  TORCH_CHECK(!int8_act || int8_activations(),
+              "group_linear: int8 activations need AVX512-VNNI and AVX512-VBMI");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "group_linear: x must be fp32 [M, K] with unit stride in K");
   const int64_t M = x.size(0), K = x.size(1);
@@ -397,6 +559,18 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& values, const at:
   if (M == 0 || n == 0) return y;
   const auto* q = reinterpret_cast<const uint8_t*>(values.data_ptr());
   const auto* d = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+#if defined(MINIVLLM_INT8_ACTIVATIONS)
+  if (int8_act) {
+    const uint16_t* m = q4 ? reinterpret_cast<const uint16_t*>(mins->data_ptr()) : nullptr;
+    if (q4)
+      group_linear_i8_impl<true>(x.data_ptr<float>(), x.stride(0), M, K, q, d, m, bp,
+                                 y.data_ptr<float>(), n);
+    else
+      group_linear_i8_impl<false>(x.data_ptr<float>(), x.stride(0), M, K, q, d, m, bp,
+                                  y.data_ptr<float>(), n);
+    return y;
+  }
+#endif
   if (q4) {
     const auto* m = reinterpret_cast<const uint16_t*>(mins->data_ptr());
     group_linear_impl<Q4_1>(x.data_ptr<float>(), x.stride(0), M, K, q, d, m, bp,
@@ -416,8 +590,9 @@ TORCH_LIBRARY(minivllm_cpu, m) {
   m.set_python_module("minivllm.kernels.cpu_lowp_linear");
   m.def("lowp_linear(Tensor x, Tensor packed, Tensor? scales, Tensor? bias, int n) -> Tensor");
   m.def("group_linear(Tensor x, Tensor values, Tensor scales, Tensor? mins, Tensor? bias, "
-        "int n) -> Tensor");
+        "int n, bool int8_activations=False) -> Tensor");
   m.def("block_width() -> int", &block_width);
+  m.def("int8_activations() -> bool", &int8_activations);
 }
 
 TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {

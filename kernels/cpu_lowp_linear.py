@@ -90,7 +90,7 @@ def _build() -> str | None:
         return x.new_empty(x.shape[0], n)
 
     @torch.library.register_fake(GROUP_OP)
-    def _(x, values, scales, mins, bias, n):
+    def _(x, values, scales, mins, bias, n, int8_activations=False):
         return x.new_empty(x.shape[0], n)
 
     return None
@@ -195,6 +195,44 @@ def group_linear_ref(x, values, scales, mins, bias, n):
     return F.linear(x, dequantize_group(values, scales, mins, n), bias)
 
 
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x [M, K] as the kernel's int8 activations take them: per group of 32,
+    s = max|x| / 127 and xq = round(x * (127 / max|x|)) (0 for an all-zero group).
+    Returns (xq [M, K / 32, 32] int8 values as fp32, s [M, K / 32, 1])."""
+    g = x.float().view(x.shape[0], -1, GROUP)
+    amax = g.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (g * inv).round_().clamp_(-127, 127), amax / 127
+
+
+def group_linear_i8_ref(x, values, scales, mins, bias, n):
+    """`group_linear(..., int8_activations=True)` in float64: each group's sum of int8 values
+    is exact, then d * s * sum(q * xq) (+ m * the group's fp32 sum of x)."""
+    xq, s = quantize_activations(x)  # [M, G, 32], [M, G, 1]
+    blocks, k, _ = values.shape
+    width = scales.shape[2]
+    unit = torch.ones_like(scales)
+    q = dequantize_group(values, unit, None if mins is None else torch.zeros_like(mins), n)
+    q = q.double().view(n, k // GROUP, GROUP)  # the integer values: d = 1, m = 0
+
+    def unblock(t: torch.Tensor) -> torch.Tensor:  # [blocks, K / 32, width] -> [n, K / 32]
+        return t.transpose(1, 2).reshape(blocks * width, -1)[:n].double()
+
+    sums = torch.einsum("mgk,ngk->mng", xq.double(), q)  # [M, n, groups], exact integers
+    y = (sums * unblock(scales)[None] * s.double().squeeze(-1)[:, None, :]).sum(-1)
+    if mins is not None:
+        xsum = x.double().view(x.shape[0], -1, GROUP).sum(-1)  # [M, groups]
+        y = y + xsum @ unblock(mins).T
+    if bias is not None:
+        y = y + bias.double()
+    return y.float()
+
+
+def int8_activations_available() -> bool:
+    """Whether `group_linear` can take int8 activations here (AVX512-VNNI and -VBMI)."""
+    return _build() is None and bool(torch.ops.minivllm_cpu.int8_activations())
+
+
 def group_linear(
     x: torch.Tensor,  # [M, K] fp32, unit stride in K
     values: torch.Tensor,  # int8 (Q8_0) or uint8 (Q4_1) from quantize_q8_0 / quantize_q4_1
@@ -202,8 +240,10 @@ def group_linear(
     mins: torch.Tensor | None,  # Q4_1 only
     bias: torch.Tensor | None,
     n: int,
+    int8_activations: bool = False,  # `group_linear_i8_ref`'s arithmetic (llama.cpp's)
 ) -> torch.Tensor:  # [M, n] fp32
-    return torch.ops.minivllm_cpu.group_linear(x, values, scales, mins, bias, n)
+    return torch.ops.minivllm_cpu.group_linear(x, values, scales, mins, bias, n,
+                                               int8_activations)
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor | None, n: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import LLMEngine, SamplingParams
-from .config import CPU_PREFILL_DTYPES, CPU_WEIGHT_DTYPES
+from .config import CPU_DECODE_DTYPES, CPU_PREFILL_DTYPES, CPU_WEIGHT_DTYPES
 from .loader import KNOWN_CONFIGS
 from .models.registry import ARCHITECTURES
 
@@ -58,6 +58,8 @@ def build_engine(args: argparse.Namespace, **overrides) -> LLMEngine:
         config["cpu_weight_dtype"] = args.cpu_weight_dtype
     if getattr(args, "cpu_prefill_dtype", None):
         config["cpu_prefill_dtype"] = args.cpu_prefill_dtype
+    if getattr(args, "cpu_decode_dtype", None):
+        config["cpu_decode_dtype"] = args.cpu_decode_dtype
     if args.world_size > 1:
         config["world_size"] = args.world_size
     config.update(overrides)
@@ -628,6 +630,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "minivllm generate's default)")
     p.add_argument("--cpu-prefill-dtype", default=None, choices=CPU_PREFILL_DTYPES,
                    help="prefill products and attention with a CPU weight format "
+                   "(default: auto)")
+    p.add_argument("--cpu-decode-dtype", default=None, choices=CPU_DECODE_DTYPES,
+                   help="activations of the products with q4_1 / q8_0 CPU weights "
                    "(default: auto)")
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true")

@@ -11,7 +11,12 @@ import re
 import sys
 from typing import Any
 
-from .config import APP_CPU_WEIGHT_DTYPE, CPU_PREFILL_DTYPES, CPU_WEIGHT_DTYPES
+from .config import (
+    APP_CPU_WEIGHT_DTYPE,
+    CPU_DECODE_DTYPES,
+    CPU_PREFILL_DTYPES,
+    CPU_WEIGHT_DTYPES,
+)
 from .progress import print_progress
 
 DEFAULT_CHAT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -26,6 +31,7 @@ OPTION_OF_KEY = {
     "dtype": "--dtype",
     "cpu_weight_dtype": "--cpu-weight-dtype",
     "cpu_prefill_dtype": "--cpu-prefill-dtype",
+    "cpu_decode_dtype": "--cpu-decode-dtype",
 }
 # What loading can raise for a user's mistake (bad values, missing or broken files).
 USER_ERRORS = (ValueError, TypeError, OSError)
@@ -68,6 +74,7 @@ def generate(args: argparse.Namespace) -> None:
         "max_model_length": args.max_model_length,
         "cpu_weight_dtype": args.cpu_weight_dtype,
         "cpu_prefill_dtype": args.cpu_prefill_dtype,
+        "cpu_decode_dtype": args.cpu_decode_dtype,
     }
     params = SamplingParams(
         temperature=args.temperature,
@@ -138,6 +145,14 @@ def main(argv: list[str] | None = None) -> None:
         choices=CPU_PREFILL_DTYPES,
         help="a prefill's products and attention with a CPU weight format (default auto: "
         "bfloat16 where the CPU multiplies bf16, AMX or AVX-512 BF16, else float32)",
+    )
+    g.add_argument(
+        "--cpu-decode-dtype",
+        default="auto",
+        choices=CPU_DECODE_DTYPES,
+        help="activations of the products with q4_1 / q8_0 CPU weights (default auto: int8 "
+        "per group of 32, llama.cpp's arithmetic, where the CPU has AVX512-VNNI, else "
+        "float32)",
     )
 
     from .bench import add_arguments

@@ -33,6 +33,7 @@ ARCH_KEYS = {
 # `cpu_weight_dtype` values: "auto" keeps the CPU's linear weights in the compute dtype.
 CPU_WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "q8_0", "q4_1", "compact")
 CPU_PREFILL_DTYPES = ("auto", "bfloat16", "float32")
+CPU_DECODE_DTYPES = ("auto", "int8", "float32")
 # `cpu_weight_dtype` of `minivllm generate`, `minivllm-chat` and `bench latency --device cpu`
 # (EngineConfig's default stays "auto": fp32 weights keep the exact parity with transformers).
 # Chosen by measurement on SmolLM2-135M (PERF_NOTES.md, issue 10): "compact" keeps a model
@@ -58,6 +59,7 @@ ENGINE_KEYS = {
     "dtype",
     "cpu_weight_dtype",
     "cpu_prefill_dtype",
+    "cpu_decode_dtype",
     "load_format",
     "enable_prefix_caching",
     "enable_chunked_prefill",
@@ -255,6 +257,11 @@ class EngineConfig:
     # `dtype` is "auto" and the CPU multiplies bf16 (AMX, AVX-512 BF16), else fp32 (the
     # weight-only kernel's exact sums); "bfloat16" / "float32" force one.
     cpu_prefill_dtype: str = "auto"
+    # The activations of the weight-only kernel's products with q4_1 / q8_0 weights (a
+    # decode step's, and a prefill's where it is not bf16): "auto" = int8 per group of 32
+    # (llama.cpp's arithmetic, AVX512-VNNI) where `dtype` is "auto" and the CPU has
+    # AVX512-VNNI and -VBMI, else fp32 (exact sums); "int8" / "float32" force one.
+    cpu_decode_dtype: str = "auto"
     load_format: str = "auto"
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -296,6 +303,11 @@ class EngineConfig:
             raise ValueError(
                 f"cpu_prefill_dtype={self.cpu_prefill_dtype!r}: must be one of "
                 + ", ".join(repr(d) for d in CPU_PREFILL_DTYPES)
+            )
+        if self.cpu_decode_dtype not in CPU_DECODE_DTYPES:
+            raise ValueError(
+                f"cpu_decode_dtype={self.cpu_decode_dtype!r}: must be one of "
+                + ", ".join(repr(d) for d in CPU_DECODE_DTYPES)
             )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format={self.load_format!r}: must be 'auto' or 'dummy'")

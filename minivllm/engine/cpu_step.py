@@ -318,7 +318,8 @@ class NativeCPUDecodeStep:
     work written as plain loops over one token's few thousand floats costs well under a
     millisecond, and nothing compiles at start-up. fp32 activations and KV cache only
     (the compiled step serves a bf16 model); each linear runs MKL on an fp32 weight (the
-    call `F.linear` makes) or the weight-only kernel on a bf16 / int8 copy.
+    call `F.linear` makes) or the weight-only kernel on a bf16 / int8 copy, or on q4_1 /
+    q8_0 weights with fp32 or (`cpu_decode_dtype`) int8 activations.
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor) -> None:
@@ -327,6 +328,7 @@ class NativeCPUDecodeStep:
         self.embedding = m.embed_tokens.weight
         self.final_norm = m.norm
         norms, qk_norms, weights, scales, mins, biases = [], [], [], [], [], []
+        self.int8_activations = False  # the q4_1 / q8_0 products' (`cpu_decode_dtype`)
         for layer in m.layers:
             ln1, qkv, q_norm, k_norm, o_proj, ln2, gate_up, down = layer_weights(layer)
             norms += [ln1, ln2]
@@ -336,6 +338,7 @@ class NativeCPUDecodeStep:
                 scales.append(None if lowp is None else lowp.scales)
                 mins.append(None if lowp is None else lowp.mins)
                 biases.append(bias)
+                self.int8_activations |= lowp is not None and lowp.int8_act
         self.layers = (norms, qk_norms, weights, scales, mins, biases)
         rotary = m.layers[0].self_attn.rotary_emb
         self.cos_sin_cache = rotary.cos_sin_cache.float().contiguous()
@@ -352,6 +355,7 @@ class NativeCPUDecodeStep:
         x, residual = torch.ops.minivllm_cpu.decode_layers(
             x, *self.layers, self.kv_cache, block_tables, seq_lens, positions,
             self.cos_sin_cache, self.num_heads, self.scale, self.eps, self.qk_eps,
+            self.int8_activations,
         )  # fmt: skip
         return rms_norm_ref(x, self.final_norm.weight, self.final_norm.eps, residual)[0]
 

@@ -94,6 +94,7 @@ class LLMEngine:
         # "bfloat16" / "int8" where the CPU's linears take a weight-only format, else None.
         self.cpu_weight_format = weight_format(config.cpu_weight_dtype, self.device, self.dtype)
         self.cpu_prefill_dtype: torch.dtype | None = None
+        self.cpu_decode_dtype: str | None = None
         if config.world_size > 1:
             self.device = tp_device(self.device, config.world_size)  # rank 0's; checks GPUs
 
@@ -116,6 +117,8 @@ class LLMEngine:
             self.cpu_weight_format = self.runner.cpu_weight_format  # None if it did not build
             # torch.bfloat16 where a prefill's products and attention run in bf16, else None
             self.cpu_prefill_dtype = self.runner.cpu_prefill_dtype
+            # "int8" where the weight-only products take int8 activations, else None
+            self.cpu_decode_dtype = self.runner.cpu_decode_dtype
             progress("sizing the KV cache", 0.5)
             mine, theirs = self._on_all_ranks(SizeKVPool(), self.runner.size_kv_pool)
             num_blocks = min([mine, *theirs])  # every rank holds every block

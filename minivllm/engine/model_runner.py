@@ -21,6 +21,8 @@ from ..layers.attention import (
 from ..layers.cpu_linear import (
     WideRows,
     add_wide_copies,
+    decode_dtype,
+    int8_activations,
     lowp_linears,
     pack_linears,
     prefill_dtype,
@@ -123,6 +125,12 @@ class ModelRunner:
         )
         if self.cpu_prefill_dtype is not None and not add_wide_copies(self.model):
             self.cpu_prefill_dtype = None  # oneDNN does not pack bf16 here
+        # "int8" where the q4_1 / q8_0 products take int8 activations (VNNI), else None.
+        self.cpu_decode_dtype = decode_dtype(
+            config.cpu_decode_dtype, config.dtype, self.cpu_weight_format
+        )
+        if self.cpu_decode_dtype is not None:
+            int8_activations(self.model)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.buckets = batch_buckets(config.max_num_sequences)
         self.max_blocks_per_seq = (config.max_len + self.block_size - 1) // self.block_size

@@ -42,8 +42,9 @@ def describe(exc: BaseException) -> str:
 
 
 def dtype_label(engine: Any) -> str:
-    """The compute dtype, and the CPU's weight-only format and prefill dtype where they
-    differ from it ("float32, q4_1/q8_0 weights, bfloat16 prefill")."""
+    """The compute dtype, and the CPU's weight-only format, prefill dtype and decode
+    activations where they differ from it ("float32, q4_1/q8_0 weights, bfloat16 prefill,
+    int8 decode")."""
     dtype = str(getattr(engine, "dtype", "?")).replace("torch.", "")
     label = [dtype]
     weights = getattr(engine, "cpu_weight_format", None)
@@ -52,6 +53,9 @@ def dtype_label(engine: Any) -> str:
     prefill = getattr(engine, "cpu_prefill_dtype", None)
     if prefill is not None:
         label.append(f"{str(prefill).replace('torch.', '')} prefill")
+    decode = getattr(engine, "cpu_decode_dtype", None)
+    if decode is not None:
+        label.append(f"{decode} decode")
     return ", ".join(label)
 
 

@@ -84,16 +84,19 @@ class LowpWeight(NamedTuple):
     # The same weight in bf16, packed by oneDNN, for a prefill's rows (`add_wide_copies`,
     # `WideRows`); None: every product runs the weight-only kernel.
     wide: torch.Tensor | None = None
+    # q8_0 / q4_1: the kernel quantizes the activations to int8 per group of 32
+    # (`cpu_decode_dtype`, `int8_activations`); else fp32 activations and sums.
+    int8_act: bool = False
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, in] fp32 (unit stride in `in`) @ weight^T (+ bias): [M, out] fp32."""
         rows = _WIDE_ROWS.get() if self.wide is not None else None
         if rows is None:
-            return self.exact_product(x, bias)
+            return self.kernel_product(x, bias)
         if rows.every:
             return self.wide_product(x, bias)
         y = x.new_empty(x.shape[0], self.out_features)
-        y[rows.narrow] = self.exact_product(x[rows.narrow], bias)
+        y[rows.narrow] = self.kernel_product(x[rows.narrow], bias)
         y[rows.wide] = self.wide_product(x[rows.wide], bias)
         return y
 
@@ -113,13 +116,14 @@ class LowpWeight(NamedTuple):
                                            self.out_features)
         return kernel.dequantize(self.packed, self.scales, self.out_features)
 
-    def exact_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The weight-only kernel's product: fp32 activations and sums."""
+    def kernel_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The weight-only kernel's product: fp32 activations and sums, or with `int8_act`
+        int8 activations per group of 32 and int32 group sums."""
         from minivllm.kernels import cpu_lowp_linear as kernel
 
         if self.fmt in ("q8_0", "q4_1"):
             return kernel.group_linear(x, self.packed, self.scales, self.mins, bias,
-                                       self.out_features)
+                                       self.out_features, self.int8_act)
         return kernel.lowp_linear(x, self.packed, self.scales, bias, self.out_features)
 
 
@@ -247,6 +251,38 @@ def prefill_dtype(cpu_prefill_dtype: str, dtype: str, fmt: str | None) -> torch.
     from ..cpu_features import has_fast_bf16
 
     return torch.bfloat16 if dtype == "auto" and has_fast_bf16() else None
+
+
+def decode_dtype(cpu_decode_dtype: str, dtype: str, fmt: str | None) -> str | None:
+    """"int8" where the weight-only kernel's products with q4_1 / q8_0 weights take int8
+    activations, else None (fp32 activations: the exact sums). "auto" takes int8 where the
+    engine's dtype was left at "auto" and the CPU has AVX512-VNNI and -VBMI; "int8" asks
+    for it (a ValueError where it cannot run); "float32", or `dtype="float32"` asked for,
+    keeps fp32. `fmt`: the formats taken ("q4_1/q8_0"; None: no weight-only format)."""
+    from minivllm.kernels import cpu_lowp_linear as kernel
+
+    groups = fmt is not None and any(f in ("q4_1", "q8_0") for f in fmt.split("/"))
+    if cpu_decode_dtype == "float32" or (cpu_decode_dtype == "auto" and dtype != "auto"):
+        return None
+    available = groups and kernel.int8_activations_available()
+    if cpu_decode_dtype == "int8" and not available:
+        raise ValueError(
+            "cpu_decode_dtype='int8' needs q4_1 / q8_0 weights (cpu_weight_dtype='compact' "
+            f"on a GGUF model; these are {fmt or 'not weight-only'}) and a CPU with "
+            "AVX512-VNNI and AVX512-VBMI"
+        )
+    return "int8" if available else None
+
+
+def int8_activations(model: torch.nn.Module) -> int:
+    """Every q4_1 / q8_0 linear's products take int8 activations; returns how many."""
+    count = 0
+    for module in model.modules():
+        lowp = getattr(module, "lowp", None)
+        if isinstance(lowp, LowpWeight) and lowp.fmt in ("q4_1", "q8_0"):
+            module.lowp = lowp._replace(int8_act=True)
+            count += 1
+    return count
 
 
 def add_wide_copies(model: torch.nn.Module) -> int:

@@ -50,6 +50,7 @@ class StandInRunner:
         self._device_free_at = 0.0
         self.cpu_weight_format = None  # no weights, so no packed CPU format either
         self.cpu_prefill_dtype = None
+        self.cpu_decode_dtype = None
         head_dim = model.head_dim or model.hidden_size // model.num_heads
         self.bytes_per_block = (2 * model.num_layers * model.num_kv_heads * head_dim
                                 * config.block_size * 2)
