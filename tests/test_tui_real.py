@@ -32,11 +32,15 @@ def engine():
     try:
         from minivllm import LLMEngine
 
-        # The app's CPU step budget and weights (minivllm-chat sets them on a CPU).
+        # The app's CPU step budget and weights (minivllm-chat sets them on a CPU), with fp32
+        # activations: int8 ones (the default on VNNI CPUs) round each row afresh, so a
+        # reply can part from `generate`'s when its prefill shared a step differently, and
+        # these tests compare the app's replies with `generate`'s token for token.
         eng = LLMEngine({"model_name_or_path": MODEL, "device": "cpu", "block_size": 16,
                          "max_model_length": 1024, "max_num_sequences": 8,
                          "max_num_batched_tokens": CPU_STEP_TOKENS,
-                         "cpu_weight_dtype": APP_CPU_WEIGHT_DTYPE})
+                         "cpu_weight_dtype": APP_CPU_WEIGHT_DTYPE,
+                         "cpu_decode_dtype": "float32"})
     except Exception as exc:  # noqa: BLE001 - no weights here: nothing to test
         pytest.skip(f"SmolLM2 engine unavailable: {exc}")
     yield eng
