@@ -158,6 +158,10 @@ class Sampler:
         logits = logits.float()
         temps = torch.where(t.temperatures > 0, t.temperatures, 1.0)
         logits = logits / temps[:, None]
+        if logits.device.type == "cpu" and (t.needs_top_k or t.needs_top_p) and (
+                not t.needs_min_p):
+            sampled = self._sample_candidates(logits, t)
+            return torch.where(t.temperatures > 0, sampled, greedy)
         if t.needs_top_k or t.needs_top_p:
             logits = _top_k_top_p(logits, t.top_ks, t.top_ps, t.needs_top_k, t.needs_top_p)
         if not t.needs_min_p:
@@ -173,6 +177,66 @@ class Sampler:
         q = _exponential_noise(probs.shape, t.seeds, probs.device, self.generator)
         sampled = row_argmax(probs / q)
         return torch.where(t.temperatures > 0, sampled, greedy)
+
+
+    def _sample_candidates(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        """Top-k / top-p sampling from each row's CANDIDATES most likely tokens (CPU): the
+        same tokens allowed and the same distribution as `_top_k_top_p` over the whole
+        vocabulary, wherever the cut falls among them (`candidate_nucleus`); the other
+        rows take the whole-vocabulary path. Sorting 4 x 49,152 logits and drawing noise
+        for all of them took ~10 ms of a ~20 ms CPU step; this takes well under one."""
+        vals, idx, fits = candidate_nucleus(logits, t.top_ks, t.top_ps, t.needs_top_k,
+                                            t.needs_top_p)
+        q = _exponential_noise(vals.shape, t.seeds, logits.device, self.generator)
+        sampled = idx.gather(-1, row_argmax(vals - q.log_())[:, None])[:, 0]
+        rest = (~fits).nonzero()[:, 0]
+        if rest.numel():  # the cut lies past the candidates: the whole vocabulary
+            full = _top_k_top_p(logits[rest], t.top_ks[rest] if t.needs_top_k else None,
+                                t.top_ps[rest] if t.needs_top_p else None, t.needs_top_k,
+                                t.needs_top_p)
+            seeds = [t.seeds[i] for i in rest.tolist()] if t.seeds else []
+            q = _exponential_noise(full.shape, seeds, logits.device, self.generator)
+            sampled[rest] = row_argmax(full - q.log_())
+        return sampled
+
+
+CANDIDATES = 1024  # tokens a CPU row samples among when its top-k / top-p cut falls inside
+
+
+def candidate_nucleus(
+    logits: torch.Tensor,  # [rows, vocab] fp32, already divided by the temperature
+    top_ks: torch.Tensor | None,
+    top_ps: torch.Tensor | None,
+    use_k: bool,
+    use_p: bool,
+    candidates: int = CANDIDATES,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's `candidates` largest logits (values [rows, C], descending, and their
+    token ids), those outside its top-k / top-p cut set to -inf as `_top_k_top_p` sets them
+    (up to the rounding of the probabilities at the cut), and `fits` [rows] bool: whether
+    the cut falls among the candidates, so that the row's result is `_top_k_top_p`'s: a
+    top-k of at most C, or without a top-k, a top-p reached by the candidates' share."""
+    vocab = logits.shape[-1]
+    c = min(candidates, vocab)
+    vals, idx = logits.topk(c, dim=-1)  # sorted, descending
+    rows = logits.shape[0]
+    k_on = top_ks > 0 if use_k else torch.zeros(rows, dtype=torch.bool, device=logits.device)
+    if use_k:
+        k = torch.where(k_on, top_ks.clamp(max=vocab), vocab)
+        ranks = torch.arange(c, device=logits.device)[None, :]
+        vals = vals.masked_fill(ranks >= k[:, None], float("-inf"))
+        fits = k_on & (k <= c)
+    else:
+        fits = torch.zeros(rows, dtype=torch.bool, device=logits.device)
+    if use_p:
+        # Probabilities over what the top-k left: its k tokens (all candidates where the row
+        # fits), or without one, the whole vocabulary.
+        total = torch.where(k_on, torch.logsumexp(vals, dim=-1), torch.logsumexp(logits, dim=-1))
+        probs = (vals - total[:, None]).exp()
+        before = probs.cumsum(dim=-1) - probs
+        fits |= ~k_on & (probs.sum(dim=-1) >= top_ps)
+        vals = vals.masked_fill(before >= top_ps[:, None], float("-inf"))
+    return vals, idx, fits
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:  # [rows, n] -> [rows] int64
