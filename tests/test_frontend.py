@@ -133,3 +133,41 @@ def test_outputs_equal_generate_on_the_real_engine(smollm2):
     assert [t for o in outs for t in o.token_ids] == expected["token_ids"][0]
     assert outs[0].num_prompt_tokens == len(smollm2.tokenizer.encode(prompt))
     assert smollm2.stats().num_used_blocks == 0
+
+
+def test_an_engine_built_on_the_engine_thread_is_stepped_there():
+    """`build_on_engine_thread` (what the engine process does): the factory runs on the
+    thread that then steps the engine, `start()` waits for it and reports its progress,
+    and a factory that fails makes `start()` raise its error."""
+    threads = {}
+
+    class Recording(FakeEngine):
+        def step(self):
+            threads.setdefault("step", threading.current_thread())
+            return super().step()
+
+    def factory(on_progress):
+        threads["build"] = threading.current_thread()
+        on_progress("loading weights", 0.5)
+        return Recording(reply="one two three", step_delay=0.001)
+
+    stages = []
+    frontend = EngineFrontend(engine_factory=factory, build_on_engine_thread=True)
+    info = frontend.start(lambda stage, fraction: stages.append((stage, fraction)))
+    try:
+        assert info is frontend.info and stages == [("loading weights", 0.5)]
+        assert threads["build"] is not threading.current_thread()
+        outs = collect(frontend, GenerateRequest("a", GREEDY, prompt="hi"))
+        assert outs[-1].finished and "".join(o.text for o in outs) == "one two three"
+        assert threads["step"] is threads["build"]
+    finally:
+        frontend.close()
+    assert frontend.engine.exited
+
+    def broken(on_progress):
+        raise ValueError("max_model_length=0: must be >= 1")
+
+    failing = EngineFrontend(engine_factory=broken, build_on_engine_thread=True)
+    with pytest.raises(ValueError, match="max_model_length=0"):
+        failing.start()
+    assert not failing.alive

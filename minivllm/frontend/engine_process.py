@@ -395,21 +395,25 @@ def child_entry() -> None:
 
 
 def _child_main(factory: EngineFactory, conn: Connection, stats_interval: float) -> None:
+    outbox = _Outbox(conn)
+    # Built on the engine thread, the one that steps it (EngineFrontend: on the CPU an
+    # engine steps at half speed on a thread other than the one that built it).
+    frontend = outbox.frontend = EngineFrontend(
+        engine_factory=factory, owns_engine=True, stats_interval=stats_interval,
+        on_iteration=outbox.flush, build_on_engine_thread=True)
     try:
-        engine = factory(lambda stage, fraction: conn.send(("progress", stage, fraction)))
+        with outbox.lock:  # before the engine thread's first flush
+            info = frontend.start(
+                lambda stage, fraction: conn.send(("progress", stage, fraction)))
+            engine = frontend.engine
+            conn.send(("ready", info, _picklable(getattr(engine, "tokenizer", None)),
+                       frontend.stats(), frontend.prefix_cache_counters(), {}))
     except BaseException as exc:  # noqa: BLE001 - the parent raises it
         try:
             conn.send(("failed", type(exc).__name__, str(exc) or describe(exc)))
         finally:
             conn.close()
         return
-    outbox = _Outbox(conn)
-    frontend = outbox.frontend = EngineFrontend(
-        engine, owns_engine=True, stats_interval=stats_interval, on_iteration=outbox.flush)
-    with outbox.lock:  # before the engine thread's first flush
-        info = frontend.start()
-        conn.send(("ready", info, _picklable(getattr(engine, "tokenizer", None)),
-                   frontend.stats(), frontend.prefix_cache_counters(), {}))
     dead_reported = False
     try:
         while True:

@@ -125,8 +125,11 @@ def main(argv: list[str] | None = None) -> int:
             frontend = EngineProcessClient(functools.partial(build_engine, args))
             frontend.start(_progress)
         else:
-            frontend = EngineFrontend(build_engine(args, _progress), owns_engine=True)
-            frontend.start()
+            # Built on the thread that steps it (EngineFrontend: on the CPU it steps at half
+            # speed elsewhere).
+            frontend = EngineFrontend(engine_factory=functools.partial(build_engine, args),
+                                      owns_engine=True, build_on_engine_thread=True)
+            frontend.start(_progress)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
         print(f"minivllm serve: {exc}", file=sys.stderr)
         return 1
