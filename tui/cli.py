@@ -156,11 +156,17 @@ def engine_factory(args: argparse.Namespace, config: dict[str, Any]) -> EngineFa
 
             return FakeEngine(config, on_progress, **FAKE_OPTIONS)
         from minivllm import LLMEngine
+        from minivllm.frontend import EngineFrontend
 
-        params = inspect.signature(LLMEngine).parameters
-        if "on_progress" in params:
-            return LLMEngine(config, on_progress=on_progress)
-        return LLMEngine(config)
+        def llm(on_progress: Any) -> Any:
+            params = inspect.signature(LLMEngine).parameters
+            if "on_progress" in params:
+                return LLMEngine(config, on_progress=on_progress)
+            return LLMEngine(config)
+
+        # In this process too, the engine is built on the thread that steps it (a CPU
+        # engine steps at half speed elsewhere: EngineFrontend); the worker starts it.
+        return EngineFrontend(engine_factory=llm, owns_engine=True, build_on_engine_thread=True)
 
     return build
 
