@@ -129,18 +129,20 @@ void block_rows(const float* x, int64_t ldx, const WT* w, int64_t K, int rows, v
   }
 }
 
-template <typename WT>
-void lowp_linear_impl(const float* x, int64_t ldx, int64_t M, int64_t K, const WT* packed,
-                      const float* scales, const float* bias, float* y, int64_t N) {
+// y[:, block b's L outputs] = (sums * scale + bias) for every block of outputs: each
+// thread takes a run of blocks (~4 blocks at least per task, so the small matrices are
+// not cut finer than a thread's start-up is worth), rows in tiles of ROW_TILE (kept hot
+// while the blocks stream past) and of MAX_ROWS. `sums(b, r0, rows, acc)` fills
+// acc[0..rows) with block b's sums for rows r0..; `scales` (per output, may be null: 1).
+template <typename Sums>
+void for_each_block(int64_t M, int64_t N, const float* scales, const float* bias, float* y,
+                    const Sums& sums) {
   const int64_t num_blocks = (N + L - 1) / L;
-  // Each thread takes a run of blocks (output channels); ~4 blocks at least per task, so
-  // the small matrices are not cut finer than a thread's start-up is worth.
   at::parallel_for(0, num_blocks, 4, [&](int64_t b0, int64_t b1) {
     vf acc[MAX_ROWS];
     for (int64_t t = 0; t < M; t += ROW_TILE) {
       const int64_t t_end = std::min(M, t + ROW_TILE);
       for (int64_t b = b0; b < b1; ++b) {
-        const WT* wb = packed + b * K * L;
         const int64_t n0 = b * L;
         const int width = (int)std::min<int64_t>(L, N - n0);
         vf scale, add;
@@ -150,7 +152,7 @@ void lowp_linear_impl(const float* x, int64_t ldx, int64_t M, int64_t K, const W
         }
         for (int64_t r0 = t; r0 < t_end; r0 += MAX_ROWS) {
           const int rows = (int)std::min<int64_t>(MAX_ROWS, t_end - r0);
-          block_rows<WT>(x + r0 * ldx, ldx, wb, K, rows, acc);
+          sums(b, r0, rows, acc);
           for (int r = 0; r < rows; ++r) {
             const vf out = acc[r] * scale + add;
             float* dst = y + (r0 + r) * N + n0;
@@ -163,6 +165,14 @@ void lowp_linear_impl(const float* x, int64_t ldx, int64_t M, int64_t K, const W
         }
       }
     }
+  });
+}
+
+template <typename WT>
+void lowp_linear_impl(const float* x, int64_t ldx, int64_t M, int64_t K, const WT* packed,
+                      const float* scales, const float* bias, float* y, int64_t N) {
+  for_each_block(M, N, scales, bias, y, [&](int64_t b, int64_t r0, int rows, vf* acc) {
+    block_rows<WT>(x + r0 * ldx, ldx, packed + b * K * L, K, rows, acc);
   });
 }
 
@@ -318,7 +328,7 @@ template <typename F>
 void group_linear_impl(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* q,
                        const uint16_t* d, const uint16_t* m, const float* bias, float* y,
                        int64_t N) {
-  const int64_t num_blocks = (N + L - 1) / L, groups = K / G;
+  const int64_t groups = K / G;
   // Q4_1's minimum multiplies each group's sum of x: computed once per row and group.
   std::vector<float> xsum;
   if (F::has_min) {
@@ -330,34 +340,10 @@ void group_linear_impl(const float* x, int64_t ldx, int64_t M, int64_t K, const 
         xsum[r * groups + g] = t;
       }
   }
-  at::parallel_for(0, num_blocks, 4, [&](int64_t b0, int64_t b1) {
-    vf acc[MAX_ROWS];
-    for (int64_t t = 0; t < M; t += ROW_TILE) {
-      const int64_t t_end = std::min(M, t + ROW_TILE);
-      for (int64_t b = b0; b < b1; ++b) {
-        const uint8_t* qb = q + b * K * F::bytes_per_k;
-        const uint16_t* db = d + b * groups * L;
-        const uint16_t* mb = m ? m + b * groups * L : nullptr;
-        const int64_t n0 = b * L;
-        const int width = (int)std::min<int64_t>(L, N - n0);
-        vf add;
-        for (int j = 0; j < L; ++j) add[j] = bias && j < width ? bias[n0 + j] : 0.0f;
-        for (int64_t r0 = t; r0 < t_end; r0 += MAX_ROWS) {
-          const int rows = (int)std::min<int64_t>(MAX_ROWS, t_end - r0);
-          const float* xs = F::has_min ? xsum.data() + r0 * groups : nullptr;
-          group_rows<F>(x + r0 * ldx, ldx, xs, groups, qb, db, mb, rows, acc);
-          for (int r = 0; r < rows; ++r) {
-            const vf out = acc[r] + add;
-            float* dst = y + (r0 + r) * N + n0;
-            if (width == L) {
-              std::memcpy(dst, &out, sizeof out);
-            } else {
-              for (int j = 0; j < width; ++j) dst[j] = out[j];
-            }
-          }
-        }
-      }
-    }
+  for_each_block(M, N, nullptr, bias, y, [&](int64_t b, int64_t r0, int rows, vf* acc) {
+    const float* xs = F::has_min ? xsum.data() + r0 * groups : nullptr;
+    group_rows<F>(x + r0 * ldx, ldx, xs, groups, q + b * K * F::bytes_per_k, d + b * groups * L,
+                  m ? m + b * groups * L : nullptr, rows, acc);
   });
 }
 
@@ -476,38 +462,13 @@ template <bool Q4>
 void group_linear_i8_impl(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* q,
                           const uint16_t* d, const uint16_t* m, const float* bias, float* y,
                           int64_t N) {
-  const int64_t num_blocks = (N + L - 1) / L, groups = K / G;
+  const int64_t groups = K / G, bytes_per_k = Q4 ? L / 2 : L;
   QuantizedRows xq;
   quantize_rows(x, ldx, M, K, xq);
   const __m512i index = quad_index(Q4);
-  const int64_t bytes_per_k = Q4 ? L / 2 : L;
-  at::parallel_for(0, num_blocks, 4, [&](int64_t b0, int64_t b1) {
-    vf acc[MAX_ROWS];
-    for (int64_t t = 0; t < M; t += ROW_TILE) {
-      const int64_t t_end = std::min(M, t + ROW_TILE);
-      for (int64_t b = b0; b < b1; ++b) {
-        const uint8_t* qb = q + b * K * bytes_per_k;
-        const uint16_t* db = d + b * groups * L;
-        const uint16_t* mb = m ? m + b * groups * L : nullptr;
-        const int64_t n0 = b * L;
-        const int width = (int)std::min<int64_t>(L, N - n0);
-        vf add;
-        for (int j = 0; j < L; ++j) add[j] = bias && j < width ? bias[n0 + j] : 0.0f;
-        for (int64_t r0 = t; r0 < t_end; r0 += MAX_ROWS) {
-          const int rows = (int)std::min<int64_t>(MAX_ROWS, t_end - r0);
-          i8_rows<Q4>(xq, r0, K, groups, qb, db, mb, index, rows, acc);
-          for (int r = 0; r < rows; ++r) {
-            const vf out = acc[r] + add;
-            float* dst = y + (r0 + r) * N + n0;
-            if (width == L) {
-              std::memcpy(dst, &out, sizeof out);
-            } else {
-              for (int j = 0; j < width; ++j) dst[j] = out[j];
-            }
-          }
-        }
-      }
-    }
+  for_each_block(M, N, nullptr, bias, y, [&](int64_t b, int64_t r0, int rows, vf* acc) {
+    i8_rows<Q4>(xq, r0, K, groups, q + b * K * bytes_per_k, d + b * groups * L,
+                m ? m + b * groups * L : nullptr, index, rows, acc);
   });
 }
 #endif
@@ -559,26 +520,22 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& values, const at:
   if (M == 0 || n == 0) return y;
   const auto* q = reinterpret_cast<const uint8_t*>(values.data_ptr());
   const auto* d = reinterpret_cast<const uint16_t*>(scales.data_ptr());
+  const uint16_t* m = q4 ? reinterpret_cast<const uint16_t*>(mins->data_ptr()) : nullptr;
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
 #if defined(MINIVLLM_INT8_ACTIVATIONS)
   if (int8_act) {
-    const uint16_t* m = q4 ? reinterpret_cast<const uint16_t*>(mins->data_ptr()) : nullptr;
     if (q4)
-      group_linear_i8_impl<true>(x.data_ptr<float>(), x.stride(0), M, K, q, d, m, bp,
-                                 y.data_ptr<float>(), n);
+      group_linear_i8_impl<true>(xp, x.stride(0), M, K, q, d, m, bp, yp, n);
     else
-      group_linear_i8_impl<false>(x.data_ptr<float>(), x.stride(0), M, K, q, d, m, bp,
-                                  y.data_ptr<float>(), n);
+      group_linear_i8_impl<false>(xp, x.stride(0), M, K, q, d, m, bp, yp, n);
     return y;
   }
 #endif
-  if (q4) {
-    const auto* m = reinterpret_cast<const uint16_t*>(mins->data_ptr());
-    group_linear_impl<Q4_1>(x.data_ptr<float>(), x.stride(0), M, K, q, d, m, bp,
-                            y.data_ptr<float>(), n);
-  } else {
-    group_linear_impl<Q8_0>(x.data_ptr<float>(), x.stride(0), M, K, q, d, nullptr, bp,
-                            y.data_ptr<float>(), n);
-  }
+  if (q4)
+    group_linear_impl<Q4_1>(xp, x.stride(0), M, K, q, d, m, bp, yp, n);
+  else
+    group_linear_impl<Q8_0>(xp, x.stride(0), M, K, q, d, m, bp, yp, n);
   return y;
 }
 
