@@ -182,6 +182,11 @@ def assert_product_matches_reference(product, reference, k: int, g) -> None:
                                atol=1e-3)
 
 
+# Questions the reduced-precision CPU paths answer greedily against the fp32 engine.
+CHAT = ["What is the capital of France?", "Write a haiku about the sea.", "Why is the sky blue?",
+        "Explain in two sentences how a bicycle stays upright."]
+
+
 def assert_greedy_chat_follows(reference, engine, questions: list[str], max_tokens: int) -> None:
     """`engine`'s greedy replies to `questions` (as chat prompts) equal `reference`'s, or
     first differ at a token in the reference's top-5 there (both share the prefix up to it)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_greedy_chat_follows
+from conftest import CHAT, assert_greedy_chat_follows
 from minivllm.kernels import cpu_lowp_linear as kernel
 
 from minivllm import EngineConfig
@@ -108,10 +108,6 @@ def test_prefill_attention_with_and_without_a_cached_prefix(compute_dtype):
         v = cache.v_cache[blocks].flatten(0, 1)[:seq_len]
         want = _naive_attention(q[cu[i] : cu[i + 1]], k, v, scale)
         torch.testing.assert_close(out[cu[i] : cu[i + 1]].double(), want, rtol=tol, atol=tol)
-
-
-CHAT = ["What is the capital of France?", "Write a haiku about the sea.", "Why is the sky blue?",
-        "Explain in two sentences how a bicycle stays upright."]
 
 
 @needs_bf16_packing

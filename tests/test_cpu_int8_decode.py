@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_greedy_chat_follows
+from conftest import CHAT, assert_greedy_chat_follows
 from minivllm.kernels import cpu_lowp_linear as kernel
 
 from minivllm import EngineConfig
@@ -83,10 +83,6 @@ def test_linears_take_int8_activations():
     x = torch.randn(5, 96, generator=g)
     assert torch.equal(model.a.lowp.product(x, None),
                        kernel.group_linear(x, values, scales, mins, None, 64, True))
-
-
-CHAT = ["What is the capital of France?", "Write a haiku about the sea.", "Why is the sky blue?",
-        "Explain in two sentences how a bicycle stays upright."]
 
 
 @needs_vnni
