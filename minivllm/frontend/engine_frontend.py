@@ -305,22 +305,18 @@ class EngineFrontend:
         if self.engine is None and not self._build_on_engine_thread:
             assert self._factory is not None
             self.engine = self._factory(progress)
-        if self.engine is not None:
-            self._became_ready()
-            self._thread = threading.Thread(target=self._run, name="minivllm-engine",
-                                            daemon=True)
-            self._thread.start()
-            return self._info
         built = threading.Event()
         failure: list[BaseException] = []
 
         def build_then_serve() -> None:
             try:
-                assert self._factory is not None
-                self.engine = self._factory(progress)
                 if self.engine is None:
-                    raise TypeError("the engine factory returned None, not an engine")
-                self._became_ready()
+                    assert self._factory is not None
+                    self.engine = self._factory(progress)
+                    if self.engine is None:
+                        raise TypeError("the engine factory returned None, not an engine")
+                self._info = engine_info(self.engine)
+                self._publish_stats()
             except BaseException as exc:  # noqa: BLE001 - start() raises it
                 failure.append(exc)
                 return
@@ -336,10 +332,6 @@ class EngineFrontend:
             raise failure[0]
         assert self._info is not None
         return self._info
-
-    def _became_ready(self) -> None:
-        self._info = engine_info(self.engine)
-        self._publish_stats()
 
     def add_request(self, request: GenerateRequest, on_output: OutputCallback) -> None:
         refusal = self._error or self._refusing or ("the engine is closed" if self._closed
