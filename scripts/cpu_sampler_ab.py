@@ -42,9 +42,8 @@ def main() -> None:
         return fast(self, logits, t)
 
     def whole(self, logits, t):  # the path every device took before
-        full = S._top_k_top_p(logits, t.top_ks, t.top_ps, t.needs_top_k, t.needs_top_p)
-        q = S._exponential_noise(full.shape, t.seeds, logits.device, self.generator)
-        return S.row_argmax(full - q.log_())
+        return self._draw(S._top_k_top_p(logits, t.top_ks, t.top_ps, t.needs_top_k,
+                                          t.needs_top_p), t.seeds)
 
     results: dict[str, list[float]] = {"whole vocabulary": [], "candidates": []}
     for _ in range(opts.rounds):

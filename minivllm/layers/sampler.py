@@ -158,18 +158,13 @@ class Sampler:
         logits = logits.float()
         temps = torch.where(t.temperatures > 0, t.temperatures, 1.0)
         logits = logits / temps[:, None]
-        if logits.device.type == "cpu" and (t.needs_top_k or t.needs_top_p) and (
-                not t.needs_min_p):
-            sampled = self._sample_candidates(logits, t)
-            return torch.where(t.temperatures > 0, sampled, greedy)
         if t.needs_top_k or t.needs_top_p:
+            if logits.device.type == "cpu" and not t.needs_min_p:
+                return torch.where(t.temperatures > 0, self._sample_candidates(logits, t),
+                                   greedy)
             logits = _top_k_top_p(logits, t.top_ks, t.top_ps, t.needs_top_k, t.needs_top_p)
         if not t.needs_min_p:
-            # Gumbel-max in log space: argmax(logits / T - log q), q ~ Exp(1), samples
-            # from softmax(logits / T) without computing it.
-            q = _exponential_noise(logits.shape, t.seeds, logits.device, self.generator)
-            sampled = row_argmax(logits - q.log_())
-            return torch.where(t.temperatures > 0, sampled, greedy)
+            return torch.where(t.temperatures > 0, self._draw(logits, t.seeds), greedy)
         probs = torch.softmax(logits, dim=-1)
         floor = t.min_ps[:, None] * probs.max(dim=-1, keepdim=True).values
         probs = torch.where(probs < floor, 0.0, probs)
@@ -178,6 +173,11 @@ class Sampler:
         sampled = row_argmax(probs / q)
         return torch.where(t.temperatures > 0, sampled, greedy)
 
+    def _draw(self, logits: torch.Tensor, seeds: list[int | None]) -> torch.Tensor:
+        """Gumbel-max in log space: argmax(logits - log q), q ~ Exp(1), samples each row
+        from softmax(logits) without computing it (-inf logits are never drawn)."""
+        q = _exponential_noise(logits.shape, seeds, logits.device, self.generator)
+        return row_argmax(logits - q.log_())
 
     def _sample_candidates(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         """Top-k / top-p sampling from each row's CANDIDATES most likely tokens (CPU): the
@@ -187,16 +187,14 @@ class Sampler:
         for all of them took ~10 ms of a ~20 ms CPU step; this takes well under one."""
         vals, idx, fits = candidate_nucleus(logits, t.top_ks, t.top_ps, t.needs_top_k,
                                             t.needs_top_p)
-        q = _exponential_noise(vals.shape, t.seeds, logits.device, self.generator)
-        sampled = idx.gather(-1, row_argmax(vals - q.log_())[:, None])[:, 0]
+        sampled = idx.gather(-1, self._draw(vals, t.seeds)[:, None])[:, 0]
         rest = (~fits).nonzero()[:, 0]
         if rest.numel():  # the cut lies past the candidates: the whole vocabulary
             full = _top_k_top_p(logits[rest], t.top_ks[rest] if t.needs_top_k else None,
                                 t.top_ps[rest] if t.needs_top_p else None, t.needs_top_k,
                                 t.needs_top_p)
             seeds = [t.seeds[i] for i in rest.tolist()] if t.seeds else []
-            q = _exponential_noise(full.shape, seeds, logits.device, self.generator)
-            sampled[rest] = row_argmax(full - q.log_())
+            sampled[rest] = self._draw(full, seeds)
         return sampled
 
 
