@@ -70,6 +70,11 @@ def wide_rows(rows: WideRows | None) -> Iterator[None]:
         _WIDE_ROWS.reset(token)
 
 
+# llama.cpp's group formats (kernels/cpu_lowp_linear.py's group_linear), in the order
+# `compact` tries them.
+GROUP_FORMATS = ("q4_1", "q8_0")
+
+
 class LowpWeight(NamedTuple):
     """A linear's weight in a weight-only format (kernels/cpu_lowp_linear.py's layouts)."""
 
@@ -111,7 +116,7 @@ class LowpWeight(NamedTuple):
         """The fp32 weight [out, in] this copy stands for."""
         from minivllm.kernels import cpu_lowp_linear as kernel
 
-        if self.fmt in ("q8_0", "q4_1"):
+        if self.fmt in GROUP_FORMATS:
             return kernel.dequantize_group(self.packed, self.scales, self.mins,
                                            self.out_features)
         return kernel.dequantize(self.packed, self.scales, self.out_features)
@@ -121,7 +126,7 @@ class LowpWeight(NamedTuple):
         int8 activations per group of 32 and int32 group sums."""
         from minivllm.kernels import cpu_lowp_linear as kernel
 
-        if self.fmt in ("q8_0", "q4_1"):
+        if self.fmt in GROUP_FORMATS:
             return kernel.group_linear(x, self.packed, self.scales, self.mins, bias,
                                        self.out_features, self.int8_act)
         return kernel.lowp_linear(x, self.packed, self.scales, bias, self.out_features)
@@ -261,7 +266,7 @@ def decode_dtype(cpu_decode_dtype: str, dtype: str, fmt: str | None) -> str | No
     keeps fp32. `fmt`: the formats taken ("q4_1/q8_0"; None: no weight-only format)."""
     from minivllm.kernels import cpu_lowp_linear as kernel
 
-    groups = fmt is not None and any(f in ("q4_1", "q8_0") for f in fmt.split("/"))
+    groups = fmt is not None and any(f in GROUP_FORMATS for f in fmt.split("/"))
     if cpu_decode_dtype == "float32" or (cpu_decode_dtype == "auto" and dtype != "auto"):
         return None
     available = groups and kernel.int8_activations_available()
@@ -279,7 +284,7 @@ def int8_activations(model: torch.nn.Module) -> int:
     count = 0
     for module in model.modules():
         lowp = getattr(module, "lowp", None)
-        if isinstance(lowp, LowpWeight) and lowp.fmt in ("q4_1", "q8_0"):
+        if isinstance(lowp, LowpWeight) and lowp.fmt in GROUP_FORMATS:
             module.lowp = lowp._replace(int8_act=True)
             count += 1
     return count
@@ -328,7 +333,7 @@ def _exact_group_weight(kernel, weight: torch.Tensor, width: int) -> LowpWeight 
     def exact(lowp: LowpWeight, w: torch.Tensor) -> bool:
         return torch.equal(lowp.dequantized(), w.detach())
 
-    for fmt in ("q4_1", "q8_0"):
+    for fmt in GROUP_FORMATS:
         if exact(_lowp_weight(kernel, weight[:1], fmt, width), weight[:1]):
             lowp = _lowp_weight(kernel, weight, fmt, width)
             if exact(lowp, weight):
