@@ -136,7 +136,7 @@ def test_outputs_equal_generate_on_the_real_engine(smollm2):
 
 
 def test_an_engine_built_on_the_engine_thread_is_stepped_there():
-    """`build_on_engine_thread` (what the engine process does): the factory runs on the
+    """An engine factory (what the engine process and the app give) runs on the
     thread that then steps the engine, `start()` waits for it and reports its progress,
     and a factory that fails makes `start()` raise its error."""
     threads = {}
@@ -152,7 +152,7 @@ def test_an_engine_built_on_the_engine_thread_is_stepped_there():
         return Recording(reply="one two three", step_delay=0.001)
 
     stages = []
-    frontend = EngineFrontend(engine_factory=factory, build_on_engine_thread=True)
+    frontend = EngineFrontend(engine_factory=factory)
     info = frontend.start(lambda stage, fraction: stages.append((stage, fraction)))
     try:
         assert info is frontend.info and stages == [("loading weights", 0.5)]
@@ -167,7 +167,7 @@ def test_an_engine_built_on_the_engine_thread_is_stepped_there():
     def broken(on_progress):
         raise ValueError("max_model_length=0: must be >= 1")
 
-    failing = EngineFrontend(engine_factory=broken, build_on_engine_thread=True)
+    failing = EngineFrontend(engine_factory=broken)
     with pytest.raises(ValueError, match="max_model_length=0"):
         failing.start()
     assert not failing.alive

@@ -166,7 +166,7 @@ def engine_factory(args: argparse.Namespace, config: dict[str, Any]) -> EngineFa
 
         # In this process too, the engine is built on the thread that steps it (a CPU
         # engine steps at half speed elsewhere: EngineFrontend); the worker starts it.
-        return EngineFrontend(engine_factory=llm, owns_engine=True, build_on_engine_thread=True)
+        return EngineFrontend(engine_factory=llm, owns_engine=True)
 
     return build
 

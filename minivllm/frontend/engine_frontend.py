@@ -234,13 +234,12 @@ async def stream_outputs(
 class EngineFrontend:
     """An `EngineClient` for an engine in this process.
 
-    Give a built `engine`, or an `engine_factory(on_progress)` that `start()` calls on
-    the caller's thread (so a UI can show progress and Ctrl-C lands where expected), or
-    with `build_on_engine_thread` on the engine thread itself, `start()` waiting for it:
-    on the CPU an engine steps at full speed only on the thread that built it (each
-    thread that runs OpenMP work keeps its own pool, and with more pool threads than
-    cores libgomp stops spinning between the kernels' short parallel regions: a SmolLM2
-    batch-4 step took 9.4 ms on the building thread and 20.8 ms on another).
+    Give a built `engine`, or an `engine_factory(on_progress)` that the engine thread
+    calls, `start()` waiting for it and raising what it raised: on the CPU an engine
+    steps at full speed only on the thread that built it (each thread that runs OpenMP
+    work keeps its own pool, and with more pool threads than cores libgomp stops spinning
+    between the kernels' short parallel regions: a SmolLM2 batch-4 step took 9.4 ms on
+    the building thread and 20.8 ms on another).
     `owns_engine` decides whether `close()` calls `engine.exit()` (default: when the
     front end built it). `on_iteration`, if given, runs on the engine thread after each
     turn of the loop (after a step's outputs went out): a caller that buffers outputs
@@ -256,13 +255,11 @@ class EngineFrontend:
         stats_interval: float = 0.1,
         idle_wait: float = 0.05,
         on_iteration: Callable[[], None] | None = None,
-        build_on_engine_thread: bool = False,
     ) -> None:
         if (engine is None) == (engine_factory is None):
             raise ValueError("give exactly one of engine and engine_factory")
         self.engine = engine
         self._factory = engine_factory
-        self._build_on_engine_thread = build_on_engine_thread
         self._owns = owns_engine if owns_engine is not None else engine is None
         self._stats_interval = stats_interval
         self._idle_wait = idle_wait
@@ -302,9 +299,6 @@ class EngineFrontend:
         if self._thread is not None:
             raise RuntimeError("EngineFrontend.start() was already called")
         progress = on_progress or (lambda stage, fraction: None)
-        if self.engine is None and not self._build_on_engine_thread:
-            assert self._factory is not None
-            self.engine = self._factory(progress)
         built = threading.Event()
         failure: list[BaseException] = []
 

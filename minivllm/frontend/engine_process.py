@@ -400,7 +400,7 @@ def _child_main(factory: EngineFactory, conn: Connection, stats_interval: float)
     # engine steps at half speed on a thread other than the one that built it).
     frontend = outbox.frontend = EngineFrontend(
         engine_factory=factory, owns_engine=True, stats_interval=stats_interval,
-        on_iteration=outbox.flush, build_on_engine_thread=True)
+        on_iteration=outbox.flush)
     try:
         with outbox.lock:  # before the engine thread's first flush
             info = frontend.start(

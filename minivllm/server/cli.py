@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             # Built on the thread that steps it (EngineFrontend: on the CPU it steps at half
             # speed elsewhere).
             frontend = EngineFrontend(engine_factory=functools.partial(build_engine, args),
-                                      owns_engine=True, build_on_engine_thread=True)
+                                      owns_engine=True)
             frontend.start(_progress)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
         print(f"minivllm serve: {exc}", file=sys.stderr)
