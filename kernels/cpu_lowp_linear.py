@@ -181,14 +181,16 @@ def dequantize_group(
         values = torch.cat([values & 0x0F, values >> 4], dim=2)
     q = values.transpose(1, 2).reshape(blocks * width, k)[:n].float()
     per_group = q.view(n, k // GROUP, GROUP)
-
-    def unblock(t: torch.Tensor) -> torch.Tensor:  # [blocks, K / 32, width] -> [n, K / 32, 1]
-        return t.transpose(1, 2).reshape(blocks * width, -1)[:n].float()[..., None]
-
-    w = per_group * unblock(scales)
+    w = per_group * _per_output(scales, n).float()[..., None]
     if mins is not None:
-        w = w + unblock(mins)
+        w = w + _per_output(mins, n).float()[..., None]
     return w.view(n, k)
+
+
+def _per_output(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Group scales (or mins) [blocks, K / 32, width] -> [n, K / 32], one row an output."""
+    blocks, groups, width = t.shape
+    return t.transpose(1, 2).reshape(blocks * width, groups)[:n]
 
 
 def group_linear_ref(x, values, scales, mins, bias, n):
@@ -209,20 +211,16 @@ def group_linear_i8_ref(x, values, scales, mins, bias, n):
     """`group_linear(..., int8_activations=True)` in float64: each group's sum of int8 values
     is exact, then d * s * sum(q * xq) (+ m * the group's fp32 sum of x)."""
     xq, s = quantize_activations(x)  # [M, G, 32], [M, G, 1]
-    blocks, k, _ = values.shape
-    width = scales.shape[2]
+    k = values.shape[1]
     unit = torch.ones_like(scales)
     q = dequantize_group(values, unit, None if mins is None else torch.zeros_like(mins), n)
     q = q.double().view(n, k // GROUP, GROUP)  # the integer values: d = 1, m = 0
-
-    def unblock(t: torch.Tensor) -> torch.Tensor:  # [blocks, K / 32, width] -> [n, K / 32]
-        return t.transpose(1, 2).reshape(blocks * width, -1)[:n].double()
-
     sums = torch.einsum("mgk,ngk->mng", xq.double(), q)  # [M, n, groups], exact integers
-    y = (sums * unblock(scales)[None] * s.double().squeeze(-1)[:, None, :]).sum(-1)
+    d = _per_output(scales, n).double()
+    y = (sums * d[None] * s.double().squeeze(-1)[:, None, :]).sum(-1)
     if mins is not None:
         xsum = x.double().view(x.shape[0], -1, GROUP).sum(-1)  # [M, groups]
-        y = y + xsum @ unblock(mins).T
+        y = y + xsum @ _per_output(mins, n).double().T
     if bias is not None:
         y = y + bias.double()
     return y.float()
