@@ -104,6 +104,19 @@ def measure(new_tokens: int, repeats: int, model: str, long: int,
     return out
 
 
+def time_past_earlier(events: list) -> list[float]:
+    """For profiler events sorted by start: how far each moved the end of the work before it
+    (its time past every earlier event's end, idle gaps excluded). Under PDL kernels
+    overlap, so a kernel's own time overstates what it costs; these add up to the busy
+    time."""
+    out, end = [], None
+    for e in events:
+        start, stop = e.time_range.start, e.time_range.end
+        out.append(stop - start if end is None else max(0.0, stop - max(start, end)))
+        end = stop if end is None else max(end, stop)
+    return out
+
+
 def timeline(llm, batch: int, context: int, steps: int = 10) -> None:
     """Print where `steps` decode steps' GPU time goes: busy / idle, kernels a step, and per
     kernel name the time by which each of its launches moved the step's end forward (under
@@ -140,15 +153,12 @@ def timeline(llm, batch: int, context: int, steps: int = 10) -> None:
         print("  (no CUDA events)")
         return
     span = events[-1].time_range.end - events[0].time_range.start
-    busy, end = 0.0, None
+    gains = time_past_earlier(events)
+    busy = sum(gains)
     moved: dict[str, float] = {}
     count: dict[str, int] = {}
-    for e in events:
-        start, stop = e.time_range.start, e.time_range.end
+    for e, gain in zip(events, gains, strict=True):
         name = e.name[:44]
-        gain = stop - start if end is None else max(0.0, stop - max(start, end))
-        busy += gain
-        end = stop if end is None else max(end, stop)
         moved[name] = moved.get(name, 0.0) + gain
         count[name] = count.get(name, 0) + 1
     print(f"  timeline b{batch} ctx {context}: {span / steps:7.1f} us a step, GPU busy "

@@ -14,6 +14,7 @@ import time
 from collections import defaultdict
 
 import torch
+from decode_ab import time_past_earlier  # scripts/, the folder of this script
 from torch.profiler import ProfilerActivity, profile
 
 from minivllm import LLMEngine, SamplingParams
@@ -113,16 +114,14 @@ def decode_kernels(batch: int, context: int, steps: int = 5) -> None:
     kv_bytes = batch * (context + 50) * 2 * attn.num_kv_heads * attn.head_dim * itemsize
     per_step_matmuls = 4 * len(layers) + 1
     times: dict[str, float] = defaultdict(float)
-    # How far each kernel moves the step's end: with PDL a kernel overlaps the one before,
-    # so its own time overstates what it costs; this counts only its time past every
-    # earlier kernel's end (idle gaps excluded). The sum is the GPU's busy time.
+    # How far each kernel moves the step's end (decode_ab.time_past_earlier): the sum is
+    # the GPU's busy time.
     critical: dict[str, float] = defaultdict(float)
-    frontier = float("-inf")
     calls: dict[str, int] = defaultdict(int)
     nbytes: dict[str, float] = defaultdict(float)
     matmul_index = 0
     proj = "?"
-    for e in events:
+    for e, gain in zip(events, time_past_earlier(events), strict=True):
         name = e.name
         label = name[:48]
         if "splitkreduce" in name.lower():  # cuBLAS's second pass of the product before
@@ -136,9 +135,7 @@ def decode_kernels(batch: int, context: int, steps: int = 5) -> None:
         elif "decode_attention" in name:
             nbytes[label] += kv_bytes
         times[label] += e.time_range.elapsed_us()
-        begin, end = e.time_range.start, e.time_range.end
-        critical[label] += max(0.0, end - max(frontier, begin))
-        frontier = max(frontier, end)
+        critical[label] += gain
         calls[label] += 1
     aligned = matmul_index % per_step_matmuls == 0
     total = sum(times.values())
