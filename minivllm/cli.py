@@ -143,8 +143,9 @@ def main(argv: list[str] | None = None) -> None:
         "--cpu-prefill-dtype",
         default="auto",
         choices=CPU_PREFILL_DTYPES,
-        help="a prefill's products and attention with a CPU weight format (default auto: "
-        "bfloat16 where the CPU multiplies bf16, AMX or AVX-512 BF16, else float32)",
+        help="a prefill's products (on packed copies of the weights) and attention with a "
+        "CPU weight format (default auto: bfloat16 where the CPU multiplies bf16, AMX or "
+        "AVX-512 BF16, else fp32 copies; float32: no copies, the weight-only kernel)",
     )
     g.add_argument(
         "--cpu-decode-dtype",

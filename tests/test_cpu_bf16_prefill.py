@@ -1,6 +1,7 @@
-"""A weight-only model's prefill in bf16 on the CPU (`cpu_prefill_dtype`): which settings
-take it, the wide products and attention against their references, and SmolLM2's greedy
-replies against the fp32 engine's."""
+"""A weight-only model's prefill on oneDNN-packed copies on the CPU (`cpu_prefill_dtype`:
+bf16 where the CPU multiplies bf16, fp32 elsewhere): which settings take it, the wide
+products and attention against their references, and SmolLM2's greedy replies against
+the fp32 engine's."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ needs_bf16_packing = pytest.mark.skipif(
 
 def test_settings_that_take_the_bf16_prefill():
     bf16 = torch.bfloat16
-    fast = bf16 if has_fast_bf16() else None
-    assert cpu_linear.prefill_dtype("auto", "auto", "q4_1/q8_0") == fast
+    copies = bf16 if has_fast_bf16() else torch.float32
+    assert cpu_linear.prefill_dtype("auto", "auto", "q4_1/q8_0") == copies
     assert cpu_linear.prefill_dtype("auto", "float32", "q4_1/q8_0") is None  # exact: asked
     assert cpu_linear.prefill_dtype("float32", "auto", "q4_1/q8_0") is None
     assert cpu_linear.prefill_dtype("bfloat16", "float32", "int8") == bf16
@@ -72,6 +73,37 @@ def test_prefill_rows_run_in_bf16_and_decode_rows_stay_exact(bias):
         mixed = lowp.product(x, b)
     assert torch.equal(mixed[[0, 39]], plain.product(x[[0, 39]], b))
     torch.testing.assert_close(mixed[1:39], got[1:39], rtol=0, atol=0)
+
+
+def test_fp32_copies_without_fast_bf16(monkeypatch):
+    from minivllm import cpu_features
+
+    monkeypatch.setattr(cpu_features, "has_fast_bf16", lambda *args: False)
+    assert cpu_linear.prefill_dtype("auto", "auto", "q4_1/q8_0") == torch.float32
+    assert cpu_linear.prefill_dtype("auto", "float32", "q4_1/q8_0") is None  # exact: asked
+
+
+@pytest.mark.skipif(kernel.unavailable_reason() is not None, reason="no CPU kernel here")
+@pytest.mark.parametrize("bias", [False, True])
+def test_prefill_rows_on_an_fp32_copy(bias):
+    """The fp32 copy's products are the dequantized weight's fp32 products (another
+    summation order than the kernel's); decode rows stay on the kernel, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 96, 64
+    weight = torch.randn(n, k, generator=g) * 0.1
+    b = torch.randn(n, generator=g) if bias else None
+    values, scales, mins = kernel.quantize_q4_1(weight, kernel.block_width())
+    plain = cpu_linear.LowpWeight(values, scales, n, mins, "q4_1")
+    deq = kernel.dequantize_group(values, scales, mins, n)
+    wide = cpu_linear.pack_weight(deq)
+    if wide is None:
+        pytest.skip("oneDNN does not pack fp32 weights here")
+    lowp = plain._replace(wide=wide)
+    x = torch.randn(40, k, generator=g)
+    with cpu_linear.wide_rows(cpu_linear.WideRows.of([0, 1, 39, 40])):
+        mixed = lowp.product(x, b)
+    assert torch.equal(mixed[[0, 39]], plain.product(x[[0, 39]], b))
+    torch.testing.assert_close(mixed[1:39], F.linear(x[1:39], deq, b), rtol=1e-5, atol=1e-5)
 
 
 def _naive_attention(q, k, v, scale):
@@ -127,6 +159,28 @@ def test_smollm2_bf16_prefill_follows_fp32(smollm2, smollm2_path):
         model = llm.runner.model
         assert model.model.layers[0].mlp.down_proj.lowp.wide is not None
         assert model.lm_head.lowp.wide is None  # one row a sequence: the q8_0 kernel
+        assert_greedy_chat_follows(smollm2, llm, CHAT, max_tokens=24)
+    finally:
+        llm.exit()
+
+
+def test_smollm2_fp32_copies_follow_the_kernel(smollm2, smollm2_path, monkeypatch):
+    """Where bf16 is slow (AVX2), `auto` gives a weight-only model fp32 copies for its
+    prefill: greedy replies equal the fp32 engine's (or first differ at a token in its
+    top-5); the header says so; decode rows and the LM head stay on the kernel."""
+    from minivllm import LLMEngine, cpu_features
+    from minivllm.frontend.engine_frontend import dtype_label
+
+    monkeypatch.setattr(cpu_features, "has_fast_bf16", lambda *args: False)
+    llm = LLMEngine({"model_name_or_path": str(smollm2_path), "device": "cpu",
+                     "cpu_weight_dtype": "compact", "cpu_decode_dtype": "float32",
+                     "max_model_length": 2048, "block_size": 16})
+    try:
+        assert llm.cpu_prefill_dtype == torch.float32
+        assert dtype_label(llm) == "float32, q4_1/q8_0 weights, float32 prefill"
+        model = llm.runner.model
+        assert model.model.layers[0].mlp.down_proj.lowp.wide.dtype == torch.float32
+        assert model.lm_head.lowp.wide is None
         assert_greedy_chat_follows(smollm2, llm, CHAT, max_tokens=24)
     finally:
         llm.exit()

@@ -119,12 +119,15 @@ class ModelRunner:
             self.progress(stage, 0.3)
             # None where the kernel did not build here (warned)
             self.cpu_weight_format = lowp_linears(self.model, self.cpu_weight_format)
-        # bf16 where a prefill's products and attention run in bf16 (oneDNN, AMX), else None.
+        # The dtype of a prefill's products on oneDNN-packed copies (bf16 on AMX, fp32
+        # elsewhere), None where they stay on the weight-only kernel.
         self.cpu_prefill_dtype = prefill_dtype(
             config.cpu_prefill_dtype, config.dtype, self.cpu_weight_format
         )
-        if self.cpu_prefill_dtype is not None and not add_wide_copies(self.model):
-            self.cpu_prefill_dtype = None  # oneDNN does not pack bf16 here
+        if self.cpu_prefill_dtype is not None and not add_wide_copies(
+            self.model, self.cpu_prefill_dtype
+        ):
+            self.cpu_prefill_dtype = None  # oneDNN does not pack that dtype here
         # "int8" where the q4_1 / q8_0 products take int8 activations (VNNI), else None.
         self.cpu_decode_dtype = decode_dtype(
             config.cpu_decode_dtype, config.dtype, self.cpu_weight_format

@@ -86,8 +86,8 @@ class LowpWeight(NamedTuple):
     out_features: int
     mins: torch.Tensor | None = None  # q4_1: like its scales
     fmt: str = "bfloat16"  # bfloat16, int8, q8_0 or q4_1
-    # The same weight in bf16, packed by oneDNN, for a prefill's rows (`add_wide_copies`,
-    # `WideRows`); None: every product runs the weight-only kernel.
+    # The same weight in bf16 or fp32, packed by oneDNN, for a prefill's rows
+    # (`add_wide_copies`, `WideRows`); None: every product runs the weight-only kernel.
     wide: torch.Tensor | None = None
     # q8_0 / q4_1: the kernel quantizes the activations to int8 per group of 32
     # (`cpu_decode_dtype`, `int8_activations`); else fp32 activations and sums.
@@ -106,9 +106,10 @@ class LowpWeight(NamedTuple):
         return y
 
     def wide_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The product on the bf16 copy: x rounded to bf16, fp32 sums, bf16 out, as fp32."""
+        """The product on the wide copy: x in the copy's dtype (bf16: rounded; fp32: as
+        is), fp32 sums, out in that dtype, as fp32."""
         y = torch.ops.mkldnn._linear_pointwise(
-            x.to(torch.bfloat16), self.wide, None, "none", [], ""
+            x.to(self.wide.dtype), self.wide, None, "none", [], ""
         ).float()
         return y if bias is None else y + bias
 
@@ -243,19 +244,23 @@ def lowp_linears(model: torch.nn.Module, fmt: str) -> str | None:
 
 
 def prefill_dtype(cpu_prefill_dtype: str, dtype: str, fmt: str | None) -> torch.dtype | None:
-    """The dtype of a weight-only model's prefill (products and attention), or None where
-    it stays on the weight-only kernel (fp32 activations and sums, the exact path).
-    `cpu_prefill_dtype` "auto" takes bf16 where the engine's dtype was left at "auto"
-    and the CPU multiplies bf16 (AMX, AVX-512 BF16); "bfloat16" asks for it anywhere, and
-    "float32", or `dtype="float32"` asked for, keeps fp32. `fmt`: the format taken (None:
-    the linears keep their own dtype, and so do their products)."""
+    """The dtype of a weight-only model's prefill products (on oneDNN-packed copies of the
+    weights) and attention, or None where they stay on the weight-only kernel (fp32
+    activations and sums, no copies). `cpu_prefill_dtype` "auto", where the engine's dtype
+    was left at "auto": bf16 where the CPU multiplies bf16 (AMX, AVX-512 BF16), else fp32
+    copies (oneDNN's fp32 products of many rows outrun the kernel's: AVX2, 128-512 rows,
+    ~1.5x); "bfloat16" asks for bf16 anywhere; "float32", or `dtype="float32"` asked for,
+    keeps the kernel. `fmt`: the format taken (None: the linears keep their own dtype, and
+    so do their products)."""
     if fmt is None or cpu_prefill_dtype == "float32":
         return None
     if cpu_prefill_dtype == "bfloat16":
         return torch.bfloat16
+    if dtype != "auto":
+        return None
     from ..cpu_features import has_fast_bf16
 
-    return torch.bfloat16 if dtype == "auto" and has_fast_bf16() else None
+    return torch.bfloat16 if has_fast_bf16() else torch.float32
 
 
 def decode_dtype(cpu_decode_dtype: str, dtype: str, fmt: str | None) -> str | None:
@@ -290,17 +295,18 @@ def int8_activations(model: torch.nn.Module) -> int:
     return count
 
 
-def add_wide_copies(model: torch.nn.Module) -> int:
-    """Give every weight-only linear but the LM head (one row a sequence) a oneDNN-packed bf16
-    copy of its weight for a prefill's products; returns how many took one (none where oneDNN
-    cannot pack bf16 here). Costs 2 bytes a weight (SmolLM2-135M: ~210 MB)."""
+def add_wide_copies(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Give every weight-only linear but the LM head (one row a sequence) a oneDNN-packed
+    `dtype` copy of its weight for a prefill's products; returns how many took one (none
+    where oneDNN cannot pack `dtype` here). Costs 2 bytes a weight in bf16, 4 in fp32
+    (SmolLM2-135M: ~210 / ~420 MB)."""
     head = getattr(model, "lm_head", None)
     count = 0
     for module in model.modules():
         lowp = getattr(module, "lowp", None)
         if lowp is None or module is head:
             continue
-        wide = pack_weight(lowp.dequantized().to(torch.bfloat16))
+        wide = pack_weight(lowp.dequantized().to(dtype))
         if wide is None:
             return count
         module.lowp = lowp._replace(wide=wide)
