@@ -411,7 +411,15 @@ def start_rank0(path: Path, mode: str = "") -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+        preexec_fn=default_sigint,
     )
+
+
+def default_sigint() -> None:
+    """In a child before it execs: Ctrl-C's default disposition. An ignored SIGINT is
+    inherited, and the test process may have been left ignoring it by an earlier test's
+    library; the child would then never see the Ctrl-C these tests send."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def read_until(proc: subprocess.Popen, prefix: str) -> str:

@@ -52,6 +52,9 @@ def test_plain_mode_ctrl_c_stops_the_reply_and_keeps_going(tmp_path):
         [sys.executable, "-m", "minivllm.tui.cli", "--fake", "--plain"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=env,
+        # An ignored SIGINT is inherited: the Ctrl-C below must reach the child whatever
+        # an earlier test's library left the test process ignoring.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         proc.stdin.write("first\n")
