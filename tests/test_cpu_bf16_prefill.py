@@ -49,16 +49,23 @@ def test_wide_rows_are_the_prefill_chunks():
     assert rows.narrow.tolist() == [0, 5]
 
 
-@needs_bf16_packing
-@pytest.mark.parametrize("bias", [False, True])
-def test_prefill_rows_run_in_bf16_and_decode_rows_stay_exact(bias):
-    g = torch.Generator().manual_seed(1)
+def _q4_1_linear(g: torch.Generator, bias: bool):
+    """A random 96 x 64 linear in q4_1 (the kernel's weight), its dequantized fp32 weight,
+    and its bias (or None), drawn from `g`."""
     n, k = 96, 64
     weight = torch.randn(n, k, generator=g) * 0.1
     b = torch.randn(n, generator=g) if bias else None
     values, scales, mins = kernel.quantize_q4_1(weight, kernel.block_width())
     plain = cpu_linear.LowpWeight(values, scales, n, mins, "q4_1")
-    deq = kernel.dequantize_group(values, scales, mins, n)
+    return plain, kernel.dequantize_group(values, scales, mins, n), b
+
+
+@needs_bf16_packing
+@pytest.mark.parametrize("bias", [False, True])
+def test_prefill_rows_run_in_bf16_and_decode_rows_stay_exact(bias):
+    g = torch.Generator().manual_seed(1)
+    plain, deq, b = _q4_1_linear(g, bias)
+    k = deq.shape[1]
     lowp = plain._replace(wide=cpu_linear.pack_weight(deq.to(torch.bfloat16)))
     x = torch.randn(40, k, generator=g)
     exact = plain.product(x, b)
@@ -89,12 +96,8 @@ def test_prefill_rows_on_an_fp32_copy(bias):
     """The fp32 copy's products are the dequantized weight's fp32 products (another
     summation order than the kernel's); decode rows stay on the kernel, bit for bit."""
     g = torch.Generator().manual_seed(3)
-    n, k = 96, 64
-    weight = torch.randn(n, k, generator=g) * 0.1
-    b = torch.randn(n, generator=g) if bias else None
-    values, scales, mins = kernel.quantize_q4_1(weight, kernel.block_width())
-    plain = cpu_linear.LowpWeight(values, scales, n, mins, "q4_1")
-    deq = kernel.dequantize_group(values, scales, mins, n)
+    plain, deq, b = _q4_1_linear(g, bias)
+    k = deq.shape[1]
     wide = cpu_linear.pack_weight(deq)
     if wide is None:
         pytest.skip("oneDNN does not pack fp32 weights here")
