@@ -15,7 +15,7 @@ import pytest
 from minivllm.tui.app import create_app
 from minivllm.tui.cli import CPU_STEP_TOKENS, build_parser, check_config
 from minivllm.tui.conversation import Settings
-from minivllm.tui.engine_thread import render_prompt
+from minivllm.tui.engine_client import render_prompt
 from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_until
 
 from minivllm.config import APP_CPU_WEIGHT_DTYPE

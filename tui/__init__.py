@@ -2,10 +2,11 @@
 
 `create_app(engine=...)` builds the Textual app around an engine (real or fake);
 `minivllm.tui.cli:main` is the `minivllm-chat` console script; `--plain` runs
-`minivllm.tui.plain`. Module map: engine_thread (the bridge to the engine's front end),
-engine_spec (what `--engine-process` builds in the child: minivllm.frontend's
-EngineProcessClient),
-messages (what it posts to the UI), conversation / store (data and the session file:
+`minivllm.tui.plain`. Module map: engine_client (where the app's `EngineClient` comes
+from: an engine served by the shared front end, an engine process or a server; the app
+reads each request's stream from it on its own event loop), engine_spec (what
+`--engine-process` builds in the child: minivllm.frontend's EngineProcessClient),
+messages (what the loading thread posts to the UI), conversation / store (data and the session file:
 created at the first message, validated on replay, memory-only when it cannot be
 written), thinking / sanitize / stats (pure helpers), widgets/ (one widget per module),
 app (wiring), bench (`minivllm-chat --bench`: the app's cost), fake_engine (a scripted

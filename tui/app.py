@@ -1,7 +1,12 @@
-"""The chat app: wires panes, the engine thread and the session file together.
+"""The chat app: wires panes, the engine client and the session file together.
 
 `create_app(engine=...)` (tests, benchmarks) or `create_app(engine_factory=...)` (the
-CLI: the engine is built on the engine thread behind a loading screen).
+CLI: the engine is built or connected behind a loading screen).
+
+Each request is read from the client's stream (`EngineClient.generate`) by a task on the
+app's event loop, as the server reads its requests: no thread or queue of the app's own.
+A stream is read at most once a frame, so everything the engine produced for a request
+since the last read arrives as one piece; a frame timer then shows every pane's new text.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import copy
 import re
 import sys
 import time
+import traceback
+from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -20,21 +27,13 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
+from minivllm.frontend import EngineClient, GenerateRequest, RequestOutput
+
 from .commands import chat_commands
 from .conversation import FINISH_TO_STATUS, Conversation, Settings, Status
-from .engine_thread import EngineFactory, EngineWorker, engine_info, render_prompt
+from .engine_client import EngineFactory, EngineSource, engine_info, render_prompt
 from .keys import enable_alt_digits
-from .messages import (
-    DeltaBatch,
-    EngineDied,
-    EngineInfo,
-    EngineReady,
-    LoadFailed,
-    LoadProgress,
-    RequestAccepted,
-    RequestFailed,
-    StatsSnapshot,
-)
+from .messages import EngineInfo, EngineReady, LoadFailed, LoadProgress, StatsSnapshot
 from .stats import StatsHistory
 from .store import (
     NullStore,
@@ -53,11 +52,12 @@ from .widgets.settings_modal import SettingsModal
 
 MAX_PANES = 9
 SWITCH_INTERVAL = 0.001  # seconds; see on_mount
-FLUSH_HZ = 10  # streamed text is rendered this often (each render repaints the pane)
+FRAME_HZ = 30  # frames a second: streams are read and new text is shown at most this often
 # Streaming blocks that outgrew their lines are laid out again at most this often, all in
-# one screen layout: a layout re-renders the screen, and at GPU speed (~25 new lines a
-# second per pane) growing each block as soon as it filled cost most of the UI's time.
-GROW_HZ = 2
+# one screen layout (a layout arranges every widget on the screen; a repaint of new text
+# in lines a block already has does not).
+GROW_HZ = 10
+LAGS_KEPT = 10_000  # frame lags kept for the bench (`ChatApp.frame_lags`)
 HELP = (
     "Enter sends · ctrl+j newline · Esc or ctrl+c stops · alt+a or /all sends to every pane · "
     "ctrl+r regenerates · ctrl+n/ctrl+w new/close · ctrl+o reopens · alt+1..9 focus · "
@@ -96,10 +96,10 @@ class ChatApp(App):
     ) -> None:
         super().__init__()
         enable_alt_digits()
-        self.worker = EngineWorker(
-            self.post_message, engine=engine, engine_factory=engine_factory,
-            owns_engine=owns_engine, stats_interval=stats_interval,
-        )
+        self.source = EngineSource(engine, engine_factory, owns_engine)
+        self.client: EngineClient | None = None
+        self._client_closed = False
+        self._stats_interval = stats_interval
         # With a built engine nothing else runs yet, so reading it here is safe.
         self.info: EngineInfo | None = engine_info(engine) if engine is not None else None
         self.model = model or (self.info.model if self.info else "?")
@@ -120,7 +120,13 @@ class ChatApp(App):
         self.loading: LoadingScreen | None = None
         self.engine_dead: str | None = None
         self._requests: dict[int, ConversationPane] = {}
+        self._no_tokens_yet: list[int] = []  # accepted requests without output, FCFS
+        self._last_stats: Any = None
         self._next_request = 1
+        # Frames shown so far, and for each pane's new text how long after the engine
+        # produced its oldest token it was shown (seconds; the bench reports them).
+        self.frames = 0
+        self.frame_lags: deque[float] = deque(maxlen=LAGS_KEPT)
         self._quitting = False
         self._grow_slot = 0
         self.save_sessions = save_sessions
@@ -181,13 +187,15 @@ class ChatApp(App):
         sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL))
         if self._keymap:
             self.set_keymap(self._keymap)
-        self.worker.start()
-        if self.info is not None:
+        if self.info is not None:  # a built engine: its front end starts at once
+            self._connected(self.source.connect(lambda stage, fraction: None))
             self._show_chat(self.info)
         else:
             self.loading = LoadingScreen(self.model)
             self.push_screen(self.loading)
-        self.set_interval(1 / FLUSH_HZ, self._flush_panes)
+            self.run_worker(self._connect, thread=True, name="connect", exit_on_error=False)
+        self.set_interval(1 / FRAME_HZ, self._frame)
+        self.set_interval(self._stats_interval, self._poll_engine)
         self.set_interval(1.0, self.store.flush_partial)
         if self.resume_theme and self.resume_theme in self.available_themes:
             self.theme = self.resume_theme
@@ -207,13 +215,38 @@ class ChatApp(App):
             self.loading = None
         else:
             self.push_screen(self.chat)
+        self.call_after_refresh(self._poll_engine)  # the panel's first figures at once
+
+    def _connect(self) -> None:
+        """Thread worker: build or connect the engine's client behind the loading screen."""
+        def progress(stage: str, fraction: float) -> None:
+            self.post_message(LoadProgress(str(stage), float(fraction)))
+
+        try:
+            client = self.source.connect(progress)
+        except BaseException as exc:  # noqa: BLE001 - shown on the loading screen
+            self.post_message(LoadFailed(f"{type(exc).__name__}: {exc}\n"
+                                         + traceback.format_exc()))
+            return
+        self.post_message(EngineReady(client.info, client))
+
+    def _connected(self, client: EngineClient) -> None:
+        self.client = client
+        if self._quitting:  # the user quit while it loaded
+            self._close_client()
+
+    def _close_client(self) -> None:
+        if self.client is not None and not self._client_closed:
+            self._client_closed = True
+            self.client.close()
 
     def on_load_progress(self, msg: LoadProgress) -> None:
         if self.loading is not None:
             self.loading.progress(msg.stage, msg.fraction)
 
     def on_engine_ready(self, msg: EngineReady) -> None:
-        if self.chat is None:
+        self._connected(msg.client)
+        if self.chat is None and not self._quitting:
             self._show_chat(msg.info)
 
     def on_load_failed(self, msg: LoadFailed) -> None:
@@ -336,7 +369,7 @@ class ChatApp(App):
         """Drop a pane's live request (its reply is going away with the pane's text)."""
         if pane.request_id is not None:
             self._requests.pop(pane.request_id, None)
-            self.worker.abort(pane.request_id)
+            self._abort(pane.request_id)
 
     async def action_clear(self) -> None:
         pane = self.current_pane()
@@ -428,8 +461,8 @@ class ChatApp(App):
     @property
     def tokenizer(self) -> Any:
         """The model's tokenizer, or None (a remote engine). Only read from it."""
-        return (getattr(self.worker.client, "tokenizer", None)
-                or getattr(self.worker.engine, "tokenizer", None))
+        return (getattr(self.client, "tokenizer", None)
+                or getattr(self.source.engine, "tokenizer", None))
 
     @property
     def supports_thinking(self) -> bool:
@@ -545,9 +578,17 @@ class ChatApp(App):
             await self._finish(pane, request_id, "error", str(exc))
             return
         await self._fit_context(pane)
+        if self.client is None or self.engine_dead is not None:
+            await self._finish(pane, request_id, "error",
+                               self.engine_dead or "the engine is not ready")
+            return
         self._requests[request_id] = pane
-        self.worker.submit(request_id, pane.conversation.template_messages(), params,
-                           pane.conversation.settings.thinking)
+        thinking = pane.conversation.settings.thinking
+        request = GenerateRequest(
+            str(request_id), params, messages=pane.conversation.template_messages(),
+            chat_template_kwargs={} if thinking is None else {"enable_thinking": thinking})
+        self.run_worker(self._stream(pane, request_id, request), name=f"request {request_id}",
+                        group="requests", exit_on_error=False)
 
     def count_prompt_tokens(self, conv: Conversation) -> int | None:
         """Tokens of the conversation's next prompt (chat template included), or None
@@ -587,11 +628,11 @@ class ChatApp(App):
         pane = self.current_pane()
         if pane is None or not pane.busy or pane.request_id is None:
             return
-        if not self.worker.alive:
+        if self.client is None or self.client.error is not None:
             await self._finish(pane, pane.request_id, "stopped")
             return
         pane.set_state(pane.state, "stopping")
-        self.worker.abort(pane.request_id)
+        self._abort(pane.request_id)
 
     async def action_regenerate(self) -> None:
         pane = self.current_pane()
@@ -612,33 +653,52 @@ class ChatApp(App):
 
     # -- engine results --------------------------------------------------------------------
 
-    def on_request_accepted(self, msg: RequestAccepted) -> None:
-        pane = self._requests.get(msg.request_id)
-        if pane is not None:
-            pane.accepted(msg.opens_thinking)
+    def _abort(self, request_id: int) -> None:
+        if self.client is not None:
+            self.client.abort(str(request_id))
 
-    async def on_request_failed(self, msg: RequestFailed) -> None:
-        pane = self._requests.get(msg.request_id)
-        if pane is not None:
-            await self._finish(pane, msg.request_id, "error", msg.error)
+    async def _stream(self, pane: ConversationPane, request_id: int,
+                      request: GenerateRequest) -> None:
+        """Read one request's stream into its pane until it ends.
 
-    async def on_delta_batch(self, msg: DeltaBatch) -> None:
-        ends = []
-        for d in msg.deltas:
-            request_id = int(d.request_id)
-            pane = self._requests.get(request_id)
-            if pane is None:
-                continue
-            pane.feed(d.text, len(d.token_ids), d.at or msg.at)
-            if d.finished:
-                status = FINISH_TO_STATUS.get(d.finish_reason, "done")
-                ends.append(self._finish(pane, request_id, status, d.error))
-        # Replies that end together render their Markdown together (one wait, not one each).
-        await asyncio.gather(*ends)
+        After the first tokens the stream is read once a frame: what the engine produced
+        meanwhile comes as one merged output (one wake-up of this loop per frame, whatever
+        the engine's step rate). The first tokens are taken at once, so a pane's TTFT is
+        the engine's."""
+        assert self.client is not None
+        stream = self.client.generate(request)
+        streaming = False
+        try:
+            async for out in stream:
+                if self._requests.get(request_id) is not pane:
+                    return  # ended here already (stopped by closing, quit, engine gone)
+                self._take(pane, request_id, out)
+                if out.finished:
+                    await self._finish(pane, request_id, _status(out), out.error)
+                    return
+                streaming = streaming or bool(out.token_ids or out.text)
+                if streaming:
+                    await asyncio.sleep(_until_next_frame())
+        except Exception as exc:  # noqa: BLE001 - a broken client fails this request only
+            if self._requests.get(request_id) is pane:
+                await self._finish(pane, request_id, "error", f"{type(exc).__name__}: {exc}")
+        finally:
+            await stream.aclose()  # aborts the request if it has not finished
+
+    def _take(self, pane: ConversationPane, request_id: int, out: RequestOutput) -> None:
+        if out.accepted:
+            pane.accepted(out.opens_thinking)
+            self._no_tokens_yet.append(request_id)
+        if out.token_ids or out.text:
+            if request_id in self._no_tokens_yet:
+                self._no_tokens_yet.remove(request_id)
+            pane.feed(out.text, len(out.token_ids), out.at, out.since)
 
     async def _finish(self, pane: ConversationPane, request_id: int, status: Status,
                       error: str | None = None) -> None:
         self._requests.pop(request_id, None)
+        if request_id in self._no_tokens_yet:
+            self._no_tokens_yet.remove(request_id)
         message = await pane.finish(status, error)
         self.store.end(pane.conversation.key, status, message.content, error)
         if status == "error":
@@ -647,38 +707,62 @@ class ChatApp(App):
             pane.regenerate_after_stop = False
             await self._regenerate(pane)
 
+    async def _poll_engine(self) -> None:
+        """A few times a second: the client's latest stats snapshot for the panel, and
+        whether the engine stopped for good."""
+        client = self.client
+        if client is None or self._client_closed:
+            return
+        if client.error is not None and self.engine_dead is None:
+            await self._engine_died(client.error)
+            return
+        stats = client.stats()
+        if stats is not None and stats is not self._last_stats:
+            self._last_stats = stats
+            self.on_stats_snapshot(StatsSnapshot(stats, time.monotonic()))
+
     def on_stats_snapshot(self, msg: StatsSnapshot) -> None:
         rates = self.history.add(msg.at, msg.stats)
         if self.chat is None:
             return
         self.chat.stats_panel.show(msg.stats, rates, self.history.spark_data())
+        # FCFS: the newest accepted requests without output are the ones still waiting.
+        waiting = min(msg.stats.num_waiting, len(self._no_tokens_yet))
+        queued = set(self._no_tokens_yet[len(self._no_tokens_yet) - waiting:])
         for pane in self.panes:
             if pane.request_id is not None:
-                pane.set_queued(pane.request_id in msg.queued)
+                pane.set_queued(pane.request_id in queued)
 
-    async def on_engine_died(self, msg: EngineDied) -> None:
-        self.engine_dead = msg.error
+    async def _engine_died(self, error: str) -> None:
+        """The engine stopped for good: every pane says so, its text kept."""
+        self.engine_dead = error
         for pane in self.panes:
             if pane.request_id is not None:
-                await self._finish(pane, pane.request_id, "error", msg.error)
-            await pane.show_error(f"engine stopped: {msg.error}")
+                await self._finish(pane, pane.request_id, "error", error)
+            await pane.show_error(f"engine stopped: {error}")
             pane.set_state("error", "engine stopped")
             pane.refresh_title()
-        self.notify(f"the engine stopped: {msg.error}", severity="error", markup=False,
+        self.notify(f"the engine stopped: {error}", severity="error", markup=False,
                     timeout=30)
 
-    async def _flush_panes(self) -> None:
-        progress = getattr(self.worker.client, "prompt_progress", None)  # a remote has none
-        # Every GROW_HZ-th of a second one tick may lay out (the same one for all panes).
-        slot = int(time.monotonic() * GROW_HZ)
+    async def _frame(self) -> None:
+        """Show every pane's new text (one repaint each), at most FRAME_HZ times a second."""
+        self.frames += 1
+        progress = getattr(self.client, "prompt_progress", None)  # a remote has none
+        # Every GROW_HZ-th of a second one frame may lay out (the same one for all panes).
+        now = time.monotonic()
+        slot = int(now * GROW_HZ)
         grow = slot != self._grow_slot
         self._grow_slot = slot
         for pane in self.panes:
             if progress is not None and pane.state in ("queued", "prefill") \
                     and pane.request_id is not None:
                 pane.set_prefill_progress(progress(str(pane.request_id)))
+            oldest = pane.pending_since
             text = await pane.flush(grow)
             if text:
+                if oldest is not None:
+                    self.frame_lags.append(now - oldest)
                 self.store.chunk(pane.conversation.key, text)
 
     # -- quitting --------------------------------------------------------------------------
@@ -690,7 +774,7 @@ class ChatApp(App):
         for pane in self.panes:
             if pane.request_id is not None:
                 await self._finish(pane, pane.request_id, "stopped")
-        await asyncio.to_thread(self.worker.stop)
+        await asyncio.to_thread(self._close_client)
         self.store.close()
         self.exit(return_code=1 if self.load_error else 0)
 
@@ -698,8 +782,17 @@ class ChatApp(App):
         # Also reached when the app ends some other way; nothing here may lose text.
         sys.setswitchinterval(self._switch_interval)
         self.store.close()
-        if self.worker.alive:
-            self.worker.stop(timeout=5)
+        self._close_client()
+
+
+def _status(out: RequestOutput) -> Status:
+    return FINISH_TO_STATUS.get(out.finish_reason, "done")
+
+
+def _until_next_frame() -> float:
+    """Seconds to the next frame boundary (every stream reads on the same beat)."""
+    period = 1 / FRAME_HZ
+    return period - time.monotonic() % period
 
 
 def create_app(engine: Any = None, **options: Any) -> ChatApp:

@@ -46,7 +46,7 @@ from typing import Any
 from minivllm.sampling_params import SamplingParams
 
 from .conversation import Settings
-from .engine_thread import render_prompt
+from .engine_client import render_prompt
 
 TOPICS = ["a lighthouse keeper", "a robot learning to paint", "a city under the sea",
           "a dragon who collects books", "a time-travelling cat", "the first Mars colony",

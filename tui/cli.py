@@ -17,7 +17,7 @@ from typing import Any
 from minivllm.config import APP_CPU_WEIGHT_DTYPE, CPU_WEIGHT_DTYPES
 
 from .conversation import Settings
-from .engine_thread import EngineFactory
+from .engine_client import EngineFactory
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # Step token budget on a CPU: a step computes at most this many tokens, so a long paste

@@ -1,6 +1,7 @@
 """`minivllm-chat --plain`: one conversation in a line REPL (prompt-toolkit on a terminal,
-plain line reading on a pipe). Same engine thread, session file and chat template as the
-full-screen app.
+plain line reading on a pipe). Same engine client, session file and chat template as the
+full-screen app; a reply's outputs come from the client's callbacks, one per engine step
+(or fewer, merged, when the engine is ahead).
 
 Keys on a terminal: Enter sends, Esc Enter or ctrl+j inserts a newline, Ctrl-C stops the
 reply (or clears the line), Ctrl-D exits. On a pipe each line is a prompt (a line ending
@@ -15,24 +16,16 @@ import copy
 import queue
 import re
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from minivllm.frontend import EngineClient, GenerateRequest, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 from .conversation import FINISH_TO_STATUS, ChatMessage, Conversation, Settings
-from .engine_thread import EngineFactory, EngineWorker
-from .messages import (
-    DeltaBatch,
-    EngineDied,
-    EngineReady,
-    LoadFailed,
-    LoadProgress,
-    RequestAccepted,
-    RequestFailed,
-    StatsSnapshot,
-)
+from .engine_client import EngineFactory, EngineSource
 from .sanitize import StreamCleaner
 from .stats import StatsHistory, cache_line, kv_line, queue_line, throughput_line
 from .store import SessionStore, data_dir, new_session_path
@@ -48,10 +41,10 @@ DIM, RESET = "\x1b[2m", "\x1b[0m"
 
 
 class PlainChat:
-    def __init__(self, worker: EngineWorker, events: queue.Queue, settings: Settings,
-                 out: TextIO, err: TextIO, store: SessionStore | None, color: bool) -> None:
-        self.worker = worker
-        self.events = events
+    def __init__(self, source: EngineSource, settings: Settings, out: TextIO, err: TextIO,
+                 store: SessionStore | None, color: bool) -> None:
+        self.source = source
+        self.client: EngineClient | None = None
         self.conv = Conversation(1, settings)
         self.out = out
         self.err = err
@@ -59,45 +52,44 @@ class PlainChat:
         self.color = color
         self.stdin: TextIO | None = None  # a terminal: echo is off while a reply streams
         self.history = StatsHistory()
-        self.latest: StatsSnapshot | None = None
+        self._last_stats: Any = None
         self.dead: str | None = None
         self._next_request = 1
         if store is not None:
             store.pane(1, settings)
 
-    # -- events ------------------------------------------------------------------------
+    # -- the engine ---------------------------------------------------------------------
 
-    def _get(self, timeout: float) -> Any:
-        try:
-            msg = self.events.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if isinstance(msg, StatsSnapshot):
-            self.history.add(msg.at, msg.stats)
-            self.latest = msg
-        elif isinstance(msg, EngineDied):
-            self.dead = msg.error
-        return msg
+    def connect(self) -> bool:
+        """Build or connect the engine, printing each loading stage once."""
+        stages: list[str] = []
 
-    def wait_ready(self) -> bool:
-        last_stage = ""
-        while True:
-            msg = self._get(0.5)
-            if isinstance(msg, LoadProgress):
-                if msg.stage != last_stage:
-                    self.err.write(f"{msg.stage}…\n")
-                    self.err.flush()
-                    last_stage = msg.stage
-            elif isinstance(msg, EngineReady):
-                self.err.write(header_text(msg.info) + "\n")
+        def progress(stage: str, fraction: float) -> None:
+            if not stages or stages[-1] != stage:
+                stages.append(stage)
+                self.err.write(f"{stage}…\n")
                 self.err.flush()
-                return True
-            elif isinstance(msg, LoadFailed):
-                first = msg.error.strip().splitlines()[0] if msg.error.strip() else "?"
-                self.err.write(f"minivllm-chat: error: the engine failed to load: {first}\n")
-                return False
-            elif msg is None and not self.worker.alive:
-                return False
+
+        try:
+            self.client = self.source.connect(progress)
+        except Exception as exc:  # noqa: BLE001 - one line, as for every CLI error
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            self.err.write(f"minivllm-chat: error: the engine failed to load: {first}\n")
+            return False
+        assert self.client.info is not None
+        self.err.write(header_text(self.client.info) + "\n")
+        self.err.flush()
+        return True
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+    def _sample_stats(self) -> None:
+        stats = self.client.stats() if self.client is not None else None
+        if stats is not None and stats is not self._last_stats:
+            self._last_stats = stats
+            self.history.add(time.monotonic(), stats)
 
     # -- commands ----------------------------------------------------------------------
 
@@ -139,8 +131,8 @@ class PlainChat:
 
     @property
     def supports_thinking(self) -> bool:
-        tokenizer = (getattr(self.worker.client, "tokenizer", None)
-                     or getattr(self.worker.engine, "tokenizer", None))
+        tokenizer = (getattr(self.client, "tokenizer", None)
+                     or getattr(self.source.engine, "tokenizer", None))
         if tokenizer is None:  # a remote engine: cannot tell
             return True
         return "enable_thinking" in str(getattr(tokenizer, "chat_template", "") or "")
@@ -171,16 +163,11 @@ class PlainChat:
         self.out.flush()
 
     def print_stats(self) -> None:
-        self.worker.request_stats()
-        before = self.latest
-        for _ in range(40):
-            self._get(0.05)
-            if self.latest is not before:
-                break
-        if self.latest is None:
+        self._sample_stats()
+        s = self._last_stats
+        if s is None:
             self._say("(no stats yet)")
             return
-        s = self.latest.stats
         self._say("\n".join([kv_line(s), queue_line(s), throughput_line(self.history.rates()),
                              cache_line(s)]))
 
@@ -200,49 +187,54 @@ class PlainChat:
         self.conv.messages.append(ChatMessage("user", text))
         reply = ChatMessage("assistant", "", status="streaming")
         self.conv.messages.append(reply)
-        req = self._next_request
+        req = str(self._next_request)
         self._next_request += 1
-        self.worker.submit(req, self.conv.template_messages(), params,
-                           self.conv.settings.thinking)
+        thinking = self.conv.settings.thinking
+        request = GenerateRequest(
+            req, params, messages=self.conv.template_messages(),
+            chat_template_kwargs={} if thinking is None else {"enable_thinking": thinking})
+        outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
+        assert self.client is not None
+        self.client.add_request(request, outputs.put)
         with no_echo(self.stdin if self.color else None):
-            self._stream(req, reply)
+            self._stream(req, outputs, reply)
         if self.store is not None:
             self.store.end(1, reply.status, reply.content, reply.error)
         return True
 
-    def _stream(self, req: int, reply: ChatMessage) -> None:
+    def _stream(self, req: str, outputs: queue.SimpleQueue[RequestOutput],
+                reply: ChatMessage) -> None:
+        """Print the request's outputs until its last one (Ctrl-C aborts it: the abort's
+        output ends the loop)."""
+        assert self.client is not None
         parser = ThinkParser()
         cleaner = StreamCleaner()
         kind = "answer"
         while reply.status == "streaming":
             try:
-                msg = self._get(0.1)
-                if msg is None:
-                    if not self.worker.alive:
-                        reply.status, reply.error = "error", self.dead or "engine thread stopped"
+                try:
+                    out = outputs.get(timeout=0.25)
+                except queue.Empty:
+                    self._sample_stats()
+                    if self.client.error is not None:  # its requests end with an error
+                        self.dead = self.client.error
                     continue
-                if isinstance(msg, RequestAccepted) and msg.request_id == req:
-                    if msg.opens_thinking:
-                        parser = ThinkParser(in_think=True)
-                elif isinstance(msg, RequestFailed) and msg.request_id == req:
-                    reply.status, reply.error = "error", msg.error
-                elif isinstance(msg, EngineDied):
-                    reply.status, reply.error = "error", msg.error
-                elif isinstance(msg, DeltaBatch):
-                    for d in msg.deltas:
-                        if int(d.request_id) != req:
-                            continue
-                        text = cleaner.feed(d.text) + (cleaner.finish() if d.finished else "")
-                        reply.content += text
-                        for seg_kind, seg in parser.feed(text):
-                            kind = self._write(seg_kind, seg, kind)
-                        if d.finished:
-                            for seg_kind, seg in parser.finish():
-                                kind = self._write(seg_kind, seg, kind)
-                            reply.status = FINISH_TO_STATUS.get(d.finish_reason, "done")
-                            reply.error = d.error
+                if out.accepted and out.opens_thinking:
+                    parser = ThinkParser(in_think=True)
+                text = cleaner.feed(out.text) + (cleaner.finish() if out.finished else "")
+                reply.content += text
+                for seg_kind, seg in parser.feed(text):
+                    kind = self._write(seg_kind, seg, kind)
+                if out.finished:
+                    for seg_kind, seg in parser.finish():
+                        kind = self._write(seg_kind, seg, kind)
+                    reply.status = FINISH_TO_STATUS.get(out.finish_reason, "done")
+                    reply.error = out.error
+                    if self.client.error is not None:
+                        self.dead = self.client.error
             except KeyboardInterrupt:
-                self.worker.abort(req)  # the abort delta ends the loop
+                self.client.abort(req)  # the abort's output ends the loop
+        self._sample_stats()
         if self.color and kind == "think":
             self.out.write(RESET)
         note = {"stopped": " [stopped]", "length": " [cut at max tokens]"}.get(reply.status, "")
@@ -357,19 +349,17 @@ def run_plain(
     if interactive is None:
         interactive = stdin.isatty() and stdout.isatty()
     root = data_root or data_dir()
-    events: queue.Queue = queue.Queue()
-    worker = EngineWorker(events.put, engine=engine, engine_factory=engine_factory)
+
     def storage_failed(error: str) -> None:
         stderr.write(f"minivllm-chat: warning: the conversation is not being saved: {error}\n")
 
     store = SessionStore(new_session_path(root), on_error=storage_failed) if save else None
-    chat = PlainChat(worker, events, settings or Settings(), stdout, stderr, store,
-                     color=interactive)
+    chat = PlainChat(EngineSource(engine, engine_factory), settings or Settings(), stdout,
+                     stderr, store, color=interactive)
     chat.stdin = stdin
-    worker.start()
     code = 0
     try:
-        if not chat.wait_ready():
+        if not chat.connect():
             return 1
         if interactive:
             stderr.write("Type a message; /help for commands, Ctrl-D to exit.\n")
@@ -382,7 +372,7 @@ def run_plain(
     except KeyboardInterrupt:
         pass
     finally:
-        worker.stop()
+        chat.close()
         if store is not None:
             store.close()
     return code

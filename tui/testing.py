@@ -47,10 +47,14 @@ async def type_and_send(pilot: Pilot, pane_index: int, text: str) -> None:
     pane.input.action_send()
     await pilot.pause()
     # On a loaded machine one pause may not be enough for the app to take the message:
-    # wait (briefly, without failing: a refused send keeps the text) until it did.
+    # wait (briefly, without failing: a refused send keeps the text) until its reply has
+    # begun (the user's message and the reply's are both in), or the input was taken
+    # without a message (a command).
     deadline = time.monotonic() + 5.0
-    while (len(pane.conversation.messages) == before and pane.input.text == text
-           and time.monotonic() < deadline):
+    while time.monotonic() < deadline:
+        count = len(pane.conversation.messages)
+        if count >= before + 2 or (count == before and pane.input.text != text):
+            break
         await asyncio.sleep(0.01)
 
 

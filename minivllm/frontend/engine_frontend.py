@@ -153,9 +153,11 @@ def _waker(loop: asyncio.AbstractEventLoop) -> _LoopWaker:
 class AsyncOutputs:
     """A request's outputs handed from any thread to one asyncio loop.
 
-    `put` is thread-safe and wakes the loop at most once per batch, so a consumer that
-    falls behind gets several outputs at once (and merges them) instead of one wake-up
-    per token. Create it on the loop's thread.
+    `put` is thread-safe and wakes the loop at most once per read: after one wake-up,
+    later outputs only queue until the consumer takes them, so a consumer that reads at
+    its own pace (the chat app reads once a frame) gets everything since its last read
+    in one piece and costs the loop one wake-up per read, not one per engine step.
+    Create it on the loop's thread.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -174,8 +176,6 @@ class AsyncOutputs:
         self._waker.wake(self)
 
     def _wake(self) -> None:
-        with self._lock:
-            self._wake_pending = False
         self._event.set()
 
     async def get_batch(self) -> list[RequestOutput]:
@@ -184,6 +184,7 @@ class AsyncOutputs:
                 if self._items:
                     batch = list(self._items)
                     self._items.clear()
+                    self._wake_pending = False  # the next put wakes the loop again
                     return batch
                 self._event.clear()
             await self._event.wait()
@@ -207,6 +208,7 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         rejected=last.rejected,
         opens_thinking=any(o.opens_thinking for o in outputs),
         at=last.at,
+        first_at=outputs[0].since,
     )
 
 

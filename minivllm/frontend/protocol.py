@@ -54,7 +54,8 @@ class RequestOutput:
     `num_prompt_tokens`. A request that was refused (bad input) gets one output with
     `finished=True`, `finish_reason="error"` and `rejected=True`. `finish_reason` is
     "stop", "length", "abort" or "error" (then `error` says why). `at` is the
-    `time.monotonic()` when the engine produced it.
+    `time.monotonic()` when the engine produced it; an output merged from several
+    (`merge_outputs`) has the last one's `at` and the first one's in `first_at`.
 
     NOTE: not a frozen dataclass: one is built per request per engine step, and a frozen
     one's __init__ (object.__setattr__ per field) costs ~4x as much on the engine thread.
@@ -72,6 +73,12 @@ class RequestOutput:
     rejected: bool = False
     opens_thinking: bool = False  # the templated prompt ends inside <think>
     at: float = 0.0
+    first_at: float = 0.0  # 0: not merged (the output's own `at`)
+
+    @property
+    def since(self) -> float:
+        """When the engine produced the oldest token in this output."""
+        return self.first_at or self.at
 
 
 OutputCallback = Callable[[RequestOutput], None]

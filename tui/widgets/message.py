@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from rich.cells import cell_len
+from rich.markdown import Markdown as RichMarkdown
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.content import Content
@@ -16,14 +18,19 @@ from textual.strip import Strip
 from textual.style import Style
 from textual.visual import RenderOptions, Visual
 from textual.widget import Widget
-from textual.widgets import Collapsible, Markdown, Static
+from textual.widgets import Collapsible, Static
 
 from ..conversation import Status
 from ..thinking import ThinkParser, split_thinking
 
-# A streaming block grows this many lines at a time: one screen layout per 4 new lines
-# of text instead of one per line (the blank lines below the text fill as it streams).
+# A streaming block grows several lines at a time, so one screen layout serves many new
+# lines (the blank lines below the text fill as it streams): at least RESERVE_LINES, and
+# as many as the text gained in the last RESERVE_SECONDS, up to MAX_RESERVE_LINES. A
+# layout arranges every widget on the screen and repaints every pane that moved: at a
+# GPU's speed, four panes growing 4 lines at a time took most of the UI thread.
 RESERVE_LINES = 4
+RESERVE_SECONDS = 0.5
+MAX_RESERVE_LINES = 16
 STATUS_NOTES: dict[str, str] = {
     "stopped": "stopped",
     "interrupted": "interrupted (the app stopped mid-reply)",
@@ -124,7 +131,8 @@ class LiveText(Widget):
     """Streaming text that only grows, cheap to update (see `GrowingText`): an update
     repaints only the lines that changed (the last line before it and what follows); a
     screen layout happens only when the text outgrows its lines, and then it gets
-    `RESERVE_LINES` lines at a time, so the text fills them without another layout.
+    several lines at a time (`RESERVE_LINES`), so the text fills them without another
+    layout.
     """
 
     DEFAULT_CSS = "LiveText { height: auto; }"
@@ -133,6 +141,7 @@ class LiveText(Widget):
         super().__init__(classes=classes)
         self._visual = GrowingText()
         self._shown = (0, 0)  # (width, wrapped height) of the last repaint
+        self._grown = (0.0, 0)  # (time.monotonic(), wrapped height) of the last growth
         self.needs_layout = False  # the text is taller than the block (see `grow`)
 
     @property
@@ -168,12 +177,17 @@ class LiveText(Widget):
                 self.refresh(Region(0, first, region.width, last - first))
 
     def grow(self) -> bool:
-        """Lay out again if the text outgrew its lines, reserving `RESERVE_LINES`;
-        returns whether it did."""
+        """Lay out again if the text outgrew its lines, reserving room for what it is
+        likely to gain before the next growth; returns whether it did."""
         if not self.needs_layout:
             return False
         self.needs_layout = False
-        self.styles.min_height = self._shown[1] + RESERVE_LINES - 1
+        now, height = time.monotonic(), self._shown[1]
+        then, before = self._grown
+        rate = (height - before) / max(now - then, RESERVE_SECONDS)  # lines a second
+        reserve = min(MAX_RESERVE_LINES, max(RESERVE_LINES, round(rate * RESERVE_SECONDS)))
+        self._grown = (now, height)
+        self.styles.min_height = height + reserve - 1
         self.refresh(layout=True)
         return True
 
@@ -187,6 +201,39 @@ async def gather(awaitables: list[Awaitable[Any]]) -> None:
     await asyncio.gather(*(wait(aw) for aw in awaitables))
 
 
+class KeptBreaksMarkdown(RichMarkdown):
+    """Markdown whose single line breaks stay line breaks: a chat reply's poem, address
+    or list written without blank lines keeps its shape (CommonMark would join the
+    lines)."""
+
+    def __init__(self, markup: str) -> None:
+        super().__init__(markup, hyperlinks=False)
+        for token in self.parsed:
+            for child in token.children or ():
+                if child.type == "softbreak":
+                    child.type = "hardbreak"
+
+
+class MarkdownBlock(Static):
+    """Finished Markdown in ONE widget, rendered by Rich.
+
+    NOTE: not Textual's `Markdown` widget, which mounts a widget per block: a 512-token
+    reply became dozens of widgets, each styled on mount and laid out in every later
+    screen layout (4 such replies took ~1.3 s of the UI thread to mount on 2 cores, and
+    every layout while other panes streamed paid for all of them). One widget renders its
+    lines once per width and keeps them until its text changes.
+    """
+
+    def __init__(self, source: str | None = None, classes: str = "") -> None:
+        super().__init__("", markup=False, classes=f"markdown {classes}".strip())
+        self.source = ""
+        self.set_source(source or "")
+
+    def set_source(self, source: str) -> None:
+        self.source = source
+        self.update(KeptBreaksMarkdown(source) if source else "")
+
+
 class UserMessage(Static):
     """What the user typed, shown verbatim."""
 
@@ -197,10 +244,10 @@ class UserMessage(Static):
 class AssistantMessage(Vertical):
     """A reply: an optional collapsible thinking block, the answer, and a status note.
 
-    While streaming, each block is plain text in a `Static` (no Markdown parsing: with
+    While streaming, each block is plain text in a `LiveText` (no Markdown parsing: with
     four panes streaming on a 2-core CPU, rendering Markdown as it streamed cost the
     engine a third of its tokens/s). When the reply ends the answer is rendered as
-    Markdown once (a code fence streamed in pieces can otherwise render blank anyway).
+    Markdown once, in one widget (`MarkdownBlock`).
     """
 
     def __init__(
@@ -220,8 +267,8 @@ class AssistantMessage(Vertical):
         if status != "streaming":
             self.thinking_text, self.answer_text = split_thinking(text, opens_thinking)
         self._think_box: Collapsible | None = None
-        self._think_md: Markdown | None = None
-        self.answer_md = Markdown(self.answer_text.strip() or None, open_links=False)
+        self._think_md: MarkdownBlock | None = None
+        self.answer_md = MarkdownBlock(self.answer_text.strip())
         self._live: LiveText | None = None  # the answer while it streams
         self._think_live: LiveText | None = None  # the thinking while it streams
         self._note = Static("", markup=False, classes="note")
@@ -241,7 +288,7 @@ class AssistantMessage(Vertical):
         self._show_note()
 
     def _make_think_box(self, text: str | None, collapsed: bool) -> None:
-        self._think_md = Markdown(text, open_links=False, classes="thinking")
+        self._think_md = MarkdownBlock(text, classes="thinking")
         if text is None:  # streaming: plain text until the reply ends
             self._think_md.display = False
             self._think_live = LiveText(classes="thinking live")
@@ -293,11 +340,11 @@ class AssistantMessage(Vertical):
         """The reply ended: render the Markdown once and show how it ended."""
         for kind, text in self._parser.finish():
             await self._write(kind, text)
-        # NOTE: the renders and removals are started together and awaited once: awaited one
-        # by one, each waited for its own screen refresh (~0.25 s per reply on 2 busy cores).
+        # NOTE: the removals are started together and awaited once: awaited one by one,
+        # each waited for its own screen refresh (~0.25 s per reply on 2 busy cores).
         pending: list[Awaitable[Any]] = []
         if self._think_md is not None:
-            pending.append(self._think_md.update(self.thinking_text.strip()))
+            self._think_md.set_source(self.thinking_text.strip())
             if self._think_live is not None:
                 self._think_md.display = True
                 self._think_live.display = False
@@ -305,7 +352,7 @@ class AssistantMessage(Vertical):
                 self._think_live = None
             if self.answer_text.strip() and self._think_box is not None:
                 self._think_box.collapsed = True
-        pending.append(self.answer_md.update(self.answer_text.strip()))
+        self.answer_md.set_source(self.answer_text.strip())
         if self._live is not None:
             self.answer_md.display = True
             self._live.display = False

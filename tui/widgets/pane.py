@@ -57,6 +57,8 @@ class ConversationPane(Vertical):
         self._reply: AssistantMessage | None = None
         self._cleaner = StreamCleaner()
         self._pending: list[str] = []
+        self.pending_since: float | None = None  # engine time of the oldest unshown token
+        self.renders = 0  # frames that showed new text in this pane
         self._sent_at = 0.0
         self._first_at: float | None = None
         self._last_at = 0.0
@@ -217,6 +219,7 @@ class ConversationPane(Vertical):
         self._prefill = None
         self._cleaner = StreamCleaner()
         self._pending.clear()
+        self.pending_since = None
         self._sent_at = time.monotonic()
         self._first_at = None
         self._tokens = 0
@@ -244,13 +247,17 @@ class ConversationPane(Vertical):
         if self.state in ("queued", "prefill") and self._first_at is None and not started:
             self.set_state("queued" if queued else "prefill")
 
-    def feed(self, text: str, num_tokens: int, at: float) -> None:
-        """Buffer streamed text; `flush()` renders it (FLUSH_HZ times a second at most)."""
+    def feed(self, text: str, num_tokens: int, at: float, since: float | None = None) -> None:
+        """Buffer streamed text that the engine produced from `since` to `at`; `flush()`
+        shows it, once a frame."""
         if self._reply is None:
             return
         if num_tokens or text:
+            since = at if since is None else since
             if self._first_at is None:
-                self._first_at = at  # the engine's time of the first token (see DeltaBatch)
+                self._first_at = since  # the engine's time of the first token
+            if self.pending_since is None:
+                self.pending_since = since
             self._last_at = at
             self._tokens += num_tokens
             self._title_dirty = True
@@ -268,6 +275,9 @@ class ConversationPane(Vertical):
         layout the new text needs (see `LiveText.set_text`); `grow=True` applies it."""
         text = "".join(self._pending)
         self._pending.clear()
+        self.pending_since = None
+        if text:
+            self.renders += 1
         if self._reply is not None and (text or grow):
             near_bottom = self.transcript.scroll_y >= self.transcript.max_scroll_y - 1
             if text:
