@@ -362,6 +362,7 @@ async def test_80x24_condenses_stats_shows_quit_and_the_settings_modal_scrolls(s
         for word in ("KV [", "Run ", "Wait ", "Preempt ", "Hit ", "Gen ", "Prompt "):
             assert word in text
         footer = app.screen.query_one("Footer")
+        await wait_until(pilot, lambda: footer.query("FooterKey"))  # composed after a refresh
         shown = [k.key_display for k in footer.query("FooterKey") if k.region.right <= 80]
         assert "^q" in shown
         await pilot.press("f2")

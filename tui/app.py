@@ -674,6 +674,7 @@ class ChatApp(App):
                     return  # ended here already (stopped by closing, quit, engine gone)
                 self._take(pane, request_id, out)
                 if out.finished:
+                    pane.usage = (out.num_prompt_tokens, out.num_generated_tokens)
                     await self._finish(pane, request_id, _status(out), out.error)
                     return
                 streaming = streaming or bool(out.token_ids or out.text)

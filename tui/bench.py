@@ -220,6 +220,7 @@ class AppRound:
     seconds: float  # from the first send until every pane is idle (Markdown rendered)
     engine_seconds: float  # ... until the engine produced the last token
     ui_cpu: float  # the UI thread's CPU seconds over `seconds`
+    lags: list[float]  # per pane and frame: seconds from the oldest new token to its frame
 
 
 async def run_app(engine: Any, users: list[str], max_tokens: int,
@@ -253,7 +254,8 @@ async def run_app(engine: Any, users: list[str], max_tokens: int,
         # The engine's time of each pane's last token (RequestOutput.at: monotonic, which
         # is one clock for every process of the machine).
         last = max(p.last_token_at for p in app.panes)
-        result = AppRound(sum(p.tokens for p in app.panes), end - start, last - start, cpu)
+        result = AppRound(sum(p.tokens for p in app.panes), end - start, last - start, cpu,
+                          list(app.frame_lags))
         if ui_cpu is not None:
             ui_cpu.append(cpu)
         await pilot.press("ctrl+q")
@@ -393,7 +395,13 @@ def main(argv: list[str] | None = None) -> int:
               "last token, without the final Markdown render)")
         # CPU time is steadier than tok/s on a shared machine: what the UI thread spent.
         ui = 1000 * sum(a.ui_cpu for a in done) / max(1, sum(a.tokens for a in done))
-        print(f"UI thread CPU: {ui:.2f} ms per generated token{label}")
+        print(f"UI thread CPU: {ui:.3f} ms per generated token{label}")
+        lags = sorted(lag for a in done for lag in a.lags)
+        if lags:
+            p99 = lags[min(len(lags) - 1, int(0.99 * len(lags)))]
+            print(f"frame lag (a token's production to the frame that shows it): p50 "
+                  f"{1000 * lags[len(lags) // 2]:.0f} ms, p99 {1000 * p99:.0f} ms, max "
+                  f"{1000 * lags[-1]:.0f} ms{label}")
     return 0
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -44,52 +44,52 @@ def error_response(status: int, message: str, type_: str = "invalid_request_erro
     return JSONResponse(body, status_code=status)
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+_dumps = orjson.dumps  # compact UTF-8 JSON, as bytes
 
 
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {_dumps(payload)}\n\n"
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + _dumps(payload) + b"\n\n"
 
 
 class _Chunks:
-    """The SSE events of one streamed response, in OpenAI's chunk format.
+    """The SSE events of one streamed response, in OpenAI's chunk format, as bytes.
 
-    NOTE: the per-token event is glued from preformatted halves around the new text: a
-    `json.dumps` of the nested chunk per token costs the event loop (and, through the
-    GIL, the engine thread) several times more.
+    An event carries all the text a request gained since its previous one (one engine
+    step's, or several merged when this process is behind). NOTE: it is glued from
+    preformatted halves around the new text: encoding the nested chunk per event costs
+    the event loop several times more.
     """
 
     def __init__(self, chat: bool, head: dict[str, Any], include_usage: bool,
                  with_ids: bool) -> None:
         self.chat, self.head = chat, head
         self.include_usage, self.with_ids = include_usage, with_ids
-        open_ = _dumps(head)[:-1]  # '{"id":...,"model":"..."' without its closing brace
+        open_ = b"data: " + _dumps(head)[:-1]  # '{"id":...,"model":"..."' without its "}"
         if chat:
-            self._pre = open_ + ',"choices":[{"index":0,"delta":{"content":'
-            self._mid = '},"logprobs":null,"finish_reason":null'
+            self._pre = open_ + b',"choices":[{"index":0,"delta":{"content":'
+            self._mid = b'},"logprobs":null,"finish_reason":null'
         else:
-            self._pre = open_ + ',"choices":[{"index":0,"text":'
-            self._mid = ',"logprobs":null,"finish_reason":null'
-        self._post = "}]" + (',"usage":null' if include_usage else "") + "}\n\n"
+            self._pre = open_ + b',"choices":[{"index":0,"text":'
+            self._mid = b',"logprobs":null,"finish_reason":null'
+        self._post = b"}]" + (b',"usage":null' if include_usage else b"") + b"}\n\n"
 
-    def text(self, text: str, token_ids: list[int]) -> str:
-        ids = f',"token_ids":{_dumps(token_ids)}' if self.with_ids else ""
-        return "data: " + self._pre + _dumps(text) + self._mid + ids + self._post
+    def text(self, text: str, token_ids: list[int]) -> bytes:
+        ids = b',"token_ids":' + _dumps(token_ids) if self.with_ids else b""
+        return self._pre + _dumps(text) + self._mid + ids + self._post
 
-    def _event(self, choice: dict[str, Any]) -> str:
+    def _event(self, choice: dict[str, Any]) -> bytes:
         payload = {**self.head, "choices": [choice]}
         if self.include_usage:
             payload["usage"] = None
         return _sse(payload)
 
-    def opening(self) -> str:
+    def opening(self) -> bytes:
         if not self.chat:
-            return ""
+            return b""
         return self._event({"index": 0, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None})
 
-    def finish(self, reason: str) -> str:
+    def finish(self, reason: str) -> bytes:
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
         if self.chat:
             choice["delta"] = {}
@@ -99,7 +99,7 @@ class _Chunks:
             choice["token_ids"] = []
         return self._event(choice)
 
-    def usage(self, usage: dict[str, int]) -> str:
+    def usage(self, usage: dict[str, int]) -> bytes:
         return _sse({**self.head, "choices": [], "usage": usage})
 
 
@@ -243,7 +243,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                 "total_tokens": out.num_prompt_tokens + out.num_generated_tokens}
 
     async def sse(stream: AsyncIterator[RequestOutput], first: RequestOutput,
-                  timer: RequestTimer, chunks: _Chunks) -> AsyncIterator[str]:
+                  timer: RequestTimer, chunks: _Chunks) -> AsyncIterator[bytes]:
         """The SSE body. Cancelled when the client goes away: closing `stream` then aborts
         the request in the engine (its blocks are freed on the next step)."""
         last = first
@@ -265,7 +265,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                     yield chunks.finish(FINISH_REASONS.get(out.finish_reason or "", "stop"))
             if chunks.include_usage:
                 yield chunks.usage(usage(last))
-            yield "data: [DONE]\n\n"
+            yield b"data: [DONE]\n\n"
         finally:
             await stream.aclose()
             timer.finish(time.monotonic(), last.num_prompt_tokens,

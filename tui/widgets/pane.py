@@ -59,6 +59,7 @@ class ConversationPane(Vertical):
         self._pending: list[str] = []
         self.pending_since: float | None = None  # engine time of the oldest unshown token
         self.renders = 0  # frames that showed new text in this pane
+        self.usage: tuple[int, int] | None = None  # the last reply's (prompt, completion) tokens
         self._sent_at = 0.0
         self._first_at: float | None = None
         self._last_at = 0.0
@@ -223,6 +224,7 @@ class ConversationPane(Vertical):
         self._sent_at = time.monotonic()
         self._first_at = None
         self._tokens = 0
+        self.usage = None
         self.set_state("queued")
         self.refresh_title(force=True)
 
