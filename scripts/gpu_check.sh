@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; a short table is printed last.
 # Usage on the GPU machine, from the repo root:
-#   bash scripts/gpu_check.sh [quick|profile|decode|decode-ab|host|app|all]
+#   bash scripts/gpu_check.sh [quick|profile|decode|decode-ab|host|app|faces|all]
 # (no argument: tests + benchmarks; quick: tests; profile: tests + step profile;
 #  decode: tests + batch-1/long-context decode benchmarks, kernel table, per-kernel profile;
 #  decode-ab: the decode switches' tests, then scripts/decode_ab.py (kernels/tuning.py's
@@ -18,6 +18,34 @@ PY=${PY:-python3}
 $PY -m pip install -q -e . --no-deps --no-build-isolation >"$OUT/install.log" 2>&1 \
   || { echo "install failed"; tail -20 "$OUT/install.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
+
+if [ "${1:-}" = "faces" ]; then
+  # The faces at the engine's speed: the chat app (4 and 8 panes, 512 tokens, engine
+  # process) against headless, and `bench serve` at 32 / 64 clients against in-process.
+  # With BASELINE=DIR (another tree of the repository), the same runs from it first, so
+  # before and after come from one machine.
+  [ -n "${BASELINE:-}" ] && $PY -m pip install -q --no-deps --no-build-isolation \
+    --target /tmp/baseline-site "$BASELINE" >"$OUT/baseline-install.log" 2>&1
+  : >"$OUT/faces.log"
+  for tree in ${BASELINE:+baseline} current; do
+    site=$([ "$tree" = baseline ] && echo /tmp/baseline-site || echo "")
+    for panes in 4 8; do
+      echo "== $tree: app, $panes panes" | tee -a "$OUT/faces.log"
+      (cd /tmp && PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" timeout 240 $PY -m \
+        minivllm.tui.cli --bench --model Qwen/Qwen3-0.6B --load-format dummy --device cuda \
+        --panes $panes --max-tokens 512 --rounds 2 --engine-process on) 2>&1 \
+        | grep -v "it/s\]" | tee -a "$OUT/faces.log" | tail -6
+    done
+  done
+  echo "== bench serve" | tee -a "$OUT/faces.log"
+  (cd /tmp && timeout 420 $PY -c "from minivllm.cli import main; main()" bench serve \
+    --model Qwen/Qwen3-0.6B --load-format dummy --max-model-len 2048 --max-num-seqs 64 \
+    --prompt-len 128 --output-len 256 --concurrency 32 64 --modes server frontend \
+    ${BASELINE:+--baseline /tmp/baseline-site}) 2>&1 | tee -a "$OUT/faces.log" | tail -16
+  echo; echo "== summary =="
+  grep -E "^== |^app / headless|^UI thread|^frame lag|/ in-process" "$OUT/faces.log"
+  exit 0
+fi
 
 if [ "${1:-}" = "decode-ab" ]; then
   # Issue 11's switches: their GPU tests (graphs == eager with the defaults and with every
