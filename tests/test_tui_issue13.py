@@ -341,6 +341,9 @@ def test_plain_mode_turns_echo_off_while_a_reply_streams():
             with no_echo(tty):
                 during = termios.tcgetattr(slave)[3]
                 assert not during & termios.ECHO and not during & termios.ECHOCTL
+                # A typed-ahead Enter reaches the next prompt as Enter ("send"), not as
+                # a line feed (ctrl+j, "newline").
+                assert not termios.tcgetattr(slave)[0] & termios.ICRNL
             assert termios.tcgetattr(slave)[3] == before
         with no_echo(None):  # a pipe: nothing to do
             pass

@@ -410,3 +410,23 @@ def test_pane_title_condenses_to_fit_keeping_state_and_context():
     assert fit_title(forms, 40) == forms[0]
     assert fit_title(forms, 22) == forms[1]
     assert fit_title(forms, 5) == forms[1]  # nothing fits: the shortest
+
+
+def test_a_bad_keymap_is_refused_in_plain_mode_too(tmp_path, capsys):
+    from minivllm.tui.cli import main
+
+    bad = tmp_path / "keymap.json"
+    bad.write_text('{"chat.no_such_binding": "f5"}')
+    assert main(["--plain", "--keymap", str(bad)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"keymap {bad}: unknown binding id(s) chat.no_such_binding" in err[0]
+
+
+def test_a_pipe_says_the_plain_mode_runs_instead_of_the_app(tmp_path, capsys):
+    from minivllm.tui.cli import main
+
+    # (pytest's stdin is not a terminal; --conversations=0 stops it before any engine)
+    assert main(["--conversations", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "not a terminal: the plain line mode (--plain) runs instead" in err
+    assert "--conversations=0" in err

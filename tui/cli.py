@@ -171,11 +171,15 @@ def engine_factory(args: argparse.Namespace, config: dict[str, Any]) -> EngineFa
     return build
 
 
+def default_keymap_path() -> Path:
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(Path.home(), ".config")
+    return Path(base) / "minivllm" / "keymap.json"
+
+
 def load_keymap(path: Path | None, known: set[str] | None = None) -> dict[str, str]:
     """The keymap file (binding id -> keys); errors name the file."""
     if path is None:
-        base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(Path.home(), ".config")
-        path = Path(base) / "minivllm" / "keymap.json"
+        path = default_keymap_path()
         if not path.is_file():
             return {}
     try:
@@ -243,16 +247,19 @@ def main(argv: list[str] | None = None) -> int:
         print(list_sessions_text())
         return 0
     plain = args.plain or not (sys.stdin.isatty() and sys.stdout.isatty())
+    if plain and not args.plain:
+        print("minivllm-chat: stdin or stdout is not a terminal: the plain line mode "
+              "(--plain) runs instead of the full-screen app", file=sys.stderr)
     try:
         if args.conversations < 1:
             raise ValueError(f"--conversations={args.conversations}: must be >= 1")
         settings = settings_from(args)
-        known = None
-        if not plain:
+        keymap = {}
+        if args.keymap is not None or default_keymap_path().is_file():
+            # Checked in every mode: a keymap that is wrong stays wrong in --plain too.
             from .app import binding_ids
 
-            known = binding_ids()
-        keymap = load_keymap(args.keymap, known)
+            keymap = load_keymap(args.keymap, binding_ids())
         resume: bool | Path = False
         if args.resume is not None:
             from .store import data_dir, find_session

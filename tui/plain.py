@@ -257,7 +257,8 @@ class PlainChat:
 def no_echo(stream: TextIO | None) -> Iterator[None]:
     """Turn the terminal's echo off while a reply streams, so neither Ctrl-C (`^C`) nor
     keys typed meanwhile land in the middle of the reply; typed keys stay queued for the
-    next prompt. Does nothing when `stream` is not a terminal."""
+    next prompt, an Enter among them still an Enter. Does nothing when `stream` is not a
+    terminal."""
     try:
         import termios
 
@@ -270,6 +271,9 @@ def no_echo(stream: TextIO | None) -> Iterator[None]:
         return
     quiet = list(saved)
     quiet[3] &= ~(termios.ECHO | termios.ECHOCTL)  # lflags
+    # iflags: keep a typed-ahead Enter a carriage return. With ICRNL the terminal turns it
+    # into a line feed, which the next prompt takes for ctrl+j (a newline), not "send".
+    quiet[0] &= ~termios.ICRNL
     termios.tcsetattr(fd, termios.TCSANOW, quiet)
     try:
         yield
