@@ -18,7 +18,7 @@ import sys
 import time
 import traceback
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -528,7 +528,7 @@ class ChatApp(App):
                         markup=False)
             return False
         self.store.user(pane.conversation.key, text)  # on disk before it is submitted
-        await pane.add_user(text)
+        pane.add_user(text)
         await self._submit(pane)
         return True
 
@@ -571,7 +571,7 @@ class ChatApp(App):
     async def _submit(self, pane: ConversationPane) -> None:
         request_id = self._next_request
         self._next_request += 1
-        await pane.begin_reply(request_id)
+        pane.begin_reply(request_id)
         try:
             params = pane.conversation.settings.sampling_params()
         except ValueError as exc:
@@ -587,7 +587,9 @@ class ChatApp(App):
         request = GenerateRequest(
             str(request_id), params, messages=pane.conversation.template_messages(),
             chat_template_kwargs={} if thinking is None else {"enable_thinking": thinking})
-        self.run_worker(self._stream(pane, request_id, request), name=f"request {request_id}",
+        # The request is queued now; a worker reads its stream.
+        stream = self.client.generate(request)
+        self.run_worker(self._stream(pane, request_id, stream), name=f"request {request_id}",
                         group="requests", exit_on_error=False)
 
     def count_prompt_tokens(self, conv: Conversation) -> int | None:
@@ -658,15 +660,13 @@ class ChatApp(App):
             self.client.abort(str(request_id))
 
     async def _stream(self, pane: ConversationPane, request_id: int,
-                      request: GenerateRequest) -> None:
+                      stream: AsyncIterator[RequestOutput]) -> None:
         """Read one request's stream into its pane until it ends.
 
         After the first tokens the stream is read once a frame: what the engine produced
         meanwhile comes as one merged output (one wake-up of this loop per frame, whatever
         the engine's step rate). The first tokens are taken at once, so a pane's TTFT is
         the engine's."""
-        assert self.client is not None
-        stream = self.client.generate(request)
         streaming = False
         try:
             async for out in stream:

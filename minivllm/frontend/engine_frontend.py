@@ -212,13 +212,18 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
     )
 
 
-async def stream_outputs(
-    client: Any, request: GenerateRequest
-) -> AsyncIterator[RequestOutput]:
-    """`EngineClient.generate` for any client with `add_request`/`abort`: outputs as they
-    come (the acceptance alone, then merged batches); leaving early aborts the request."""
+def stream_outputs(client: Any, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+    """`EngineClient.generate` for any client with `add_request`/`abort`: the request is
+    queued at once (call it on the event loop that reads the stream); its outputs come as
+    they are read (the acceptance alone, then merged batches); leaving the loop early
+    aborts the request."""
     outputs = AsyncOutputs(asyncio.get_running_loop())
     client.add_request(request, outputs.put)
+    return _read_outputs(client, request, outputs)
+
+
+async def _read_outputs(client: Any, request: GenerateRequest, outputs: AsyncOutputs
+                        ) -> AsyncIterator[RequestOutput]:
     finished = False
     try:
         while not finished:

@@ -124,7 +124,8 @@ class EngineClient(Protocol):
         ...
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as an async stream; leaving the loop early aborts it."""
+        """Queue the request now and return its outputs as an async stream (call it on
+        the event loop that reads the stream); leaving the loop early aborts it."""
         ...
 
     def close(self) -> None:
