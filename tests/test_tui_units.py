@@ -422,11 +422,15 @@ def test_a_bad_keymap_is_refused_in_plain_mode_too(tmp_path, capsys):
     assert len(err) == 1 and f"keymap {bad}: unknown binding id(s) chat.no_such_binding" in err[0]
 
 
-def test_a_pipe_says_the_plain_mode_runs_instead_of_the_app(tmp_path, capsys):
+def test_a_pipe_says_the_plain_mode_runs_instead_of_the_app(tmp_path, capsys, monkeypatch):
+    import minivllm.tui.plain as plain
     from minivllm.tui.cli import main
 
-    # (pytest's stdin is not a terminal; --conversations=0 stops it before any engine)
-    assert main(["--conversations", "0"]) == 1
-    err = capsys.readouterr().err
-    assert "not a terminal: the plain line mode (--plain) runs instead" in err
-    assert "--conversations=0" in err
+    ran = []
+    monkeypatch.setattr(plain, "run_plain", lambda **kw: ran.append(kw) or 0)
+    # (pytest's stdin is not a terminal)
+    assert main(["--fake"]) == 0 and ran
+    assert ("stdin or stdout is not a terminal: the plain line mode (--plain) runs instead"
+            in capsys.readouterr().err)
+    assert main(["--plain", "--fake"]) == 0
+    assert "not a terminal" not in capsys.readouterr().err

@@ -247,9 +247,6 @@ def main(argv: list[str] | None = None) -> int:
         print(list_sessions_text())
         return 0
     plain = args.plain or not (sys.stdin.isatty() and sys.stdout.isatty())
-    if plain and not args.plain:
-        print("minivllm-chat: stdin or stdout is not a terminal: the plain line mode "
-              "(--plain) runs instead of the full-screen app", file=sys.stderr)
     try:
         if args.conversations < 1:
             raise ValueError(f"--conversations={args.conversations}: must be >= 1")
@@ -273,6 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     factory = engine_factory(args, config)
     if plain:
         from .plain import run_plain
+
+        if not args.plain:
+            print("minivllm-chat: stdin or stdout is not a terminal: the plain line mode "
+                  "(--plain) runs instead of the full-screen app", file=sys.stderr)
 
         return run_plain(engine_factory=factory, settings=settings)
     from .app import create_app
