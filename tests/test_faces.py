@@ -207,3 +207,13 @@ def test_sse_client_that_leaves_is_aborted(server):
         time.sleep(0.05)
     assert running() == 0
     print(f"aborted {time.monotonic() - left:.2f} s after the client left")
+
+
+@pytest.mark.slow
+def test_bench_serve_clients_spread_over_processes_see_every_token(server):
+    from minivllm.server.bench import run_http_processes, workload
+
+    prompts = workload(4, 8, 10000, seed=1)
+    wall, traces = run_http_processes(server, prompts, 6, processes=2, model="smol")
+    assert len(traces) == 4 and wall > 0
+    assert all(t.num_tokens == 6 and t.ttft() >= 0 for t in traces)

@@ -136,8 +136,9 @@ def cpu_seconds(pid: int) -> tuple[float, float, float]:
     return main, other, children
 
 
-async def _http_request(client: Any, prompt: list[int], max_tokens: int) -> Trace:
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+async def _http_request(client: Any, prompt: list[int], max_tokens: int,
+                        model: str = "bench") -> Trace:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "return_token_ids": True}
     trace = Trace(time.perf_counter())
     async with client.stream("POST", "/v1/completions", json=body) as r:
@@ -154,15 +155,55 @@ async def _http_request(client: Any, prompt: list[int], max_tokens: int) -> Trac
     return trace
 
 
-async def run_http(url: str, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
+async def run_http(url: str, prompts: list[list[int]], max_tokens: int,
+                   model: str = "bench") -> tuple[float, list]:
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(prompts))
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
         start = time.perf_counter()
-        traces = await asyncio.gather(*(_http_request(client, p, max_tokens) for p in prompts))
+        traces = await asyncio.gather(*(_http_request(client, p, max_tokens, model)
+                                        for p in prompts))
     end = max(t.arrivals[-1][0] for t in traces)
     return end - start, list(traces)
+
+
+def _client_process(url: str, prompts: list[list[int]], max_tokens: int, model: str,
+                    ready: Any, results: Any) -> None:
+    ready.wait()  # every client process starts its requests at the same moment
+    _, traces = asyncio.run(run_http(url, prompts, max_tokens, model))
+    results.put([(t.sent, t.arrivals) for t in traces])
+
+
+def run_http_processes(url: str, prompts: list[list[int]], max_tokens: int,
+                       processes: int, model: str = "bench") -> tuple[float, list]:
+    """`run_http` with the clients spread over `processes` processes.
+
+    NOTE: one Python client parsing every SSE event of 32-64 fast streams is the slowest
+    part of the run (~30-60 us an event): it read late, which showed as the server's
+    TTFT and throughput. Spread out, the clients keep up with the server.
+    (`time.perf_counter` is the machine's monotonic clock: one clock for all processes.)
+    """
+    processes = max(1, min(processes, len(prompts)))
+    if processes == 1:
+        return asyncio.run(run_http(url, prompts, max_tokens, model))
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    ready, results = ctx.Barrier(processes + 1), ctx.Queue()
+    workers = [ctx.Process(target=_client_process, daemon=True,
+                           args=(url, prompts[i::processes], max_tokens, model, ready,
+                                 results))
+               for i in range(processes)]
+    for w in workers:
+        w.start()
+    ready.wait(timeout=120)
+    traces = [Trace(sent, arrivals) for _ in workers
+              for sent, arrivals in results.get(timeout=3600)]
+    for w in workers:
+        w.join(30)
+    start = min(t.sent for t in traces)
+    return max(t.arrivals[-1][0] for t in traces) - start, traces
 
 
 # -- in process -------------------------------------------------------------------------------
@@ -231,12 +272,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also serve from this other clone of the repository (imported "
                    "first): mode 'baseline' (with --stand-in-ms, interleaved)")
     p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--client-processes", type=int, default=None, metavar="K",
+                   help="processes the HTTP clients are spread over (default: one per 16 "
+                   "clients, at most half the CPUs)")
     add_engine_arguments(p)
     return p
 
 
 _OWN_FLAGS = {"--concurrency", "--prompt-len", "--output-len", "--modes", "--start-timeout",
-              "--rounds", "--baseline"}
+              "--rounds", "--baseline", "--client-processes"}
+
+
+def client_processes(args: argparse.Namespace, concurrency: int) -> int:
+    if args.client_processes is not None:
+        return args.client_processes
+    return max(1, min(-(-concurrency // 16), (os.cpu_count() or 2) // 2))
 
 
 def _engine_argv(argv: list[str]) -> list[str]:
@@ -251,9 +301,9 @@ def _engine_argv(argv: list[str]) -> list[str]:
 
 
 def _measure_http(mode: str, proc: subprocess.Popen, url: str, prompts: list[list[int]],
-                  max_tokens: int) -> Result:
+                  max_tokens: int, client_processes: int) -> Result:
     before = cpu_seconds(proc.pid)
-    wall, traces = asyncio.run(run_http(url, prompts, max_tokens))
+    wall, traces = run_http_processes(url, prompts, max_tokens, client_processes)
     after = cpu_seconds(proc.pid)
     return Result(mode, len(prompts), wall, traces,
                   *(a - b for a, b in zip(after, before, strict=True)))
@@ -284,8 +334,9 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.rounds):
                 for n in args.concurrency:
                     for mode, (proc, url) in servers.items():
-                        results.append(_measure_http(mode, proc, url, prompts[n],
-                                                     args.output_len))
+                        results.append(_measure_http(
+                            mode, proc, url, prompts[n], args.output_len,
+                            client_processes(args, n)))
                         print_row(results[-1], results)
         finally:
             for proc, _ in servers.values():
