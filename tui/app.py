@@ -755,16 +755,21 @@ class ChatApp(App):
         slot = int(now * GROW_HZ)
         grow = slot != self._grow_slot
         self._grow_slot = slot
-        for pane in self.panes:
+        panes = self.panes
+        for pane in panes:
             if progress is not None and pane.state in ("queued", "prefill") \
                     and pane.request_id is not None:
                 pane.set_prefill_progress(progress(str(pane.request_id)))
             oldest = pane.pending_since
-            text = await pane.flush(grow)
+            text = await pane.flush(grow=False)
             if text:
                 if oldest is not None:
                     self.frame_lags.append(now - oldest)
                 self.store.chunk(pane.conversation.key, text)
+        # One layout grows every streaming reply that needs (or will soon need) more lines.
+        if grow and any(pane.needs_growth for pane in panes):
+            for pane in panes:
+                pane.grow(ahead=True)
 
     # -- quitting --------------------------------------------------------------------------
 

@@ -142,6 +142,7 @@ class LiveText(Widget):
         self._visual = GrowingText()
         self._shown = (0, 0)  # (width, wrapped height) of the last repaint
         self._grown = (0.0, 0)  # (time.monotonic(), wrapped height) of the last growth
+        self._reserve = RESERVE_LINES  # lines the last growth reserved
         self.needs_layout = False  # the text is taller than the block (see `grow`)
 
     @property
@@ -176,17 +177,20 @@ class LiveText(Widget):
             if last > first:
                 self.refresh(Region(0, first, region.width, last - first))
 
-    def grow(self) -> bool:
-        """Lay out again if the text outgrew its lines, reserving room for what it is
-        likely to gain before the next growth; returns whether it did."""
-        if not self.needs_layout:
+    def grow(self, ahead: bool = False) -> bool:
+        """Lay out again if the text outgrew its lines (or, `ahead`, has used half of the
+        lines it reserved: the app grows every streaming block in the layout one of them
+        needs), reserving room for what it is likely to gain before the next growth;
+        returns whether it did."""
+        free = self.content_region.height - self._shown[1]
+        if not (self.needs_layout or (ahead and free < self._reserve // 2)):
             return False
         self.needs_layout = False
         now, height = time.monotonic(), self._shown[1]
         then, before = self._grown
         rate = (height - before) / max(now - then, RESERVE_SECONDS)  # lines a second
         reserve = min(MAX_RESERVE_LINES, max(RESERVE_LINES, round(rate * RESERVE_SECONDS)))
-        self._grown = (now, height)
+        self._grown, self._reserve = (now, height), reserve
         self.styles.min_height = height + reserve - 1
         self.refresh(layout=True)
         return True
@@ -351,9 +355,16 @@ class AssistantMessage(Vertical):
         for kind, text in self._parser.feed(raw):
             await self._write(kind, text, grow)
 
-    def grow(self) -> bool:
+    @property
+    def needs_layout(self) -> bool:
+        """A streaming block's text is taller than its lines (see `LiveText.grow`)."""
+        return any(live.needs_layout for live in (self._think_live, self._live)
+                   if live is not None)
+
+    def grow(self, ahead: bool = False) -> bool:
         """Apply deferred growth of the streaming blocks; returns whether any grew."""
-        grew = [live.grow() for live in (self._think_live, self._live) if live is not None]
+        grew = [live.grow(ahead) for live in (self._think_live, self._live)
+                if live is not None]
         return any(grew)
 
     async def _write(self, kind: str, text: str, grow: bool = True) -> None:

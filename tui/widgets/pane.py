@@ -295,6 +295,20 @@ class ConversationPane(Vertical):
         self.refresh_title()
         return text
 
+    @property
+    def needs_growth(self) -> bool:
+        """The streaming reply's text outgrew its lines (`grow` shows the rest)."""
+        return self._reply is not None and self._reply.needs_layout
+
+    def grow(self, ahead: bool = False) -> None:
+        """Lay the streaming reply out again where it needs (or, `ahead`, will soon need)
+        more lines, keeping the transcript at its bottom if it was there."""
+        if self._reply is None:
+            return
+        near_bottom = self.transcript.scroll_y >= self.transcript.max_scroll_y - 1
+        if self._reply.grow(ahead) and near_bottom:
+            self.transcript.anchor()
+
     async def finish(self, status: Status, error: str | None = None) -> ChatMessage:
         """End the reply in progress; the partial text stays."""
         if self._reply is not None:
