@@ -83,6 +83,23 @@ def test_kv_cache_dtype_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "Traceback" not in proc.stderr
 
 
+def test_gpu_script_imports_and_parses() -> None:
+    """scripts/fp8_kv_gpu.py (run on a GPU) imports, parses its options into the bench's
+    and says in one line that it needs a GPU here."""
+    path = os.path.join(os.path.dirname(__file__), "..", "scripts", "fp8_kv_gpu.py")
+    spec = importlib.util.spec_from_file_location("fp8_kv_gpu", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = script.parse_args(["--long", "4096", "--num-seqs", "64"])
+    bench = script.bench_args(args, "fp8", "--max-model-length", "4300")
+    assert (bench.kv_cache_dtype, bench.num_seqs, bench.max_model_length) == ("fp8", 64, 4300)
+    assert bench.model == "Qwen/Qwen3-0.6B"
+    if not torch.cuda.is_available():
+        proc = subprocess.run([sys.executable, path, "--skip-throughput"], capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 1 and proc.stderr.strip() == "fp8_kv_gpu.py: needs a CUDA GPU"
+
+
 # -- the round trip and the references ------------------------------------------------------
 
 
