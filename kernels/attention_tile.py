@@ -10,7 +10,7 @@ LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: scale * log2(
 
 @triton.jit
 def attend_kv_tile(
-    q,  # [ROWS, HEAD_DIM] in the cache's dtype
+    q,  # [ROWS, HEAD_DIM] in the cache's dtype (q's own for an fp8 cache)
     m,  # [ROWS] running max (base 2)
     l_sum,  # [ROWS] running sum of exp2(s - m)
     acc,  # [ROWS, HEAD_DIM] fp32, unnormalised
@@ -31,14 +31,16 @@ def attend_kv_tile(
     # NOTE: int64: a layer's pool can exceed 2**31 elements.
     slot = page * BLOCK_SIZE + offs % BLOCK_SIZE  # [BLOCK_N]
     kv_offsets = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset
-    k = tl.load(k_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
+    # An fp8 cache is upcast to q's dtype here (a no-op otherwise); its scales are the
+    # caller's: k's folded into qk_scale, v's applied to the output.
+    k = tl.load(k_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     s = tl.where(visible, s, float("-inf"))  # [ROWS, BLOCK_N]
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_sum = l_sum * alpha + tl.sum(p, axis=1)
-    v = tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
+    v = tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_sum, acc
 
@@ -70,6 +72,8 @@ def attend_loaded_tile(q, m, l_sum, acc, k, v, visible, qk_scale,
                        DOT_PRECISION: tl.constexpr):
     """`attend_kv_tile`'s online-softmax step over a tile already in registers (same
     arithmetic, so both give the same bits)."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     s = tl.where(visible, s, float("-inf"))  # [ROWS, BLOCK_N]
     m_new = tl.maximum(m, tl.max(s, axis=1))

@@ -22,6 +22,7 @@ from minivllm.kernels.attention_tile import (
 from minivllm.kernels.dispatch import check_paged_attention, check_tensor, num_sms, tl, triton
 from minivllm.kernels.pdl import attention_pdl
 from minivllm.kernels.qkv_rotary_store import check_qkv_inputs, qkv_rotary_store_ref
+from minivllm.kernels.store_kvcache import dequantize_kv, is_fp8, to_kv
 from minivllm.kernels.tuning import (
     decode_late_trigger,
     decode_prefetch,
@@ -37,9 +38,12 @@ def decode_attention_ref(
     seq_lens: torch.Tensor,  # [num_seqs]
     block_tables: torch.Tensor,  # [num_seqs, max_blocks]
     scale: float,
+    k_scale: float = 1.0,  # an fp8 cache's scales (kernels/store_kvcache.py)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     slots = context_slots(seq_lens, block_tables, k_cache.shape[1])
-    return decode_attention_at_slots(q, k_cache, v_cache, slots, seq_lens, scale)
+    return decode_attention_at_slots(q, k_cache, v_cache, slots, seq_lens, scale,
+                                     k_scale, v_scale)
 
 
 def context_slots(
@@ -59,6 +63,8 @@ def decode_attention_at_slots(
     slots: torch.Tensor,  # [num_seqs, max_len] from `context_slots` (once per step)
     seq_lens: torch.Tensor,  # [num_seqs]
     scale: float,
+    k_scale: float = 1.0,  # an fp8 cache's scales: upcast to q's dtype, then scaled
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -69,6 +75,8 @@ def decode_attention_at_slots(
     flat = slots.reshape(-1)
     k = k_cache.flatten(0, 1).index_select(0, flat).view(num_seqs, max_len, num_kv_heads, -1)
     v = v_cache.flatten(0, 1).index_select(0, flat).view(num_seqs, max_len, num_kv_heads, -1)
+    if is_fp8(k.dtype):
+        k, v = dequantize_kv(k, q.dtype, k_scale), dequantize_kv(v, q.dtype, v_scale)
     qg = q.view(num_seqs, num_kv_heads, group, head_dim).to(k.dtype)
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # [.., group, max_len]
     if num_seqs > 1:  # one sequence's context is exactly max_len long: nothing to mask
@@ -177,8 +185,10 @@ def _decode_attention_kernel(
     out_stride_s,
     out_stride_h,
     bt_stride_s,
-    qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
+    qk_scale,  # softmax scale * log2(e) (* k_scale, fp8): the softmax runs in base 2
     eps,
+    k_scale,  # an fp8 cache's scales: the new token's K/V are stored over them (FROM_QKV)
+    v_scale,  # and the output is multiplied by v_scale
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -195,6 +205,7 @@ def _decode_attention_kernel(
     PREFETCH: tl.constexpr,  # FROM_QKV only: the first K/V tile is loaded before the wait
     MIN_SPLIT_LEN: tl.constexpr,  # context positions a split takes at least (BLOCK_N's multiple)
     LATE_TRIGGER: tl.constexpr,  # PDL: contexts longer than this launch the next kernel late
+    KV_FP8: tl.constexpr,  # the cache is fp8: q keeps its dtype, tiles are upcast to it
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -261,19 +272,21 @@ def _decode_attention_kernel(
             slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
             dst = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims
             store_mask = (dims * 0 + slot) >= 0
-            tl.store(k_cache_ptr + dst[None, :], k.to(k_cache_ptr.dtype.element_ty),
-                     mask=store_mask[None, :])
-            tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=store_mask)
+            k = to_kv(k, k_scale, k_cache_ptr, KV_FP8)
+            v = to_kv(v, v_scale, v_cache_ptr, KV_FP8)
+            tl.store(k_cache_ptr + dst[None, :], k, mask=store_mask[None, :])
+            tl.store(v_cache_ptr + dst, v, mask=store_mask)
             # Every thread's stores are visible to the whole program after the barrier:
             # the loop below reads this token back from the cache.
             tl.debug_barrier()
             if PREFETCH:
                 new_row = (offs0 == seq_len - 1)[:, None]  # [BLOCK_N, 1]
-                k0 = tl.where(new_row, k.to(k_cache_ptr.dtype.element_ty), k0)
-                v0 = tl.where(new_row, v.to(v_cache_ptr.dtype.element_ty)[None, :], v0)
+                k0 = tl.where(new_row, k, k0)
+                v0 = tl.where(new_row, v[None, :], v0)
     else:
         q = tl.load(q_rows + dims[None, :], mask=row_mask[:, None], other=0.0)
-    q = q.to(k_cache_ptr.dtype.element_ty)  # [GROUP_PAD, HEAD_DIM]
+    if not KV_FP8:
+        q = q.to(k_cache_ptr.dtype.element_ty)  # [GROUP_PAD, HEAD_DIM]
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
@@ -289,6 +302,8 @@ def _decode_attention_kernel(
         m, l_sum, acc = attend_kv_tile(q, m, l_sum, acc, k_cache_ptr, v_cache_ptr, block_table,
                                        offs, valid, valid[None, :], head_offset, qk_scale,
                                        BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, DOT_PRECISION)
+    if KV_FP8:
+        acc = acc * v_scale  # partials and outputs alike: the merge is linear in acc
     if PDL:
         if LATE_TRIGGER > 0 and seq_len > LATE_TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
@@ -386,6 +401,8 @@ def decode_attention(
     counters: torch.Tensor | None = None,  # from `decode_counters`
     tile_config: dict | None = None,
     min_split_len: int | None = None,
+    k_scale: float = 1.0,  # an fp8 cache's scales (kernels/store_kvcache.py)
+    v_scale: float = 1.0,
     check: bool = True,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Triton version of `decode_attention_ref`: one launch, no host sync.
@@ -404,7 +421,7 @@ def decode_attention(
         _check_decode_rows(q.shape[0], seq_lens, block_tables, counters)
     return _launch(q, q.shape[1], q.stride(0), q.stride(1), k_cache, v_cache, seq_lens,
                    block_tables, scale, max_seq_len, num_splits, counters, tile_config,
-                   min_split_len=min_split_len)
+                   min_split_len=min_split_len, kv_scales=(k_scale, v_scale))
 
 
 def qkv_decode_attention_ref(
@@ -421,12 +438,15 @@ def qkv_decode_attention_ref(
     q_norm_weight: torch.Tensor | None = None,  # [head_dim]
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """A decode step's attention from the QKV projection's output: q/k norm + rotary +
     KV store (`qkv_rotary_store_ref`), then `decode_attention_ref`."""
     q = qkv_rotary_store_ref(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache,
-                             slot_mapping, q_norm_weight, k_norm_weight, eps)
-    return decode_attention_ref(q, k_cache, v_cache, seq_lens, block_tables, scale)
+                             slot_mapping, q_norm_weight, k_norm_weight, eps, k_scale, v_scale)
+    return decode_attention_ref(q, k_cache, v_cache, seq_lens, block_tables, scale,
+                                k_scale, v_scale)
 
 
 def qkv_decode_attention(
@@ -450,6 +470,8 @@ def qkv_decode_attention(
     tile_config: dict | None = None,
     prefetch: bool | None = None,
     min_split_len: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     check: bool = True,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     """Triton version of `qkv_decode_attention_ref` in one launch (one token per
@@ -468,7 +490,7 @@ def qkv_decode_attention(
                    qkv=(positions, cos_sin_cache, q_norm_weight, k_norm_weight, slot_mapping,
                         eps),
                    prefetch=decode_prefetch() if prefetch is None else prefetch,
-                   min_split_len=min_split_len)
+                   min_split_len=min_split_len, kv_scales=(k_scale, v_scale))
 
 
 def _check_decode_rows(num_seqs: int, seq_lens: torch.Tensor, block_tables: torch.Tensor,
@@ -500,6 +522,7 @@ def _launch(
     qkv: tuple | None = None,  # (positions, cos_sin, q_norm_w, k_norm_w, slot_mapping, eps)
     prefetch: bool = False,  # with `qkv` only
     min_split_len: int | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's (k_scale, v_scale)
 ) -> torch.Tensor:
     device = k_cache.device
     _, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -514,7 +537,9 @@ def _launch(
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms(device))
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
-    config = _tile_config(k_cache.dtype) if tile_config is None else tile_config
+    fp8 = is_fp8(k_cache.dtype)
+    compute_dtype = q.dtype if fp8 else k_cache.dtype  # an fp8 cache is upcast to q's
+    config = _tile_config(compute_dtype) if tile_config is None else tile_config
     block_n = config["BLOCK_N"]
     if min_split_len is None:
         min_split_len = block_n
@@ -563,8 +588,10 @@ def _launch(
         out.stride(0),
         out.stride(1),
         block_tables.stride(0),
-        scale * LOG2E,
+        scale * LOG2E * (kv_scales[0] if fp8 else 1.0),
         eps,
+        kv_scales[0],
+        kv_scales[1],
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         NUM_KV_HEADS=num_kv_heads,
@@ -578,6 +605,7 @@ def _launch(
         PREFETCH=prefetch and qkv is not None,
         MIN_SPLIT_LEN=triton.cdiv(max(min_split_len, 1), block_n) * block_n,
         LATE_TRIGGER=decode_late_trigger(),
+        KV_FP8=fp8,
         **config,
         **launch,
     )

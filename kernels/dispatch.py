@@ -87,6 +87,7 @@ def num_sms(device: torch.device) -> int:
 
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+KV_DTYPES = FLOAT_DTYPES + (torch.float8_e4m3fn,)  # an fp8 cache: kernels/store_kvcache.py
 
 
 def check_tensor(
@@ -114,7 +115,7 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 def check_kv_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
     """Checks a layer's paged cache pair; returns (block_size, num_kv_heads, head_dim)."""
-    check_tensor("k_cache", k_cache, 4)
+    check_tensor("k_cache", k_cache, 4, KV_DTYPES)
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} must match "
                          f"k_cache {tuple(k_cache.shape)} {k_cache.dtype}")

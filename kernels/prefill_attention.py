@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from minivllm.kernels.attention_tile import LOG2E, attend_kv_tile
 from minivllm.kernels.dispatch import INDEX_DTYPES, check_paged_attention, check_tensor, tl, triton
+from minivllm.kernels.store_kvcache import dequantize_kv, is_fp8
 
 
 def gather_kv(
@@ -44,22 +45,26 @@ def prefill_attention_ref(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks]
     scale: float,
     compute_dtype: torch.dtype | None = None,
+    k_scale: float = 1.0,  # an fp8 cache's scales (kernels/store_kvcache.py)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """`compute_dtype`: the dtype of the sequences with more than one query (prefill
-    chunks); one query (a decode row in a prefill's step) and the default take the cache's."""
+    chunks); one query (a decode row in a prefill's step) and the default take the cache's
+    (q's for an fp8 cache, which is upcast)."""
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[2]
     starts = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
+    cache_dtype = q.dtype if is_fp8(k_cache.dtype) else k_cache.dtype
     for i, seq_len in enumerate(lens):
         q_start, q_end = starts[i], starts[i + 1]
         q_len = q_end - q_start
         if q_len == 0:
             continue
-        dtype = compute_dtype if compute_dtype is not None and q_len > 1 else k_cache.dtype
+        dtype = compute_dtype if compute_dtype is not None and q_len > 1 else cache_dtype
         # [seq_len, num_kv_heads, head_dim]
-        k = gather_kv(k_cache, block_tables[i], seq_len).to(dtype)
-        v = gather_kv(v_cache, block_tables[i], seq_len).to(dtype)
+        k = dequantize_kv(gather_kv(k_cache, block_tables[i], seq_len), dtype, k_scale)
+        v = dequantize_kv(gather_kv(v_cache, block_tables[i], seq_len), dtype, v_scale)
         # Query j sits at position seq_len - q_len + j and sees keys 0..that position; with
         # no cached prefix that is SDPA's own causal mask, whose fused kernel skips the
         # masked half (512 tokens: 25% less time than with the mask as a tensor).
@@ -118,7 +123,8 @@ def _prefill_kernel(
     out_stride_h,
     bt_stride_s,
     num_seqs,
-    qk_scale,  # softmax scale * log2(e): the softmax runs in base 2
+    qk_scale,  # softmax scale * log2(e) (* k_scale, fp8): the softmax runs in base 2
+    v_scale,  # fp8 only: the output's factor
     GROUP: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -126,6 +132,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the cache is fp8: q keeps its dtype, tiles are upcast to it
 ):
     # Heads vary fastest across the grid so a KV group's heads run together and share
     # their K/V tiles through L2.
@@ -149,7 +156,9 @@ def _prefill_kernel(
         q_ptr + tokens[:, None] * q_stride_t + head * q_stride_h + dims[None, :],
         mask=m_valid[:, None],
         other=0.0,
-    ).to(k_cache_ptr.dtype.element_ty)  # [BLOCK_M, HEAD_DIM]
+    )  # [BLOCK_M, HEAD_DIM]
+    if not KV_FP8:
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
@@ -168,6 +177,8 @@ def _prefill_kernel(
                                        BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, DOT_PRECISION)
 
     out = acc / l_sum[:, None]
+    if KV_FP8:
+        out = out * v_scale
     tl.store(out_ptr + tokens[:, None] * out_stride_t + head * out_stride_h + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
 
@@ -189,6 +200,8 @@ def prefill_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks]
     scale: float,
     *,
+    k_scale: float = 1.0,  # an fp8 cache's scales (kernels/store_kvcache.py)
+    v_scale: float = 1.0,
     tile_config: dict | None = None,
     check: bool = True,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
@@ -212,7 +225,9 @@ def prefill_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    config = _tile_config(k_cache.dtype, head_dim) if tile_config is None else tile_config
+    fp8 = is_fp8(k_cache.dtype)
+    compute_dtype = q.dtype if fp8 else k_cache.dtype
+    config = _tile_config(compute_dtype, head_dim) if tile_config is None else tile_config
     num_tiles = num_tokens // config["BLOCK_M"] + num_seqs
     _prefill_kernel[(num_heads, num_tiles)](
         q,
@@ -228,11 +243,13 @@ def prefill_attention(
         out.stride(1),
         block_tables.stride(0),
         num_seqs,
-        scale * LOG2E,
+        scale * LOG2E * (k_scale if fp8 else 1.0),
+        v_scale,
         GROUP=num_heads // num_kv_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
+        KV_FP8=fp8,
         **config,
     )
     return out

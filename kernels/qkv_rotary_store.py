@@ -21,7 +21,7 @@ from minivllm.kernels.dispatch import (
 from minivllm.kernels.pdl import attention_pdl
 from minivllm.kernels.rms_norm import rms_norm_ref
 from minivllm.kernels.rotary import rotary_ref
-from minivllm.kernels.store_kvcache import store_kvcache_ref
+from minivllm.kernels.store_kvcache import is_fp8, store_kvcache_ref, to_kv
 
 
 def qkv_rotary_store_ref(
@@ -35,6 +35,8 @@ def qkv_rotary_store_ref(
     q_norm_weight: torch.Tensor | None = None,  # [head_dim]
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    k_scale: float = 1.0,  # an fp8 cache's scales (kernels/store_kvcache.py)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # q: [num_tokens, num_heads, head_dim]
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     q, k, v = qkv.split(
@@ -47,7 +49,7 @@ def qkv_rotary_store_ref(
         q = rms_norm_ref(q, q_norm_weight, eps)[0]
         k = rms_norm_ref(k, k_norm_weight, eps)[0]
     q, k = rotary_ref(positions, q, k, cos_sin_cache)
-    store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+    store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q
 
 
@@ -64,12 +66,15 @@ def _qkv_rotary_store_kernel(
     slot_mapping_ptr,
     qkv_stride_t,
     eps,
+    k_scale,  # an fp8 cache's scales (kernels/store_kvcache.py)
+    v_scale,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,  # HEAD_DIM // 2
     QK_NORM: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
+    KV_FP8: tl.constexpr,
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -111,17 +116,19 @@ def _qkv_rotary_store_kernel(
         slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
         # NOTE: int64 offsets: a layer's pool can exceed 2**31 elements.
         cache_offset = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-        cache_dtype = k_cache_ptr.dtype.element_ty
         # Rounded to the activation dtype first, as the reference's rotated k is.
         # Padding tokens of a CUDA-graph bucket have no slot (-1).
         half_mask = (dims * 0 + slot) >= 0  # [HALF]
         k_dst = k_cache_ptr + cache_offset
-        tl.store(k_dst + dims, y1.to(act_dtype).to(cache_dtype), mask=half_mask)
-        tl.store(k_dst + HALF + dims, y2.to(act_dtype).to(cache_dtype), mask=half_mask)
+        tl.store(k_dst + dims, to_kv(y1.to(act_dtype), k_scale, k_cache_ptr, KV_FP8),
+                 mask=half_mask)
+        tl.store(k_dst + HALF + dims, to_kv(y2.to(act_dtype), k_scale, k_cache_ptr, KV_FP8),
+                 mask=half_mask)
         v_dims = tl.arange(0, HEAD_DIM)
         v_mask = (v_dims * 0 + slot) >= 0
         v = tl.load(src + NUM_KV_HEADS * HEAD_DIM + v_dims, mask=v_mask)
-        tl.store(v_cache_ptr + cache_offset + v_dims, v.to(cache_dtype), mask=v_mask)
+        tl.store(v_cache_ptr + cache_offset + v_dims, to_kv(v, v_scale, v_cache_ptr, KV_FP8),
+                 mask=v_mask)
 
 
 def check_qkv_inputs(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache, slot_mapping,
@@ -171,6 +178,8 @@ def qkv_rotary_store(
     k_norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
     *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     check: bool = True,
 ) -> torch.Tensor:  # q: [num_tokens, num_heads, head_dim], a new tensor
     """Triton version of `qkv_rotary_store_ref`. Positions are not range-checked (that
@@ -198,12 +207,15 @@ def qkv_rotary_store(
         slot_mapping,
         qkv.stride(0),
         eps,
+        k_scale,
+        v_scale,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         HALF=head_dim // 2,
         QK_NORM=q_norm_weight is not None,
         PDL=pdl,
+        KV_FP8=is_fp8(k_cache.dtype),
         num_warps=1 if head_dim <= 128 else 2,
         **({"launch_pdl": True} if pdl else {}),
     )

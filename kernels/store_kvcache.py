@@ -1,4 +1,9 @@
-"""Write this step's K and V into the paged cache at `slot_mapping`."""
+"""Write this step's K and V into the paged cache at `slot_mapping`.
+
+An fp8 cache (float8 e4m3) stores x / scale, saturated to e4m3's range, with one scale per
+layer for K and one for V; attention reads x_fp8 * scale. `quantize_kv` / `dequantize_kv`
+are the references' conversions; the Triton kernels do the same arithmetic in registers.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,27 @@ from minivllm.kernels.dispatch import (
     triton,
 )
 
+FP8_KV_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_KV_DTYPE).max  # 448: larger magnitudes saturate
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype == FP8_KV_DTYPE
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """`x` as the cache stores it: in `dtype`, or for fp8 x / scale (in fp32), saturated."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Cached values in the compute `dtype`: an fp8 cache's times its scale."""
+    if not is_fp8(x.dtype):
+        return x.to(dtype)
+    return x.to(dtype) * scale
+
 
 def store_kvcache_ref(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -19,13 +45,30 @@ def store_kvcache_ref(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens]
+    k_scale: float = 1.0,  # fp8 caches only: the cache holds key / k_scale
+    v_scale: float = 1.0,
 ) -> None:
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
     slots = slot_mapping.long()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+    key = quantize_kv(key, k_cache.dtype, k_scale)
+    value = quantize_kv(value, v_cache.dtype, v_scale)
+    if is_fp8(k_cache.dtype):  # the CPU has no index_copy_ for float8: copy the bytes
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key)
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value)
+
+
+@triton.jit
+def to_kv(x, scale, cache_ptr, KV_FP8: tl.constexpr):
+    """`x` as the cache at `cache_ptr` stores it (`quantize_kv`'s arithmetic): fp8 holds
+    x / scale, saturated to +-448 (e4m3's largest finite value)."""
+    if KV_FP8:
+        x = x.to(tl.float32) / scale
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -39,9 +82,12 @@ def _store_kvcache_kernel(
     key_stride_h,
     value_stride_t,
     value_stride_h,
+    k_scale,
+    v_scale,
     NUM_KV_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # One program per token: copies all its KV heads into one cache slot.
     token = tl.program_id(0)
@@ -57,8 +103,8 @@ def _store_kvcache_kernel(
     v = tl.load(value_ptr + src, mask=mask)
     # NOTE: int64 offsets: a layer's pool can exceed 2**31 elements.
     dst = slot * (NUM_KV_HEADS * HEAD_DIM) + heads * HEAD_DIM + dims
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst, to_kv(k, k_scale, k_cache_ptr, KV_FP8), mask=mask)
+    tl.store(v_cache_ptr + dst, to_kv(v, v_scale, v_cache_ptr, KV_FP8), mask=mask)
 
 
 def store_kvcache(
@@ -68,6 +114,8 @@ def store_kvcache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens]; -1 skips the token
     *,
+    k_scale: float = 1.0,  # fp8 caches only: the cache holds key / k_scale
+    v_scale: float = 1.0,
     check: bool = True,
 ) -> None:
     """Triton version of `store_kvcache_ref`. key/value may be strided views (e.g. slices
@@ -104,7 +152,10 @@ def store_kvcache(
         key.stride(1),
         value.stride(0),
         value.stride(1),
+        k_scale,
+        v_scale,
         NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
+        KV_FP8=is_fp8(k_cache.dtype),
     )

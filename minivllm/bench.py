@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import LLMEngine, SamplingParams
-from .config import CPU_DECODE_DTYPES, CPU_PREFILL_DTYPES, CPU_WEIGHT_DTYPES
+from .config import CPU_DECODE_DTYPES, CPU_PREFILL_DTYPES, CPU_WEIGHT_DTYPES, KV_CACHE_DTYPES
 from .loader import KNOWN_CONFIGS
 from .models.registry import ARCHITECTURES
 
@@ -60,6 +60,8 @@ def build_engine(args: argparse.Namespace, **overrides) -> LLMEngine:
         config["cpu_prefill_dtype"] = args.cpu_prefill_dtype
     if getattr(args, "cpu_decode_dtype", None):
         config["cpu_decode_dtype"] = args.cpu_decode_dtype
+    if getattr(args, "kv_cache_dtype", None):
+        config["kv_cache_dtype"] = args.kv_cache_dtype
     if args.world_size > 1:
         config["world_size"] = args.world_size
     config.update(overrides)
@@ -427,6 +429,8 @@ def _coldstart_argv(args: argparse.Namespace) -> list[str]:
         out += ["--load-format", args.load_format]
     if args.dtype:
         out += ["--dtype", args.dtype]
+    if args.kv_cache_dtype:
+        out += ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.enforce_eager:
         out.append("--enforce-eager")
     return out
@@ -634,6 +638,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-decode-dtype", default=None, choices=CPU_DECODE_DTYPES,
                    help="activations of the products with q4_1 / q8_0 CPU weights "
                    "(default: auto)")
+    p.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
+                   help="KV cache storage (default: auto, the model's dtype; fp8: e4m3)")
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--max-model-length", type=int, default=4096)

@@ -16,6 +16,7 @@ from .config import (
     CPU_DECODE_DTYPES,
     CPU_PREFILL_DTYPES,
     CPU_WEIGHT_DTYPES,
+    KV_CACHE_DTYPES,
 )
 from .progress import print_progress
 
@@ -32,6 +33,7 @@ OPTION_OF_KEY = {
     "cpu_weight_dtype": "--cpu-weight-dtype",
     "cpu_prefill_dtype": "--cpu-prefill-dtype",
     "cpu_decode_dtype": "--cpu-decode-dtype",
+    "kv_cache_dtype": "--kv-cache-dtype",
 }
 # What loading can raise for a user's mistake (bad values, missing or broken files).
 USER_ERRORS = (ValueError, TypeError, OSError)
@@ -75,6 +77,7 @@ def generate(args: argparse.Namespace) -> None:
         "cpu_weight_dtype": args.cpu_weight_dtype,
         "cpu_prefill_dtype": args.cpu_prefill_dtype,
         "cpu_decode_dtype": args.cpu_decode_dtype,
+        "kv_cache_dtype": args.kv_cache_dtype,
     }
     params = SamplingParams(
         temperature=args.temperature,
@@ -155,6 +158,9 @@ def main(argv: list[str] | None = None) -> None:
         "per group of 32, llama.cpp's arithmetic, where the CPU has AVX512-VNNI, else "
         "float32)",
     )
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV cache storage (default auto: the model's dtype; fp8: e4m3, "
+                   "twice the blocks)")
 
     from .bench import add_arguments
 

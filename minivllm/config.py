@@ -34,6 +34,9 @@ ARCH_KEYS = {
 CPU_WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "q8_0", "q4_1", "compact")
 CPU_PREFILL_DTYPES = ("auto", "bfloat16", "float32")
 CPU_DECODE_DTYPES = ("auto", "int8", "float32")
+# `kv_cache_dtype` values: "auto" stores K/V in the model's dtype; "fp8" (= "fp8_e4m3")
+# stores them as float8 e4m3 with a per-layer scale, half the bytes of bf16.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # `cpu_weight_dtype` of `minivllm generate`, `minivllm-chat` and `bench latency --device cpu`
 # (EngineConfig's default stays "auto": fp32 weights keep the exact parity with transformers).
 # Chosen by measurement on SmolLM2-135M (PERF_NOTES.md, issue 10): "compact" keeps a model
@@ -65,6 +68,7 @@ ENGINE_KEYS = {
     "enable_chunked_prefill",
     "seed",
     "async_scheduling",
+    "kv_cache_dtype",
 }
 
 
@@ -269,6 +273,9 @@ class EngineConfig:
     # Schedule step N+1 while the device runs step N. None: on for CUDA, off for the CPU
     # (where a step computes as it is launched, so there is nothing to overlap).
     async_scheduling: bool | None = None
+    # The KV cache's storage: "auto" = the model's dtype; "fp8" / "fp8_e4m3" = float8 e4m3
+    # (twice the blocks in the same memory), upcast in attention.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _check_int("world_size", self.world_size, 1)
@@ -308,6 +315,11 @@ class EngineConfig:
             raise ValueError(
                 f"cpu_decode_dtype={self.cpu_decode_dtype!r}: must be one of "
                 + ", ".join(repr(d) for d in CPU_DECODE_DTYPES)
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r}: must be one of "
+                + ", ".join(repr(d) for d in KV_CACHE_DTYPES)
             )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format={self.load_format!r}: must be 'auto' or 'dummy'")
@@ -349,6 +361,11 @@ class EngineConfig:
     def max_len(self) -> int:
         """The longest prompt + completion a request may reach."""
         return self.max_model_length or self.model.max_position
+
+    @property
+    def kv_fp8(self) -> bool:
+        """Whether the KV cache stores float8 e4m3."""
+        return self.kv_cache_dtype != "auto"
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU linear weights, weight-only formats with fp32 compute "
                    f"(default: {APP_CPU_WEIGHT_DTYPE}: a GGUF model's own Q4_1 / Q8_0 where "
                    "they hold its weights exactly, else bfloat16; auto: the compute dtype)")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3"],
+                   help="KV cache storage (default: auto, the model's dtype; fp8: e4m3)")
     p.add_argument("--system", default="", metavar="TEXT", help="system prompt for every pane")
     p.add_argument("--temperature", type=float, default=None,
                    help="sampling temperature (0 is greedy)")
@@ -99,6 +101,8 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
         config["max_model_length"] = args.max_model_length
     if args.max_num_batched_tokens is not None:
         config["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if getattr(args, "kv_cache_dtype", None) is not None:
+        config["kv_cache_dtype"] = args.kv_cache_dtype
     return config
 
 

@@ -414,12 +414,15 @@ def cpu_decode_step(
     """The CPU decode step for this model: the native one (`STEP_ENV=native`, the default),
     else the compiled one, else None where the model's own eager forward runs:
     `enforce_eager`, `STEP_ENV=eager`, tensor parallelism (the all-reduce is in neither),
+    an fp8 KV cache,
     a model without the Llama layout, or neither step available (then with a one-line
     warning, unless eager was asked for)."""
     from ..distributed import get_tp_size
 
     if enforce_eager or get_tp_size() > 1 or not hasattr(getattr(model, "model", None), "layers"):
         return None
+    if kv_cache.element_size() == 1:
+        return None  # an fp8 cache: only the eager attention upcasts it (and applies scales)
     kind = os.environ.get(STEP_ENV, "native")
     if kind not in STEP_KINDS:
         raise ValueError(f"{STEP_ENV}={kind!r}: expected one of {', '.join(STEP_KINDS)}")

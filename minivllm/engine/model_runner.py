@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minivllm.kernels.store_kvcache import FP8_KV_DTYPE
 from minivllm.kernels.tuning import graph_greedy
 
 from ..config import EngineConfig
@@ -52,6 +53,9 @@ from .cuda_graph import (
 )
 
 CPU_KV_BUDGET_BYTES = 2 << 30  # the CPU pool's default size, when max_cached_blocks is unset
+# An fp8 pool's (k_scale, v_scale), the same for every layer: static, as vLLM's default
+# without calibrated scales.
+FP8_KV_SCALES = (1.0, 1.0)
 
 Progress = Callable[[str, float], None]
 
@@ -175,10 +179,15 @@ class ModelRunner:
     # -- KV pool -------------------------------------------------------------------------
 
     @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV pool's element type: float8 e4m3 (`kv_cache_dtype` fp8) or the model's."""
+        return FP8_KV_DTYPE if self.config.kv_fp8 else self.dtype
+
+    @property
     def bytes_per_block(self) -> int:
         layer = self.attention_layers[0]
         per_token = 2 * len(self.attention_layers) * layer.num_kv_heads * layer.head_dim
-        return per_token * self.block_size * self.dtype.itemsize
+        return per_token * self.block_size * self.kv_dtype.itemsize
 
     def size_kv_pool(self) -> int:
         """How many blocks the pool gets on this rank."""
@@ -239,12 +248,13 @@ class ModelRunner:
             layer.head_dim,
         )
         if self.device.type == "cpu":
-            self.kv_cache = lazily_zeroed(shape, self.dtype)
+            self.kv_cache = lazily_zeroed(shape, self.kv_dtype)
         else:
-            self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         for i, attn in enumerate(self.attention_layers):
             attn.k_cache = self.kv_cache[0, i]
             attn.v_cache = self.kv_cache[1, i]
+            attn.kv_scales = FP8_KV_SCALES if self.config.kv_fp8 else (1.0, 1.0)
         self.num_blocks = num_blocks
         if self.kernels.is_triton:
             self.progress("compiling kernels", 0.7)

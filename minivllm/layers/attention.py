@@ -93,12 +93,15 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         kv_stored: bool = False,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         # kv_stored: this step's K/V are already in the cache (a fused kernel put them
-        # there); k and v are None then.
+        # there); k and v are None then. kv_scales: an fp8 cache's (k_scale, v_scale).
         kernels = self.kernels
+        k_scale, v_scale = kv_scales
         if not kv_stored:
-            kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+            kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping,
+                                  k_scale=k_scale, v_scale=v_scale)
         if meta.is_decode:
             return kernels.decode_attention(
                 q,
@@ -108,10 +111,13 @@ class AttentionBackend:
                 meta.block_tables,
                 scale,
                 num_splits=meta.decode_splits,
-                **self.decode_launch(q.shape[0], meta.decode_splits, k_cache.dtype),
+                k_scale=k_scale,
+                v_scale=v_scale,
+                **self.decode_launch(q.shape[0], meta.decode_splits, q.dtype),
             )
         return kernels.prefill_attention(
-            q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale
+            q, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale,
+            k_scale=k_scale, v_scale=v_scale,
         )
 
 
@@ -128,11 +134,13 @@ class AttentionBackend:
         q_norm_weight: torch.Tensor | None,
         k_norm_weight: torch.Tensor | None,
         eps: float,
+        kv_scales: tuple[float, float] = (1.0, 1.0),
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Attention from the QKV projection's output with the fused kernels (a set with
         `qkv_rotary_store`): q/k norm + rotary + KV store, then attention; a decode step in
         one launch where the set has `qkv_decode_attention`."""
         kernels = self.kernels
+        k_scale, v_scale = kv_scales
         if meta.is_decode and kernels.qkv_decode_attention is not None:
             return kernels.qkv_decode_attention(
                 positions,
@@ -149,11 +157,15 @@ class AttentionBackend:
                 k_norm_weight,
                 eps,
                 num_splits=meta.decode_splits,
-                **self.decode_launch(qkv.shape[0], meta.decode_splits, k_cache.dtype),
+                k_scale=k_scale,
+                v_scale=v_scale,
+                **self.decode_launch(qkv.shape[0], meta.decode_splits, qkv.dtype),
             )
         q = kernels.qkv_rotary_store(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache,
-                                     meta.slot_mapping, q_norm_weight, k_norm_weight, eps)
-        return self.forward(q, None, None, k_cache, v_cache, meta, scale, kv_stored=True)
+                                     meta.slot_mapping, q_norm_weight, k_norm_weight, eps,
+                                     k_scale=k_scale, v_scale=v_scale)
+        return self.forward(q, None, None, k_cache, v_cache, meta, scale, kv_stored=True,
+                            kv_scales=kv_scales)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -170,14 +182,17 @@ class TorchAttentionBackend(AttentionBackend):
             meta.context_slots = context_slots(meta.seq_lens, meta.block_tables, self.block_size)
         return meta
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, kv_stored=False):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, kv_stored=False,
+                kv_scales=(1.0, 1.0)):
         if meta.is_decode and meta.context_slots is not None:
+            k_scale, v_scale = kv_scales
             if not kv_stored:
-                self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+                self.kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping,
+                                           k_scale=k_scale, v_scale=v_scale)
             return decode_attention_at_slots(
-                q, k_cache, v_cache, meta.context_slots, meta.seq_lens, scale
+                q, k_cache, v_cache, meta.context_slots, meta.seq_lens, scale, k_scale, v_scale
             )
-        return super().forward(q, k, v, k_cache, v_cache, meta, scale, kv_stored)
+        return super().forward(q, k, v, k_cache, v_cache, meta, scale, kv_stored, kv_scales)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -294,6 +309,9 @@ class Attention(nn.Module):
         self.backend: AttentionBackend = TorchAttentionBackend(block_size=16)
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        # An fp8 pool holds K / k_scale and V / v_scale (constants: a CUDA graph bakes
+        # them in); a pool in the model's dtype ignores them.
+        self.kv_scales: tuple[float, float] = (1.0, 1.0)
 
     def forward(
         self,
@@ -308,7 +326,8 @@ class Attention(nn.Module):
         if self.k_cache.numel() == 0:  # warm-up before the pool exists: plain causal attention
             return no_cache_attention(q, k, v, meta.cu_seqlens_q.tolist(), self.scale)
         return self.backend.forward(
-            q, k, v, self.k_cache, self.v_cache, meta, self.scale, kv_stored=kv_stored
+            q, k, v, self.k_cache, self.v_cache, meta, self.scale, kv_stored=kv_stored,
+            kv_scales=self.kv_scales,
         )
 
     def forward_qkv(
@@ -324,6 +343,7 @@ class Attention(nn.Module):
         return self.backend.forward_qkv(
             positions, qkv, self.num_heads, cos_sin_cache, self.k_cache, self.v_cache,
             get_attention_metadata(), self.scale, q_norm_weight, k_norm_weight, eps,
+            self.kv_scales,
         )
 
 

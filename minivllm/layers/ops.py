@@ -48,9 +48,11 @@ class Kernels:
     fill_tokens: Callable = fill_tokens_ref
 
 
-def _decode_attention_ref(q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits=None):
+def _decode_attention_ref(q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits=None,
+                          k_scale=1.0, v_scale=1.0):
     # The reference has no splits; accept the argument so both sets share one signature.
-    return decode_attention_ref(q, k_cache, v_cache, seq_lens, block_tables, scale)
+    return decode_attention_ref(q, k_cache, v_cache, seq_lens, block_tables, scale,
+                                k_scale, v_scale)
 
 
 TORCH_KERNELS = Kernels(

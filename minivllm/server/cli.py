@@ -34,6 +34,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="no CUDA graphs")
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"],
                    help="weights and activations (default: auto)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="KV cache storage (default: auto, the model's dtype; fp8: e4m3)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], help="default: auto")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=None, help="share KV blocks of common prefixes (default: on)")
@@ -54,7 +56,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 ENGINE_KEYS = ("max_model_length", "max_num_sequences", "max_num_batched_tokens", "block_size",
                "world_size", "gpu_memory_utilization", "max_cached_blocks", "enforce_eager",
                "dtype", "device", "enable_prefix_caching", "enable_chunked_prefill",
-               "load_format", "seed", "eos", "max_num_batch_tokens")
+               "load_format", "seed", "eos", "max_num_batch_tokens", "kv_cache_dtype")
 
 
 def engine_config(args: argparse.Namespace) -> dict[str, Any]:
