@@ -61,7 +61,8 @@ fi
 # Tests run from outside the repo so `kernels` can never resolve to its folder.
 (cd /tmp && $PY -m pytest "$REPO/tests/test_kernels_gpu.py" "$REPO/tests/test_gpu_engine.py" \
   "$REPO/tests/test_gpu_graphs.py" "$REPO/tests/test_async.py" \
-  "$REPO/tests/test_gpu_decode_switches.py" -m gpu -q -p no:cacheprovider \
+  "$REPO/tests/test_gpu_decode_switches.py" "$REPO/tests/test_fp8_kv_gpu.py" \
+  -m gpu -q -p no:cacheprovider \
   2>&1 | tee "$OUT/gpu-tests.log" | tail -40)
 
 # Each benchmark is one process with a 5-minute cap; its wall time goes into the summary.
