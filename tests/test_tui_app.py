@@ -533,3 +533,26 @@ async def test_live_text_renders_and_counts_lines_as_textual_does():
                 got = visual.render_strips(width, None, style, options)
                 want = Content(text).render_strips(width, None, style, options)
                 assert [s.text for s in got] == [s.text for s in want], (width, text)
+
+
+async def test_a_reply_the_engine_stops_is_an_error_not_a_stop(tmp_path):
+    # A server shutting down (or an engine closing) ends a reply with "abort" that nobody
+    # in the app asked for: the pane says so instead of showing it as the user's stop.
+    engine = FakeEngine(hold_at=3)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        pane = app.panes[0]
+        await type_and_send(pilot, 0, "hello")
+        await wait_until(pilot, lambda: pane.tokens >= 3)
+        app.client.abort(str(pane.request_id))  # not Esc
+        await wait_until(pilot, lambda: pane.state == "error")
+        reply = pane.conversation.messages[-1]
+        assert reply.status == "error" and "the engine stopped this reply" in reply.error
+        assert reply.content  # the partial reply stays
+        # Esc is still a stop.
+        await type_and_send(pilot, 0, "again")
+        await wait_until(pilot, lambda: pane.tokens >= 3)
+        await app.action_stop()
+        await wait_until(pilot, lambda: pane.state == "stopped")
+        assert pane.conversation.messages[-1].status == "stopped"

@@ -675,7 +675,13 @@ class ChatApp(App):
                 self._take(pane, request_id, out)
                 if out.finished:
                     pane.usage = (out.num_prompt_tokens, out.num_generated_tokens)
-                    await self._finish(pane, request_id, _status(out), out.error)
+                    status, error = _status(out), out.error
+                    if status == "stopped" and pane.state_detail != "stopping":
+                        # Not this app's Esc: the engine or the server ended the reply.
+                        status = "error"
+                        error = error or ("the engine stopped this reply (a server that "
+                                          "is shutting down, or went away)")
+                    await self._finish(pane, request_id, status, error)
                     return
                 streaming = streaming or bool(out.token_ids or out.text)
                 if streaming:

@@ -210,6 +210,7 @@ class PlainChat:
         parser = ThinkParser()
         cleaner = StreamCleaner()
         kind = "answer"
+        interrupted = False  # Ctrl-C: the user's stop (any other abort is the engine's)
         while reply.status == "streaming":
             try:
                 try:
@@ -230,9 +231,15 @@ class PlainChat:
                         kind = self._write(seg_kind, seg, kind)
                     reply.status = FINISH_TO_STATUS.get(out.finish_reason, "done")
                     reply.error = out.error
+                    if reply.status == "stopped" and not interrupted:
+                        reply.status = "error"
+                        reply.error = reply.error or ("the engine stopped this reply (a "
+                                                      "server that is shutting down, or "
+                                                      "went away)")
                     if self.client.error is not None:
                         self.dead = self.client.error
             except KeyboardInterrupt:
+                interrupted = True
                 self.client.abort(req)  # the abort's output ends the loop
         self._sample_stats()
         if self.color and kind == "think":
