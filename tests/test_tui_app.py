@@ -556,3 +556,32 @@ async def test_a_reply_the_engine_stops_is_an_error_not_a_stop(tmp_path):
         await app.action_stop()
         await wait_until(pilot, lambda: pane.state == "stopped")
         assert pane.conversation.messages[-1].status == "stopped"
+
+
+async def test_a_long_streaming_reply_freezes_its_finished_lines(tmp_path):
+    # The live block keeps only the reply's last lines; the lines before them move to
+    # frozen blocks above it, which together show exactly the text so far.
+    from minivllm.tui.widgets.message import FREEZE_CHARS, FrozenText, LiveText
+
+    paragraphs = [f"Paragraph {i}: " + "word " * 40 for i in range(30)]
+    long = "\n".join(paragraphs)
+    assert len(long) > 3 * FREEZE_CHARS
+    engine = FakeEngine(reply=long, step_delay=0.001)
+    app = make_app(tmp_path, engine, settings=Settings(max_tokens=4096))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        pane = app.panes[0]
+        await type_and_send(pilot, 0, "go")
+        reply = replies(pane)[0]
+
+        def shown() -> str:
+            frozen = [w.text for w in reply.query(FrozenText)]
+            return "\n".join([*frozen, *(w.text for w in reply.query(LiveText))])
+
+        await wait_until(pilot, lambda: len(reply.query(FrozenText)) >= 2, 60)
+        live = reply.query_one(LiveText).text
+        assert len(live) <= FREEZE_CHARS
+        assert long.startswith(shown())
+        await wait_idle(pilot, 60)
+        assert not reply.query(FrozenText) and not reply.query(LiveText)
+        assert reply.answer_md.source == long.strip()

@@ -31,6 +31,11 @@ from ..thinking import ThinkParser, split_thinking
 RESERVE_LINES = 4
 RESERVE_SECONDS = 0.5
 MAX_RESERVE_LINES = 16
+# A streaming answer longer than FREEZE_CHARS moves its finished lines (all but the last
+# KEEP_CHARS or so) into a block that is no longer repainted: each repaint of the live
+# block renders all of its lines, so without this a frame cost grew with the reply.
+FREEZE_CHARS = 1600
+KEEP_CHARS = 400
 STATUS_NOTES: dict[str, str] = {
     "stopped": "stopped",
     "interrupted": "interrupted (the app stopped mid-reply)",
@@ -177,6 +182,15 @@ class LiveText(Widget):
             if last > first:
                 self.refresh(Region(0, first, region.width, last - first))
 
+    def restart(self, text: str) -> None:
+        """Show `text` in place of what was shown (its start moved to a `FrozenText`)."""
+        self._visual = GrowingText()
+        self._shown = (0, 0)
+        self._grown = (time.monotonic(), 0)
+        self.styles.min_height = None
+        self.set_text(text, grow=False)
+        self.refresh(layout=True)
+
     def grow(self, ahead: bool = False) -> bool:
         """Lay out again if the text outgrew its lines (or, `ahead`, has used half of the
         lines it reserved: the app grows every streaming block in the layout one of them
@@ -194,6 +208,25 @@ class LiveText(Widget):
         self.styles.min_height = height + reserve - 1
         self.refresh(layout=True)
         return True
+
+
+class FrozenText(Widget):
+    """Finished lines of a streaming reply: rendered once per width, never repainted
+    while the reply streams on (see `FREEZE_CHARS`)."""
+
+    DEFAULT_CSS = "FrozenText { height: auto; }"
+
+    def __init__(self, text: str) -> None:
+        super().__init__(classes="frozen")
+        self._visual = GrowingText()
+        self._visual.set(text)
+
+    @property
+    def text(self) -> str:
+        return self._visual.text
+
+    def render(self) -> Visual:
+        return self._visual
 
 
 async def gather(awaitables: list[Awaitable[Any]]) -> None:
@@ -309,6 +342,8 @@ class AssistantMessage(Vertical):
         self._think_md: MarkdownBlock | None = None
         self.answer_md = MarkdownBlock(self.answer_text.strip())
         self._live: LiveText | None = None  # the answer while it streams
+        self._frozen: list[FrozenText] = []  # its finished lines, above it
+        self._frozen_chars = 0  # characters of the shown answer in `_frozen`
         self._think_live: LiveText | None = None  # the thinking while it streams
         self._note = Static("", markup=False, classes="note")
 
@@ -379,8 +414,18 @@ class AssistantMessage(Vertical):
         if self._think_box is not None and not self._think_box.collapsed and text.strip():
             self._think_box.collapsed = True  # the answer has started
         self.answer_text += text
-        if self._live is not None:
-            self._live.set_text(self.answer_text.lstrip("\n"), grow)
+        if self._live is None:
+            return
+        tail = self.answer_text.lstrip("\n")[self._frozen_chars:]
+        cut = tail.rfind("\n", 0, len(tail) - KEEP_CHARS) if len(tail) > FREEZE_CHARS else -1
+        if cut > 0:  # lines wrap on their own: split at a line break, they look the same
+            frozen = FrozenText(tail[:cut])
+            self._frozen.append(frozen)
+            self.mount(frozen, before=self._live)
+            self._frozen_chars += cut + 1
+            self._live.restart(tail[cut + 1:])
+        else:
+            self._live.set_text(tail, grow)
 
     async def finish(self, status: Status, error: str | None = None) -> None:
         """The reply ended: render the Markdown once and show how it ended."""
@@ -401,9 +446,10 @@ class AssistantMessage(Vertical):
         self.answer_md.set_source(self.answer_text.strip())
         if self._live is not None:
             self.answer_md.display = True
-            self._live.display = False
-            pending.append(self._live.remove())
-            self._live = None
+            for block in (*self._frozen, self._live):
+                block.display = False
+                pending.append(block.remove())
+            self._live, self._frozen = None, []
         await gather(pending)
         self.status = status
         self.error = error
