@@ -67,7 +67,7 @@ def stop(proc: subprocess.Popen) -> None:
 @contextlib.contextmanager
 def serve(tmp: Path, model: Path, *flags: str) -> Iterator[tuple[subprocess.Popen, str, Path]]:
     log = tmp / f"server-{time.monotonic_ns()}.log"
-    proc, url = launch_server([str(model), *flags], log, cwd=tmp)
+    proc, url = launch_server([str(model), *flags], log, cwd=tmp, timeout=600)
     try:
         yield proc, url, log
     finally:
@@ -180,9 +180,12 @@ def test_seed_makes_sampling_repeatable(smol):
     assert texts[0] == texts[1] != texts[2]
 
 
-def test_stop_token_ids_end_the_completion_at_that_token(smol):
+def test_stop_token_ids_end_the_completion_at_that_token(smol, smollm2_path):
+    from transformers import AutoTokenizer
+
     url, _ = smol
-    ids = complete(url, return_token_ids=True)["choices"][0]["token_ids"]
+    text = complete(url)["choices"][0]["text"]
+    ids = AutoTokenizer.from_pretrained(str(smollm2_path)).encode(text)
     stopped = complete(url, stop_token_ids=[ids[5]])
     assert stopped["choices"][0]["finish_reason"] == "stop"
     assert stopped["usage"]["completion_tokens"] <= 6 < len(ids)

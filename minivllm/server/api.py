@@ -338,7 +338,8 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         except ApiError:
             raise
         except Exception as exc:  # noqa: BLE001 - a template error, say: the request's fault
-            raise ApiError(400, f"{field}: {exc}", param=field) from None
+            message = str(exc).removeprefix("prompt: ")
+            raise ApiError(400, f"{field}: {message}", param=field) from None
 
     async def admit(body: Any, params: Any, request_id: str, field: str,
                     prompt: str | list[int] | None = None,
