@@ -66,6 +66,18 @@ class _InFlight:
     handle: StepHandle
 
 
+def encode_text(tokenizer: Any, prompt: str) -> list[int]:
+    """A text prompt's token ids, as the engine tokenizes it (also used by the server,
+    which tokenizes before handing a request to the engine)."""
+    ids = tokenizer.encode(prompt)
+    bos = tokenizer.bos_token_id
+    if len(ids) >= 2 and bos is not None and ids[0] == ids[1] == bos:
+        ids = ids[1:]  # the text (a chat template) already starts with BOS
+    if not ids:
+        raise ValueError(f"prompt: {prompt[:80]!r} tokenizes to nothing")
+    return ids
+
+
 class LLMEngine:
     """Continuous-batching inference over a paged KV cache.
 
@@ -217,13 +229,7 @@ class LLMEngine:
                 raise ValueError("prompt: empty string")
             if self.tokenizer is None:
                 raise ValueError("prompt: a text prompt needs a tokenizer; this model has none")
-            ids = self.tokenizer.encode(prompt)
-            bos = self.tokenizer.bos_token_id
-            if len(ids) >= 2 and bos is not None and ids[0] == ids[1] == bos:
-                ids = ids[1:]  # the text (a chat template) already starts with BOS
-            if not ids:
-                raise ValueError(f"prompt: {prompt!r} tokenizes to nothing")
-            return ids
+            return encode_text(self.tokenizer, prompt)
         if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):
             prompt = prompt.tolist()  # a numpy array or a torch tensor of token ids
         if not isinstance(prompt, (list, tuple)):

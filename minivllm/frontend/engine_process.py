@@ -274,9 +274,22 @@ class EngineProcessClient:
             elif kind == "dead":
                 self._error = msg[1]
         if not self._closed and self._error is None:
-            code = self._process.poll() if self._process is not None else None
+            code = self._reap()
             self._error = f"the engine process exited (status {code})"
+        elif not self._closed:
+            self._reap()
         self._fail_all(f"the engine stopped: {self._error}" if self._error else "closed")
+
+    def _reap(self) -> int | None:
+        """The child's exit status once it is gone (waited for: no zombie left behind),
+        or None if it still runs a few seconds after closing its end."""
+        process = self._process
+        if process is None:
+            return None
+        try:
+            return process.wait(5)
+        except subprocess.TimeoutExpired:
+            return None
 
     def _deliver(self, packed: list[tuple[Any, ...]]) -> None:
         callbacks = self._callbacks

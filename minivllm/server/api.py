@@ -4,12 +4,19 @@ Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions,
 POST /v1/chat/completions (non-streaming, or SSE chunks ending in `data: [DONE]`).
 Every error is OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}`
 with its HTTP status; a request that fails never stops the server.
+
+Admission happens here, before the engine hears of a request: a body over the size limit
+is refused (413) before it is parsed; the chat template and the tokenizer run on a worker
+thread of this process (never on the engine's thread, where a slow template or a huge
+prompt would stall every stream), and the prompt's length is checked against the
+context there; the engine gets token ids.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,13 +28,23 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..frontend import GenerateRequest, RequestOutput
+from ..engine.llm_engine import encode_text
+from ..frontend import GenerateRequest, RequestOutput, render_chat_prompt
 from .metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
 from .protocol import BadField, ChatCompletionRequest, CompletionRequest
 
 # The engine's reasons in OpenAI's vocabulary ("abort": the server stopped the request).
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
+# The largest request body read (--max-request-bytes). A prompt that fills a 128k-token
+# context is ~0.5 MB of text (~3 MB if every character is JSON-escaped) or ~1 MB as a
+# token-id list: 8 MiB leaves room for those and bounds what one client makes us parse.
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+# pydantic's names for the member of a union a value failed (`stop.str`): not a field.
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number",
+               bool: "true or false", dict: "an object"}
+logger = logging.getLogger("minivllm.server")
 
 
 class ApiError(Exception):
@@ -127,10 +144,79 @@ class _ApiKeyCheck:
         await self.app(scope, receive, send)
 
 
+class _BodyLimit:
+    """413 for a request body over `limit` bytes: decided from Content-Length before any
+    of it is read (a body without one is counted as it arrives). The refused body is read
+    and dropped, never parsed: a client still sending it would otherwise see the
+    connection reset instead of the answer."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None:
+            if length.isdigit() and int(length) > self.limit:
+                await self._refuse(receive, send, scope, f"{int(length):,} bytes")
+            else:
+                await self.app(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                await self._refuse(receive, send, scope, f"over {self.limit:,} bytes",
+                                   more=message.get("more_body", False))
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return body
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, receive: Any, send: Any, scope: Any, size: str,
+                      more: bool = True) -> None:
+        while more:
+            message = await receive()
+            more = message["type"] == "http.request" and message.get("more_body", False)
+        response = error_response(
+            413, f"the request body is {size}: over this server's limit of {self.limit:,} "
+            "bytes (--max-request-bytes)", code="request_too_large")
+        await response(scope, receive, send)
+
+
+def _chars_per_token(tokenizer: Any) -> int | None:
+    """The most characters one token stands for (the longest vocabulary entry), or None
+    if the tokenizer does not list its vocabulary. A text of C characters is at least
+    C / this many tokens: a prompt far over the context is refused without tokenizing."""
+    try:
+        return max(len(token) for token in tokenizer.get_vocab()) or None
+    except Exception:  # noqa: BLE001 - no vocabulary to read: tokenize every prompt
+        return None
+
+
 def build_app(client: Any, *, model_name: str, api_key: str | None = None,
-              max_model_len: int | None = None) -> FastAPI:
+              max_model_len: int | None = None, trust_request_chat_template: bool = False,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The app around a started client (`EngineFrontend`); `model_name` is what
-    requests must name in `model` and what /v1/models lists."""
+    requests must name in `model` and what /v1/models lists. `client.tokenizer`, where
+    the client has one, tokenizes prompts here (on worker threads)."""
     app = FastAPI(title="minivllm", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(client, model_name)
     info = client.info
@@ -141,6 +227,8 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
 
     if api_key is not None:
         app.add_middleware(_ApiKeyCheck, api_key=api_key)
+    app.add_middleware(_BodyLimit, limit=max_request_bytes)
+    vocab_bound: dict[int, int | None] = {}  # id(tokenizer) -> _chars_per_token
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -152,14 +240,23 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             return error_response(400, f"malformed JSON body: {first.get('msg', '')}")
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        what = first.get("msg", "invalid value")
+        def field(error: dict[str, Any]) -> str:
+            loc = [str(x) for x in error.get("loc", ()) if x != "body"]
+            return ".".join(x for x in loc if x.lower() not in _UNION_TAGS and "[" not in x)
+
+        param = field(first)
+        if not param:
+            value = first.get("input")
+            got = "nothing" if value is None else _JSON_KINDS.get(type(value), "a value")
+            return error_response(400, "the request body must be a JSON object with the "
+                                  f"request's fields (got {got})")
         if first.get("type") == "missing":
-            message = f"{param}: field required"
-        else:
-            message = f"{param}: {what} (got {first.get('input')!r})"
-        return error_response(400, message, param=param)
+            return error_response(400, f"{param}: this field is required", param=param)
+        # A union's members each fail: "a valid string; a valid list".
+        whats = [e.get("msg", "invalid value") for e in errors if field(e) == param]
+        what = "; ".join(dict.fromkeys(whats))
+        return error_response(400, f"{param}: {what} (got {first.get('input')!r})",
+                              param=param)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -195,20 +292,90 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         timer.begin(time.monotonic())
         stream = client.generate(request)
         first = await stream.__anext__()
-        if first.rejected:
+        if first.finished and not first.accepted:  # refused, or lost with the engine
             await stream.aclose()
             if client.error is not None:
                 raise ApiError(503, f"the engine stopped: {client.error}", "server_error")
             message = first.error or "the request was refused"
+            if not first.rejected:
+                raise ApiError(503, f"the request was lost: {message}", "server_error")
             param = prompt_field if message.startswith("prompt") else None
             raise ApiError(400, message, param=param)
         return stream, first, timer
 
     def params_of(body: Any) -> Any:
+        """The request's sampling parameters, every field checked (before any tokenizing);
+        `max_tokens` is settled by `admit` once the prompt's length is known."""
+        unknown = body.unknown_fields()
+        if unknown:
+            logger.warning("minivllm serve: ignored request fields unknown to this server: "
+                           "%s", ", ".join(unknown))
         try:
-            return body.sampling_params(max_len)
+            return body.sampling_params(body.requested_max_tokens()[1] or max_len)
         except BadField as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
+
+    def tokenize(tokenizer: Any, prompt: str | None, messages: list[dict[str, str]] | None,
+                 template_kwargs: dict[str, Any], field: str) -> list[int]:
+        """The prompt's token ids (on a worker thread); a text that cannot fit the context
+        whatever it tokenizes to is refused without tokenizing it."""
+        texts = [prompt] if messages is None else [m["content"] for m in messages]
+        key = id(tokenizer)
+        if key not in vocab_bound:
+            vocab_bound[key] = _chars_per_token(tokenizer)
+        bound = vocab_bound[key]
+        chars = sum(len(t or "") for t in texts)
+        if bound is not None and chars // bound >= max_len:
+            raise ApiError(400, f"{field}: {chars:,} characters is at least "
+                           f"{chars // bound:,} tokens, and this model's maximum context "
+                           f"length is {max_len} tokens. Please reduce the length of the "
+                           f"{field}.", param=field)
+        try:
+            if messages is not None:
+                prompt = render_chat_prompt(tokenizer, messages, **template_kwargs)
+            assert prompt is not None
+            return encode_text(tokenizer, prompt)
+        except ApiError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a template error, say: the request's fault
+            message = str(exc).removeprefix("prompt: ")
+            raise ApiError(400, f"{field}: {message}", param=field) from None
+
+    async def admit(body: Any, params: Any, request_id: str, field: str,
+                    prompt: str | list[int] | None = None,
+                    messages: list[dict[str, str]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> GenerateRequest:
+        """The request for the engine: tokenized here, its length checked, `max_tokens`
+        settled (unset: what the context leaves, as vLLM does)."""
+        kwargs = template_kwargs or {}
+        tokenizer = getattr(client, "tokenizer", None)  # None: the engine tokenizes
+        ids: list[int] | None = None
+        if isinstance(prompt, list):
+            ids = prompt
+        elif tokenizer is not None:
+            ids = await asyncio.to_thread(tokenize, tokenizer, prompt, messages, kwargs, field)
+        name, requested = body.requested_max_tokens()
+        if ids is None:  # no tokenizer here: the engine tokenizes and caps the length
+            return GenerateRequest(request_id, params, prompt=prompt, messages=messages,
+                                   chat_template_kwargs=kwargs)
+        n = len(ids)
+        if n >= max_len:
+            raise ApiError(400, f"This model's maximum context length is {max_len} tokens. "
+                           f"However, your request has {n} input tokens ({field}). Please "
+                           f"reduce the length of the {field}.", param=field)
+        if requested is not None and n + requested > max_len:
+            raise ApiError(400, f"This model's maximum context length is {max_len} tokens. "
+                           f"However, you requested {n + requested} tokens ({n} in the "
+                           f"{field}, {requested} in the completion). Please reduce the "
+                           f"length of the {field} or completion.", param=name)
+        params.max_tokens = requested if requested is not None else max_len - n
+        try:
+            params.validate()
+        except ValueError as exc:  # min_tokens over what the context leaves, say
+            raise ApiError(400, str(exc).removeprefix("SamplingParams."),
+                           param=str(exc).removeprefix("SamplingParams.").split("=")[0]
+                           ) from None
+        return GenerateRequest(request_id, params, prompt=ids)
 
     async def collect(stream: AsyncIterator[RequestOutput], first: RequestOutput,
                       timer: RequestTimer) -> tuple[str, RequestOutput]:
@@ -223,7 +390,8 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
             await stream.aclose()
         timer.finish(time.monotonic(), last.num_prompt_tokens, last.finish_reason)
         if last.finish_reason == "error":
-            raise ApiError(500, f"generation failed: {last.error}", "server_error")
+            status = 503 if client.error is not None else 500
+            raise ApiError(status, f"generation failed: {last.error}", "server_error")
         return "".join(texts), last
 
     async def until_disconnect(http: Request, work: Any) -> Any:
@@ -255,6 +423,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                 last = out
                 timer.output(out.at, len(out.token_ids))
                 if out.finish_reason == "error":
+                    yield chunks.finish("error")  # then why (OpenAI's client raises on it)
                     yield _sse({"error": {"message": f"generation failed: {out.error}",
                                           "type": "server_error", "param": None,
                                           "code": None}})
@@ -295,9 +464,14 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Any:
         check_model(body.model)
         params = params_of(body)
+        try:
+            template_kwargs = body.template_kwargs(trust_request_chat_template)
+        except BadField as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        request = GenerateRequest(request_id, params, messages=body.template_messages(),
-                                  chat_template_kwargs=dict(body.chat_template_kwargs or {}))
+        request = await admit(body, params, request_id, "messages",
+                              messages=body.template_messages(),
+                              template_kwargs=template_kwargs)
         stream, first, timer = await start(request, "messages")
         now = int(time.time())
         if not body.stream:
@@ -311,7 +485,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         check_model(body.model)
         params = params_of(body)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        request = GenerateRequest(request_id, params, prompt=body.prompt)
+        request = await admit(body, params, request_id, "prompt", prompt=body.prompt)
         stream, first, timer = await start(request, "prompt")
         now = int(time.time())
         if not body.stream:

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
+import socket
 import sys
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -98,6 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine in a child process, so HTTP work does not compete "
                    "with it for the GIL (default: on)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests replace the chat template (chat_template, or "
+                   "chat_template_kwargs.chat_template): their Jinja runs in the server")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="largest request body read; larger ones get 413 unread "
+                   "(default: 8 MiB)")
+    p.add_argument("--restart-engine", action="store_true",
+                   help="when the engine dies, start a new one and keep serving (default: "
+                   "the server exits with status 1, for a supervisor to restart it)")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_arguments(p)
@@ -115,43 +128,149 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port <= 65535:
         print(f"minivllm serve: --port {args.port}: must be in [0, 65535]", file=sys.stderr)
         return 1
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        print(f"minivllm serve: --max-request-bytes {args.max_request_bytes}: must be >= 1",
+              file=sys.stderr)
+        return 1
+    # The port first: a taken one is reported at once, not after the model loaded.
+    try:
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        sock = socket.create_server((args.host, args.port), family=family, backlog=2048)
+    except OSError as exc:
+        print(f"minivllm serve: cannot listen on {args.host}:{args.port}: "
+              f"{os.strerror(exc.errno) if (exc.errno or 0) > 0 else exc}", file=sys.stderr)
+        return 1
+    with sock:
+        return _serve(args, sock)
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     from ..frontend import EngineFrontend
     from ..frontend.engine_process import SWITCH_INTERVAL_S, EngineProcessClient
-    from .api import build_app
+    from .api import DEFAULT_MAX_REQUEST_BYTES, build_app
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # see its note
 
-    frontend: Any
-    try:
+    def start_engine() -> Any:
+        frontend: Any
         if args.engine_process:
             frontend = EngineProcessClient(functools.partial(build_engine, args))
-            frontend.start(_progress)
         else:
-            # Built on the thread that steps it (EngineFrontend: on the CPU it steps at half
-            # speed elsewhere).
+            # Built on the thread that steps it (EngineFrontend: on the CPU it steps at
+            # half speed elsewhere).
             frontend = EngineFrontend(engine_factory=functools.partial(build_engine, args),
                                       owns_engine=True)
-            frontend.start(_progress)
+        frontend.start(_progress)
+        return frontend
+
+    try:
+        frontend = _Supervised(start_engine(), start_engine, restart=args.restart_engine)
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
         print(f"minivllm serve: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
     name = args.served_model_name or args.model
-    app = build_app(frontend, model_name=name, api_key=args.api_key)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5, access_log=False)
+    app = build_app(frontend, model_name=name, api_key=args.api_key,
+                    trust_request_chat_template=args.trust_request_chat_template,
+                    max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
+                            access_log=False)
     server = _Server(config, frontend)
+    stop = threading.Event()
+    watcher = threading.Thread(target=frontend.watch, args=(server, stop),
+                               name="minivllm-engine-watch", daemon=True)
     try:
-        print(f"minivllm serve: {name} on http://{args.host}:{args.port}/v1",
+        port = sock.getsockname()[1]
+        print(f"minivllm serve: {name} on http://{args.host}:{port}/v1",
               file=sys.stderr, flush=True)
-        server.run()
+        watcher.start()
+        server.run(sockets=[sock])
     finally:
+        stop.set()
+        watcher.join(5)
         frontend.close()  # aborts what is left and exits the engine (and its TP workers)
+    if frontend.died is not None:
+        print(f"minivllm serve: exiting, the engine stopped: {frontend.died}",
+              file=sys.stderr, flush=True)
+        return 1
     if not server.started:
-        return 1  # the port was taken, say; uvicorn said why
+        return 1  # uvicorn said why
     print("minivllm serve: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+class _Supervised:
+    """The engine client the app talks to, watched by `watch`: when the engine dies (its
+    process killed, its loop crashed) the server stops with status 1, so that whatever
+    supervises it restarts it, or, with `restart`, a new engine is started and serves
+    the next request. Open requests have already failed with the old engine."""
+
+    def __init__(self, client: Any, start: Callable[[], Any], *, restart: bool) -> None:
+        self.current = client
+        self._start = start
+        self._restart = restart
+        self._restarting: str | None = None
+        self.died: str | None = None  # why the server is stopping, once it is
+
+    @property
+    def info(self) -> Any:
+        return self.current.info
+
+    @property
+    def error(self) -> str | None:
+        if self._restarting is not None:
+            return f"the engine is restarting after it stopped: {self._restarting}"
+        return self.current.error
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.current.tokenizer
+
+    def add_request(self, request: Any, on_output: Any) -> None:
+        self.current.add_request(request, on_output)
+
+    def abort(self, request_id: str) -> None:
+        self.current.abort(request_id)
+
+    def abort_all(self, refuse_new: bool = False) -> None:
+        self.current.abort_all(refuse_new)
+
+    def stats(self) -> Any:
+        return self.current.stats()
+
+    def prefix_cache_counters(self) -> Any:
+        return self.current.prefix_cache_counters()
+
+    def generate(self, request: Any) -> Any:
+        from ..frontend import stream_outputs
+
+        return stream_outputs(self, request)
+
+    def close(self) -> None:
+        self.current.close()
+
+    def watch(self, server: uvicorn.Server, stop: threading.Event) -> None:
+        """Poll the engine's health until `stop`; act on its death."""
+        while not stop.wait(0.2):
+            client = self.current
+            error = client.error
+            if error is None:
+                continue
+            client.close()  # waits for the dead child: no zombie left behind
+            if self._restart:
+                print(f"minivllm serve: the engine stopped ({error}); starting a new one",
+                      file=sys.stderr, flush=True)
+                self._restarting = error
+                try:
+                    self.current = self._start()
+                    self._restarting = None
+                    continue
+                except Exception as exc:  # noqa: BLE001 - then the server stops
+                    error = f"{error}; a new engine failed to start: {exc}"
+            self.died = error
+            server.should_exit = True
+            return
 
 
 class _Server(uvicorn.Server):

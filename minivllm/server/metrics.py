@@ -8,6 +8,7 @@ Prometheus scrapes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,6 +51,11 @@ class _EngineCollector(Collector):
             yield g
         if stats is None:
             return
+        if getattr(self.frontend, "error", None) is not None:
+            # A dead engine runs nothing and holds nothing: its last snapshot is stale.
+            stats = dataclasses.replace(stats, num_running=0, num_waiting=0,
+                                        num_used_blocks=0, prompt_tokens_per_s=0.0,
+                                        generation_tokens_per_s=0.0)
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(f"minivllm:{name}", doc, labels=labels)

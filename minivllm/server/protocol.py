@@ -2,7 +2,9 @@
 
 Fields the engine does not support are refused when set to anything but their neutral
 value (a 400 naming the field), never silently ignored. Fields that do not change the
-output (`user`, `metadata`, ...) are accepted and ignored, as OpenAI-compatible servers do.
+output (`user`, `metadata`, ...) are accepted and ignored, as OpenAI-compatible servers
+do; fields nobody here knows are ignored too (as vLLM does), and `unknown_fields()` names
+them for the server's warning.
 """
 
 from __future__ import annotations
@@ -45,6 +47,45 @@ class BadField(ValueError):
         self.param = param
 
 
+# Fields (OpenAI's or vLLM's extensions) that change the output and that the engine cannot
+# honour: accepted only at their neutral values.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "best_of": (None, 1),
+    "logit_bias": (None, {}),
+    "top_logprobs": (None, 0),
+    "prompt_logprobs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_whitespace_pattern": (None,),
+    "guided_decoding_backend": (None,),
+    "structured_outputs": (None,),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "include_stop_str_in_output": (None, False),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "truncate_prompt_tokens": (None,),
+    "continue_final_message": (None, False),
+    "add_generation_prompt": (None, True),
+    "tool_choice": (None, "none", "auto"),
+}
+# Accepted and ignored without a word: they do not change the output.
+_HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
+                       "skip_special_tokens", "spaces_between_special_tokens"})
+# apply_chat_template()'s own arguments, which the server sets: a request may not.
+_TEMPLATE_RESERVED = frozenset({
+    "conversation", "messages", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
+    # `type(...) is bool` keeps `True` from passing as 1 (best_of=true is not best_of=1).
+    return any(value == a and (type(value) is bool) == (type(a) is bool) for a in allowed)
+
+
 class _SamplingRequest(BaseModel):
     """The fields the completions and chat endpoints share."""
 
@@ -65,32 +106,46 @@ class _SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None  # vLLM's extension, as in transformers
+    min_tokens: int = 0  # vLLM's extension
+    response_format: dict[str, Any] | None = None
     logprobs: Any = None
     echo: bool = False
     return_token_ids: bool = False  # vLLM's extension: each choice carries its token ids
 
-    def _max_tokens(self, default: int) -> tuple[str, int]:
-        if self.max_tokens is not None:
-            return "max_tokens", self.max_tokens
-        return "max_tokens", default
+    def requested_max_tokens(self) -> tuple[str, int | None]:
+        """The completion-length field the request used, and its value (None: unset)."""
+        return "max_tokens", self.max_tokens
+
+    def unknown_fields(self) -> list[str]:
+        """Fields nobody here knows (ignored, as vLLM does; the server logs them)."""
+        extra = self.model_extra or {}
+        return sorted(k for k in extra if k not in _NEUTRAL and k not in _HARMLESS)
 
     def check_supported(self) -> None:
         if self.n != 1:
             raise BadField("n", f"n={self.n}: only n=1 is supported")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise BadField(name, f"{name}={getattr(self, name)}: not supported (use 0)")
-        if self.logprobs not in (None, False):
-            raise BadField("logprobs", "logprobs: not supported")
+        extra = self.model_extra or {}
+        for name, allowed in _NEUTRAL.items():
+            if name in extra and not _neutral(extra[name], allowed):
+                raise BadField(name, f"{name}={extra[name]!r}: not supported by this server")
+        if self.logprobs not in (None, False, 0):
+            raise BadField("logprobs", f"logprobs={self.logprobs!r}: not supported by this "
+                           "server (it does not return log-probabilities)")
+        fmt = self.response_format
+        if fmt is not None and fmt != {"type": "text"}:
+            raise BadField("response_format", f"response_format={fmt!r}: only "
+                           "{'type': 'text'} is supported (no JSON or schema-guided output)")
         if self.echo:
             raise BadField("echo", "echo: not supported")
         if self.stream_options is not None and not self.stream:
             raise BadField("stream_options", "stream_options: only allowed with stream=true")
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """The engine's parameters; a bad value raises BadField naming the request field."""
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The engine's parameters with `max_tokens` (the request's, or the server's
+        default); a bad value raises BadField naming the request field."""
         self.check_supported()
-        name, max_tokens = self._max_tokens(default_max_tokens)
+        name = self.requested_max_tokens()[0]
         kwargs: dict[str, Any] = {
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
@@ -101,6 +156,11 @@ class _SamplingRequest(BaseModel):
             "stop_token_ids": list(self.stop_token_ids or []),
             "ignore_eos": self.ignore_eos,
             "seed": self.seed,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": (1.0 if self.repetition_penalty is None
+                                   else self.repetition_penalty),
+            "min_tokens": self.min_tokens,
         }
         try:
             return SamplingParams(**kwargs)
@@ -128,12 +188,33 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's extension: refused unless trusted
     tools: Any = None
 
-    def _max_tokens(self, default: int) -> tuple[str, int]:
+    def requested_max_tokens(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:
             return "max_completion_tokens", self.max_completion_tokens
-        return super()._max_tokens(default)
+        return super().requested_max_tokens()
+
+    def template_kwargs(self, trust_chat_template: bool) -> dict[str, Any]:
+        """`chat_template_kwargs` for apply_chat_template(). A template sent by the request
+        (it runs the client's Jinja in the server) is refused unless the server trusts
+        them; the arguments the server sets itself are refused always."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        for key in kwargs:
+            if key in _TEMPLATE_RESERVED:
+                raise BadField(f"chat_template_kwargs.{key}",
+                               f"chat_template_kwargs.{key}: set by the server, not by a "
+                               "request")
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
+        if kwargs.get("chat_template") is not None and not trust_chat_template:
+            param = ("chat_template" if self.chat_template is not None
+                     else "chat_template_kwargs.chat_template")
+            raise BadField(param, f"{param}: this server does not accept a chat template "
+                           "from a request (start it with --trust-request-chat-template "
+                           "to allow that)")
+        return kwargs
 
     def check_supported(self) -> None:
         super().check_supported()
