@@ -585,3 +585,25 @@ async def test_a_long_streaming_reply_freezes_its_finished_lines(tmp_path):
         await wait_idle(pilot, 60)
         assert not reply.query(FrozenText) and not reply.query(LiveText)
         assert reply.answer_md.source == long.strip()
+
+
+async def test_resumed_and_reopened_panes_show_their_context(tmp_path):
+    data = tmp_path / "data" / "sessions"
+    data.mkdir(parents=True)
+    lines = [
+        {"type": "pane", "pane": 1, "settings": Settings().to_dict()},
+        {"type": "user", "pane": 1, "text": "hello there"},
+        {"type": "end", "pane": 1, "status": "done", "text": "general kenobi"},
+    ]
+    (data / "20240101-000000-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    app = make_app(tmp_path, resume=True)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        pane = app.panes[0]
+        await wait_until(pilot, lambda: "ctx" in pane.title_text)
+        assert pane.context_tokens > 0 and pane.max_len == 4096
+        # After a reply the figure is the engine's own count: prompt + reply tokens.
+        await type_and_send(pilot, 0, "again")
+        await wait_idle(pilot)
+        prompt, completion = pane.usage
+        assert pane.context_tokens == prompt + completion

@@ -209,6 +209,8 @@ class ChatApp(App):
     def _show_chat(self, info: EngineInfo) -> None:
         self.info = info
         panes = [ConversationPane(c, i + 1) for i, c in enumerate(self._initial)]
+        for pane in panes:
+            self._count_context(pane)
         self.chat = ChatScreen(info, panes)
         if self.loading is not None:
             self.switch_screen(self.chat)
@@ -360,6 +362,7 @@ class ChatApp(App):
         conv = self._closed_convs.pop()
         self.store.reopen_pane(conv.key)
         pane = ConversationPane(conv, len(self.panes) + 1)
+        self._count_context(pane)
         await self.chat.panes_box.mount(pane)
         if getattr(conv, "draft", ""):
             pane.input.text = conv.draft
@@ -605,6 +608,14 @@ class ChatApp(App):
         except Exception:  # noqa: BLE001 - then the engine's own check speaks
             return None
 
+    def _count_context(self, pane: ConversationPane) -> None:
+        """The title's context figure for a pane that already holds a conversation (a
+        resumed or reopened one): its history as the next prompt would send it."""
+        max_len = self.info.max_len if self.info is not None else 0
+        if pane.conversation.messages and max_len:
+            pane.context_tokens = self.count_prompt_tokens(pane.conversation) or 0
+            pane.max_len = max_len
+
     async def _fit_context(self, pane: ConversationPane) -> None:
         """Leave out the oldest turns (never the system prompt, never the new message)
         until the prompt leaves room for a reply, and mark the cut in the transcript."""
@@ -675,6 +686,11 @@ class ChatApp(App):
                 self._take(pane, request_id, out)
                 if out.finished:
                     pane.usage = (out.num_prompt_tokens, out.num_generated_tokens)
+                    if out.num_prompt_tokens and self.info is not None and self.info.max_len:
+                        # The engine's count (a remote server's too, where the app has no
+                        # tokenizer to count with); `finish` adds the reply's tokens.
+                        pane.context_tokens = out.num_prompt_tokens
+                        pane.max_len = self.info.max_len
                     status, error = _status(out), out.error
                     if status == "stopped" and pane.state_detail != "stopping":
                         # Not this app's Esc: the engine or the server ended the reply.

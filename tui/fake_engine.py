@@ -218,6 +218,12 @@ class FakeEngine:
         self._waiting.append(seq)
         return seq.seq_id
 
+    def num_prompt_tokens(self, seq_id: int) -> int:
+        for seq in (*self._running, *self._waiting):
+            if seq.seq_id == seq_id:
+                return len(seq.prompt_ids)
+        return 0
+
     def prompt_progress(self, seq_id: int) -> tuple[int, int] | None:
         for seq in (*self._running, *self._waiting):
             if seq.seq_id == seq_id:
