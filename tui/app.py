@@ -685,19 +685,7 @@ class ChatApp(App):
                     return  # ended here already (stopped by closing, quit, engine gone)
                 self._take(pane, request_id, out)
                 if out.finished:
-                    pane.usage = (out.num_prompt_tokens, out.num_generated_tokens)
-                    if out.num_prompt_tokens and self.info is not None and self.info.max_len:
-                        # The engine's count (a remote server's too, where the app has no
-                        # tokenizer to count with); `finish` adds the reply's tokens.
-                        pane.context_tokens = out.num_prompt_tokens
-                        pane.max_len = self.info.max_len
-                    status, error = _status(out), out.error
-                    if status == "stopped" and pane.state_detail != "stopping":
-                        # Not this app's Esc: the engine or the server ended the reply.
-                        status = "error"
-                        error = error or ("the engine stopped this reply (a server that "
-                                          "is shutting down, or went away)")
-                    await self._finish(pane, request_id, status, error)
+                    await self._end(pane, request_id, out)
                     return
                 streaming = streaming or bool(out.token_ids or out.text)
                 if streaming:
@@ -716,6 +704,22 @@ class ChatApp(App):
             if request_id in self._no_tokens_yet:
                 self._no_tokens_yet.remove(request_id)
             pane.feed(out.text, len(out.token_ids), out.at, out.since)
+
+    async def _end(self, pane: ConversationPane, request_id: int, out: RequestOutput) -> None:
+        """A request's last output: its usage, then the pane's reply ends as it says."""
+        pane.usage = (out.num_prompt_tokens, out.num_generated_tokens)
+        if out.num_prompt_tokens and self.info is not None and self.info.max_len:
+            # The engine's count (a remote server's too, where the app has no tokenizer
+            # to count with); `finish` adds the reply's tokens.
+            pane.context_tokens = out.num_prompt_tokens
+            pane.max_len = self.info.max_len
+        status, error = _status(out), out.error
+        if status == "stopped" and pane.state_detail != "stopping":
+            # Not this app's Esc: the engine or the server ended the reply.
+            status = "error"
+            error = error or ("the engine stopped this reply (a server that is shutting "
+                              "down, or went away)")
+        await self._finish(pane, request_id, status, error)
 
     async def _finish(self, pane: ConversationPane, request_id: int, status: Status,
                       error: str | None = None) -> None:
