@@ -401,6 +401,7 @@ QUALITY_PROMPTS = [
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # two SmolLM2 runs of 24 x 64 tokens, the fp8 one's decode eager
 def test_fp8_quality_on_smollm2(smollm2, smollm2_path) -> None:
     """SmolLM2's real weights, 64 greedy tokens on 24 chat prompts, fp8 KV against fp32
     KV: at each first divergence, each run's token is in the other's top-5 there (both
