@@ -384,6 +384,31 @@ def test_fp8_preemption_same_tokens(tiny_qwen3) -> None:
     assert tight == roomy
 
 
+def test_fp8_tp2_follows_tp1(tiny_qwen3) -> None:
+    """Tensor parallelism (each rank its KV heads' fp8 pool) with prefix hits, chunked
+    prefill and preemption: TP=1's fp8 tokens, or a first difference in TP=1's top-5 there
+    (the ranks' sums round in another order, as in fp32)."""
+    prompts = _prompts()
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    llm = tiny_engine(tiny_qwen3, kv_cache_dtype="fp8")
+    try:
+        want = llm.generate(prompts, params)
+    finally:
+        llm.exit()
+    llm = tiny_engine(tiny_qwen3, kv_cache_dtype="fp8", world_size=2, max_cached_blocks=9,
+                      max_num_batched_tokens=32, max_model_length=128)
+    try:
+        got = llm.generate(prompts, params)["token_ids"]
+        stats = llm.stats()
+    finally:
+        llm.exit()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hit_rate > 0
+    for w, g, lps in zip(want["token_ids"], got, want["logprobs"], strict=True):
+        d = next((i for i, (a, b) in enumerate(zip(w, g, strict=True)) if a != b), None)
+        if d is not None:
+            assert g[d] in lps[d].top, (d, g[d], lps[d].top)
+
+
 # 24 chat prompts (scripts/fp8_kv_accuracy.py measures on the same ones).
 QUALITY_PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.",
