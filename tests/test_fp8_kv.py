@@ -323,7 +323,7 @@ def test_fp8_triton_kernels(group: str) -> None:
 
 def test_fp8_pool_holds_twice_the_blocks(tiny_llama) -> None:
     """At the same memory budget the fp8 pool gets twice the blocks of a bf16 one, stored
-    as e4m3."""
+    as e4m3; its decode runs the eager attention (which upcasts and scales)."""
     from minivllm.engine import model_runner
 
     blocks = {}
@@ -334,6 +334,8 @@ def test_fp8_pool_holds_twice_the_blocks(tiny_llama) -> None:
             runner = llm.runner
             assert runner.kv_cache.dtype == (FP8_KV_DTYPE if kv == "fp8" else torch.bfloat16)
             blocks[kv] = runner.num_blocks
+            if kv == "fp8":  # the native / compiled decode steps read an fp32 / bf16 cache
+                assert runner.cpu_step is None
             assert blocks[kv] == model_runner.CPU_KV_BUDGET_BYTES // runner.bytes_per_block
         finally:
             llm.exit()
@@ -382,6 +384,31 @@ def test_fp8_preemption_same_tokens(tiny_qwen3) -> None:
     assert tight == roomy
 
 
+def test_fp8_tp2_follows_tp1(tiny_qwen3) -> None:
+    """Tensor parallelism (each rank its KV heads' fp8 pool) with prefix hits, chunked
+    prefill and preemption: TP=1's fp8 tokens, or a first difference in TP=1's top-5 there
+    (the ranks' sums round in another order, as in fp32)."""
+    prompts = _prompts()
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    llm = tiny_engine(tiny_qwen3, kv_cache_dtype="fp8")
+    try:
+        want = llm.generate(prompts, params)
+    finally:
+        llm.exit()
+    llm = tiny_engine(tiny_qwen3, kv_cache_dtype="fp8", world_size=2, max_cached_blocks=9,
+                      max_num_batched_tokens=32, max_model_length=128)
+    try:
+        got = llm.generate(prompts, params)["token_ids"]
+        stats = llm.stats()
+    finally:
+        llm.exit()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hit_rate > 0
+    for w, g, lps in zip(want["token_ids"], got, want["logprobs"], strict=True):
+        d = next((i for i, (a, b) in enumerate(zip(w, g, strict=True)) if a != b), None)
+        if d is not None:
+            assert g[d] in lps[d].top, (d, g[d], lps[d].top)
+
+
 # 24 chat prompts (scripts/fp8_kv_accuracy.py measures on the same ones).
 QUALITY_PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.",
@@ -401,6 +428,7 @@ QUALITY_PROMPTS = [
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # two SmolLM2 runs of 24 x 64 tokens, the fp8 one's decode eager
 def test_fp8_quality_on_smollm2(smollm2, smollm2_path) -> None:
     """SmolLM2's real weights, 64 greedy tokens on 24 chat prompts, fp8 KV against fp32
     KV: at each first divergence, each run's token is in the other's top-5 there (both

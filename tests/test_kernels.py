@@ -502,15 +502,17 @@ def check_compile_sm90() -> None:
                        PDL=True),
                   num_stages=3)
     sig = {name: "*bf16" for name in _qkv_rotary_store_kernel.arg_names if name.endswith("_ptr")}
-    sig.update(positions_ptr="*i64", slot_mapping_ptr="*i64", cos_sin_ptr="*fp32", eps="fp32")
+    sig.update(positions_ptr="*i64", slot_mapping_ptr="*i64", cos_sin_ptr="*fp32", eps="fp32",
+               k_scale="fp32", v_scale="fp32")
     _compile_sm90(_qkv_rotary_store_kernel, sig,
                   dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, QK_NORM=True,
-                       PDL=True), 1)
+                       PDL=True, KV_FP8=False), 1)
     sig = {name: "*fp32" for name in _decode_attention_kernel.arg_names if name.endswith("_ptr")}
     sig.update(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16",
                block_tables_ptr="*i32", seq_lens_ptr="*i32", counters_ptr="*i32",
                positions_ptr="*i64", slot_mapping_ptr="*i64", q_norm_ptr="*bf16",
-               k_norm_ptr="*bf16", qk_scale="fp32", eps="fp32")
+               k_norm_ptr="*bf16", qk_scale="fp32", eps="fp32", k_scale="fp32",
+               v_scale="fp32")
     # Direct write; split + merge in one chunk; in four; with q/k norm + rotary + store.
     # The last two: the first K/V tile loaded before the PDL wait.
     for splits, from_qkv, prefetch in ((1, False, False), (32, False, False),
@@ -522,7 +524,7 @@ def check_compile_sm90() -> None:
                            MERGE_CHUNK=min(splits, 32), FROM_QKV=from_qkv, QK_NORM=from_qkv,
                            DOT_PRECISION="tf32", PDL=True, PREFETCH=prefetch,
                            MIN_SPLIT_LEN=512 if prefetch else 128,
-                           LATE_TRIGGER=4096 if prefetch else 0), 4, 2)
+                           LATE_TRIGGER=4096 if prefetch else 0, KV_FP8=False), 4, 2)
 
 
 # Subprocess groups: each start costs seconds (torch + triton imports), so the cheap
