@@ -14,6 +14,7 @@ huggingface_hub are imported only on the paths that need them.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import json
 import os
@@ -21,6 +22,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -379,22 +381,20 @@ def gguf_cache_dir() -> Path:
 def _converted_gguf(gguf: Path, field: str, progress: bool) -> Path:
     """Convert `gguf` into a checkpoint folder once; later calls only stat a few files.
 
-    The folder is named from the file's name, size and mtime, so a changed file is
-    converted again. It is written under a temporary name and renamed into place, so a
-    crash never leaves a folder that looks complete; a file lock keeps two processes
-    from converting the same file at once.
+    The folder is named from the file's content (SHA-256), so the same file copied to
+    another place or installed again finds its conversion, and a changed file is converted
+    again. It is written under a temporary name and renamed into place, so a crash never
+    leaves a folder that looks complete; a lock keeps two processes from converting the
+    same file at once, and is removed when the conversion ends, failed or not.
     """
-    stat = gguf.stat()
-    key = f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}"
     root = gguf_cache_dir() / "gguf"
+    key = f"{gguf.stem}-{_content_digest(gguf, root)[:20]}"
     final = root / key
     if final.is_dir() and _folder_problem(final) is None:
         return final
 
-    from filelock import FileLock
-
     root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / f"{key}.lock")):
+    with _exclusive(root / f".{key}.lock"):
         # Another process may have finished the conversion while we waited.
         if final.is_dir() and _folder_problem(final) is None:
             return final
@@ -418,6 +418,59 @@ def _converted_gguf(gguf: Path, field: str, progress: bool) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return final
+
+
+def _content_digest(gguf: Path, root: Path) -> str:
+    """The SHA-256 of `gguf`'s bytes. Hashing ~100 MB takes a few tenths of a second, so
+    the digest is remembered under root/digests, keyed by the file's path, size, mtime and
+    inode: a start with an unchanged file reads one small file instead."""
+    st = gguf.stat()
+    identity = f"{gguf}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}"
+    memo = root / "digests" / hashlib.sha256(identity.encode()).hexdigest()[:32]
+    with contextlib.suppress(OSError):
+        digest = memo.read_text().strip()
+        if re.fullmatch(r"[0-9a-f]{64}", digest):
+            return digest
+    with open(gguf, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    with contextlib.suppress(OSError):  # a read-only cache only costs the hash next time
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f".{memo.name}.{os.getpid()}.{threading.get_ident()}")
+        tmp.write_text(digest + "\n")
+        os.replace(tmp, memo)
+    return digest
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the file `path` (created if missing, removed on exit).
+
+    The holder removes the file before it unlocks, so a process that was waiting on it
+    finds, once it has the lock, that its file is no longer the one at `path`, and locks
+    the new one instead: two holders can never coexist, and no lock file outlives the
+    work, whether it succeeded, failed or was interrupted.
+    """
+    import fcntl
+
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            current = os.stat(path).st_ino
+        except FileNotFoundError:
+            current = None
+        except BaseException:
+            os.close(fd)
+            raise
+        if current == os.fstat(fd).st_ino:
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.close(fd)
 
 
 @contextlib.contextmanager

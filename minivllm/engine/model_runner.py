@@ -115,8 +115,10 @@ class ModelRunner:
         # machine (~30-60 s), then loads from cache.
         self.cpu_weight_format = weight_format(config.cpu_weight_dtype, device, dtype)
         if self.cpu_weight_format is not None:
-            stage = f"{self.cpu_weight_format} weights (the first start builds the kernel)"
-            self.progress(stage, 0.3)
+            from minivllm.kernels.cpu_lowp_linear import is_built
+
+            stage = f"{self.cpu_weight_format} weights"
+            self.progress(stage if is_built() else f"{stage} (building the CPU kernel)", 0.3)
             # None where the kernel did not build here (warned)
             self.cpu_weight_format = lowp_linears(self.model, self.cpu_weight_format)
         # The dtype of a prefill's products on oneDNN-packed copies (bf16 on AMX, fp32
