@@ -39,6 +39,8 @@ __all__ = [
     "hf_cache_dir",
     "iter_safetensors",
     "load_tokenizer",
+    "map_safetensors",
+    "packed_weights_file",
     "resolve_model",
     "safetensors_files",
 ]
@@ -656,11 +658,101 @@ def iter_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.
             ) from None
 
 
+# tokenizer_config.json's names for transformers' generic tokenizer over tokenizer.json.
+_GENERIC_FAST_TOKENIZERS = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+
+# safetensors' dtype names -> torch's (torch's names, imported with torch when mapping).
+_SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "BOOL": "bool",
+}  # fmt: skip
+
+
+def map_safetensors(file: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors of one safetensors file as views of the file mapped into memory, and the
+    file's metadata. Nothing is read or copied up front: a page is read when a tensor is
+    first used, and the mapping is private, so writing to a tensor never changes the file.
+    A truncated or corrupt file raises ValueError naming it."""
+    import mmap
+
+    import torch
+
+    file = Path(file)
+    size = file.stat().st_size if file.is_file() else 0
+    try:
+        with open(file, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            if size < 8 or header_len > size - 8:
+                raise ValueError(f"a header of {header_len} bytes does not fit")
+            header = json.loads(f.read(header_len))
+            buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        base = 8 + header_len
+        metadata = header.pop("__metadata__", None) or {}
+        tensors: dict[str, torch.Tensor] = {}
+        for name, info in header.items():
+            dtype = getattr(torch, _SAFETENSORS_DTYPES[info["dtype"]])
+            shape = [int(n) for n in info["shape"]]
+            start, end = (int(n) for n in info["data_offsets"])
+            numel = 1
+            for n in shape:
+                numel *= n
+            if not 0 <= start <= end <= size - base or end - start != numel * dtype.itemsize:
+                raise ValueError(f"tensor {name!r} lies outside the file or has a wrong size")
+            if numel == 0:
+                tensors[name] = torch.empty(shape, dtype=dtype)
+                continue
+            raw = torch.frombuffer(buffer, dtype=torch.uint8, count=end - start,
+                                   offset=base + start)
+            if (base + start) % dtype.itemsize:
+                raw = raw.clone()  # kernels may assume aligned elements
+            tensors[name] = raw.view(dtype).view(shape)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(
+            f"{file} is not a readable safetensors file ({size} bytes; "
+            f"{type(e).__name__}: {_first_line(e)}); the checkpoint is truncated or "
+            f"corrupt: download or save it again"
+        ) from None
+    return tensors, metadata
+
+
+def packed_weights_file(model_path: str | os.PathLike[str], tag: str) -> Path:
+    """Where the CPU linears' packed weights of a checkpoint are cached, for the packing
+    `tag` (format, layout, code version): beside a converted GGUF checkpoint (whose folder
+    never changes), else under the cache's packed/ folder keyed by the checkpoint's
+    location and its weight files' sizes and mtimes (a changed checkpoint misses)."""
+    folder = Path(model_path).resolve()
+    converted = (gguf_cache_dir() / "gguf").resolve()
+    if folder.parent == converted:
+        return folder / "packed" / f"{tag}.safetensors"
+    identity = [str(folder)]
+    for file in safetensors_files(folder):
+        st = file.stat()
+        identity.append(f"{file.name}:{st.st_size}:{st.st_mtime_ns}")
+    key = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:24]
+    return gguf_cache_dir() / "packed" / key / f"{tag}.safetensors"
+
+
 def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
-    """The checkpoint's fast tokenizer (never remote code)."""
+    """The checkpoint's fast tokenizer (never remote code).
+
+    A folder whose tokenizer_config.json names the generic fast tokenizer (what a GGUF
+    conversion writes) gets that class directly: AutoTokenizer would resolve the same class
+    after importing transformers' model configurations (seconds of a start).
+    """
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    config_file = Path(path) / "tokenizer_config.json"
+    try:
+        tokenizer_class = json.loads(config_file.read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        tokenizer_class = None
+    if tokenizer_class in _GENERIC_FAST_TOKENIZERS and (Path(path) / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), trust_remote_code=False)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(
             f"tokenizer in {path} is not a fast (Rust) tokenizer; minivllm needs tokenizer.json"
