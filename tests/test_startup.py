@@ -7,8 +7,12 @@ The conversion tests use a stand-in converter; the end-to-end ones start the rea
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 import threading
 from pathlib import Path
 
@@ -154,3 +158,138 @@ def test_kernel_name_follows_its_inputs(monkeypatch: pytest.MonkeyPatch, tmp_pat
         monkeypatch.undo()
         kernel.extension_name.cache_clear()
     assert kernel.extension_name() == name
+
+
+# -- a second start: no conversion, no compile, no packing, no copy -----------------------
+
+# Run in a child: starts the engine on a (stand-in) GGUF and greedy-decodes token ids.
+# "first": the conversion copies the tiny checkpoint. "again": the conversion, the kernel's
+# compile, the packing and every weight loader (the copies into parameters) raise; the
+# weights that remain must lie in the mapped checkpoint or packed-weights file.
+START = textwrap.dedent(
+    """
+    import json, shutil, sys
+    from pathlib import Path
+
+    mode, gguf, tiny = sys.argv[1:4]
+    from minivllm import loader
+    from minivllm.engine import model_runner
+    from minivllm.kernels import cpu_lowp_linear as kernel
+    from minivllm.layers import cpu_linear, embed_head, linear
+
+    def convert(source, dest):
+        for f in Path(tiny).iterdir():
+            shutil.copy2(f, dest / f.name)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a start with warm caches did this")
+
+    if mode == "first":
+        loader._convert_gguf = convert
+    else:
+        loader._convert_gguf = kernel._compile = fail
+        model_runner.lowp_linears = cpu_linear._lowp_weight = fail
+        for cls in (linear.LinearBase, linear.ColumnParallelLinear,
+                    linear.MergedColumnParallelLinear, linear.QKVParallelLinear,
+                    linear.RowParallelLinear, embed_head.VocabParallelEmbedding):
+            cls.weight_loader = fail
+
+    from minivllm import LLMEngine, SamplingParams
+
+    llm = LLMEngine({"model_name_or_path": gguf, "device": "cpu", "dtype": "float32",
+                     "cpu_weight_dtype": "q8_0", "max_model_length": 256,
+                     "max_cached_blocks": 64})
+    out = llm.generate([[1, 5, 9, 200, 17], [3]],
+                       SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    files = {}  # mapped file -> [(start, end)] address ranges
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if len(fields) >= 6 and fields[5].endswith(".safetensors"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            files.setdefault(Path(fields[5]).name, []).append((start, end))
+
+    def where(t):
+        for name, ranges in files.items():
+            if any(s <= t.data_ptr() < e for s, e in ranges):
+                return name
+        return None
+
+    runner = llm.runner
+    weights = {n: where(p) for n, p in runner.model.named_parameters()}
+    lowp = {n: [where(t) for t in (m.lowp.packed, m.lowp.scales) if t is not None]
+            for n, m in runner.model.named_modules() if getattr(m, "lowp", None) is not None}
+    print(json.dumps({"tokens": out["token_ids"], "format": runner.cpu_weight_format,
+                      "weights": weights, "lowp": lowp}))
+    llm.exit()
+    """
+)
+
+
+def _start(mode: str, gguf: Path, tiny: Path, cache: Path) -> dict:
+    env = {**os.environ, "MINIVLLM_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", START, mode, str(gguf), str(tiny)],
+        capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def tiny_checkpoint(tiny_llama: Path, tmp_path: Path) -> Path:
+    """The tiny Llama with a small byte-level BPE tokenizer beside it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["What is the capital of France? Paris."] * 10, trainer)
+    folder = tmp_path / "tiny-with-tokenizer"
+    shutil.copytree(tiny_llama, folder)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(
+        folder
+    )
+    return folder
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs /proc/self/maps")
+def test_second_start_converts_compiles_packs_and_copies_nothing(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("torch")
+    from minivllm.kernels import cpu_lowp_linear as kernel
+
+    if kernel.unavailable_reason() is not None:
+        pytest.skip(f"the CPU kernel does not build here: {kernel.unavailable_reason()}")
+    cache = tmp_path / "cache"
+    gguf = tmp_path / "install1" / "tiny.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF stand-in")
+    first = _start("first", gguf, tiny_checkpoint, cache)
+    assert first["format"] == "q8_0"
+    (converted,) = (cache / "gguf").glob("tiny-*")
+    assert list((converted / "packed").glob("q8_0-*.safetensors"))
+
+    reinstalled = tmp_path / "install2" / "tiny.gguf"  # the same bytes, another path
+    reinstalled.parent.mkdir()
+    shutil.copyfile(gguf, reinstalled)
+    again = _start("again", reinstalled, tiny_checkpoint, cache)
+    assert again["tokens"] == first["tokens"]
+    assert again["format"] == "q8_0"
+    # The linears' weights are gone (their q8_0 copies replace them); what is left, the
+    # tied embedding / LM head and the norms, are views of the checkpoint file.
+    assert set(again["weights"].values()) == {"model.safetensors"}, again["weights"]
+    assert "model.layers.0.mlp.down_proj.weight" not in again["weights"]
+    assert again["lowp"] and all(
+        places and set(places) == {Path(name).name for name in _packed_files(converted)}
+        for places in again["lowp"].values()
+    ), again["lowp"]
+
+
+def _packed_files(converted: Path) -> list[str]:
+    return [p.name for p in (converted / "packed").glob("*.safetensors")]
