@@ -293,3 +293,64 @@ def test_second_start_converts_compiles_packs_and_copies_nothing(
 
 def _packed_files(converted: Path) -> list[str]:
     return [p.name for p in (converted / "packed").glob("*.safetensors")]
+
+
+# -- what a start no longer does up front ------------------------------------------------
+
+
+def test_prefill_copies_are_packed_at_first_use() -> None:
+    """`add_wide_copies` packs nothing at start-up; a prefill's first product packs the
+    copy, and its rows equal those of a copy packed up front."""
+    torch = pytest.importorskip("torch")
+    from minivllm.kernels import cpu_lowp_linear as kernel
+    from torch import nn
+
+    from minivllm.layers import cpu_linear
+
+    if kernel.unavailable_reason() is not None:
+        pytest.skip(f"no CPU kernel here: {kernel.unavailable_reason()}")
+    if cpu_linear.pack_weight(torch.zeros(16, 64)) is None:
+        pytest.skip("oneDNN does not pack fp32 weights here")
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(96, 64, generator=g) * 0.1
+    values, scales, mins = kernel.quantize_q4_1(weight, kernel.block_width())
+    plain = cpu_linear.LowpWeight(values, scales, 96, mins, "q4_1")
+    layer = nn.Module()
+    layer.lowp = plain
+    assert cpu_linear.add_wide_copies(layer, torch.float32) == 1
+    copy = layer.lowp.wide
+    assert isinstance(copy, cpu_linear.WideCopy) and copy._packed is None
+    x = torch.randn(40, 64, generator=g)
+    assert torch.equal(layer.lowp.product(x, None), plain.product(x, None))  # no prefill
+    assert copy._packed is None
+    up_front = plain._replace(wide=cpu_linear.pack_weight(plain.dequantized()))
+    with cpu_linear.wide_rows(cpu_linear.WideRows(every=True)):
+        got = layer.lowp.product(x, None)
+        expected = up_front.product(x, None)
+    assert copy._packed is not None
+    assert torch.equal(got, expected)
+
+
+def test_converted_tokenizer_loads_without_auto_classes(tiny_checkpoint: Path) -> None:
+    """A folder whose tokenizer_config names the generic fast tokenizer loads that class
+    directly, and it tokenizes and applies the chat template as AutoTokenizer's does."""
+    from transformers import AutoTokenizer
+
+    from minivllm.loader import load_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    tok.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    tok.save_pretrained(tiny_checkpoint)
+    config = json.loads((tiny_checkpoint / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] in loader._GENERIC_FAST_TOKENIZERS
+
+    ours, auto = load_tokenizer(tiny_checkpoint), AutoTokenizer.from_pretrained(tiny_checkpoint)
+    assert type(ours) is type(auto)
+    for text in ("What is the capital of France?", "Paris.<|endoftext|> x\n\ny"):
+        assert ours.encode(text) == auto.encode(text)
+        assert ours.decode(ours.encode(text)) == auto.decode(auto.encode(text))
+    messages = [{"role": "user", "content": "Paris?"}]
+    assert ours.apply_chat_template(messages, tokenize=False) == auto.apply_chat_template(
+        messages, tokenize=False
+    )
+    assert (ours.eos_token_id, ours.bos_token_id) == (auto.eos_token_id, auto.bos_token_id)
