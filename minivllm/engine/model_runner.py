@@ -119,7 +119,12 @@ class ModelRunner:
         else:
             self.progress("loading weights", 0.2)
             copies, cache = None, None
-            if self.cpu_weight_format is not None and lowp_kernel_unavailable() is None:
+            # One rank only: a tensor-parallel rank packs its own shard of each weight.
+            if (
+                self.cpu_weight_format is not None
+                and get_tp_size() == 1
+                and lowp_kernel_unavailable() is None
+            ):
                 cache = packed_weights_file(
                     config.model_path, packing_tag(self.cpu_weight_format)
                 )
