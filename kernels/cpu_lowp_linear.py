@@ -9,10 +9,13 @@ them; torch's own kernels do not turn that into speed on a CPU without AVX-512 B
 the product is our own kernel: each weight is widened to fp32 in registers and multiplied
 with fp32 activations, i.e. the same sums as `F.linear(x, dequantize(w))`.
 
-The extension is compiled at first use with torch.utils.cpp_extension (g++ and ninja;
-cached under torch's extensions folder, per CPU flags since it is built -march=native) and
-registered as the torch op `minivllm_cpu::lowp_linear`, with a fake implementation, so the
-inductor-compiled decode step (engine/cpu_step.py) calls it as one opaque op.
+The extension is compiled at first use with torch.utils.cpp_extension (g++ and ninja)
+into torch's extensions folder, under a name hashed from everything the binary depends on
+(the sources, the flags, this CPU's features since it is built -march=native, the torch
+install and Python), so a later start of any checkout with the same inputs loads the
+library directly: no compiler, no ninja, no source hashing. It is registered as the torch
+op `minivllm_cpu::lowp_linear`, with a fake implementation, so the inductor-compiled decode
+step (engine/cpu_step.py) calls it as one opaque op.
 
 Packed layout: [num_blocks, K, L], L = `block_width()` (8 with AVX2, 16 with AVX-512):
 block b holds output channels b*L .. b*L+L-1, zero-padded at the end.
@@ -25,6 +28,7 @@ import functools
 import hashlib
 import os
 import shutil
+import sys
 import warnings
 from pathlib import Path
 
@@ -61,26 +65,78 @@ def _ninja_on_path():
         os.environ["PATH"] = old
 
 
+CFLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+# Written into the build folder once the library built and loaded: a folder without it
+# holds an unfinished or failed build, which is built again.
+BUILT_MARKER = "minivllm-built"
+
+
+@functools.cache
+def extension_name() -> str:
+    """The library's name: a hash of what the binary depends on. A checkout with other
+    sources, another torch or another CPU gets its own build instead of rebuilding a
+    shared one (torch's own versioning rebuilds in place whenever the compile line, which
+    names the virtualenv's include folders, differs)."""
+    from minivllm.cpu_features import cpu_flags
+
+    digest = hashlib.sha256()
+    for part in (
+        SOURCE.read_bytes(),
+        STEP_SOURCE.read_bytes(),
+        " ".join(CFLAGS + LDFLAGS).encode(),
+        " ".join(sorted(cpu_flags())).encode(),
+        f"{torch.__version__} {Path(torch.__file__).parent} {sys.version}".encode(),
+    ):
+        digest.update(part)
+        digest.update(b"\0")
+    return f"minivllm_cpu_lowp_{digest.hexdigest()[:16]}"
+
+
+def build_directory() -> Path:
+    """This library's folder in torch's extensions cache ($TORCH_EXTENSIONS_DIR, else
+    torch_extensions in the user's cache folder)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+        root = os.path.join(cache, "torch_extensions")
+    return Path(root).expanduser() / extension_name()
+
+
+def is_built() -> bool:
+    """Whether the library is in the cache, so that loading it compiles nothing."""
+    folder = build_directory()
+    return (folder / BUILT_MARKER).is_file() and (folder / f"{extension_name()}.so").is_file()
+
+
+def _compile(folder: Path) -> None:
+    """Compile and load the library into `folder` (torch's lock file there keeps two
+    processes from building it at once)."""
+    from torch.utils import cpp_extension
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with _ninja_on_path():
+        cpp_extension.load_inline(
+            name=extension_name(),
+            cpp_sources=[SOURCE.read_text(), STEP_SOURCE.read_text()],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            build_directory=str(folder),
+            is_python_module=False,
+            verbose=os.environ.get("MINIVLLM_VERBOSE_BUILD") == "1",
+        )
+    (folder / BUILT_MARKER).write_text(f"{torch.__version__}\n")
+
+
 @functools.cache
 def _build() -> str | None:
-    """Compile and load the extension once per process; None on success, else why not."""
+    """Load the library once per process, compiling it first where it is not in the
+    cache; None on success, else why not."""
     try:
-        from torch.utils import cpp_extension
-
-        from minivllm.cpu_features import cpu_flags
-
-        # -march=native: the build is for this CPU, so its name carries the CPU's flags
-        # (a cache folder shared between machines must not hand one the other's build).
-        tag = hashlib.sha1(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
-        with _ninja_on_path():
-            cpp_extension.load_inline(
-                name=f"minivllm_cpu_lowp_{tag}",
-                cpp_sources=[SOURCE.read_text(), STEP_SOURCE.read_text()],
-                extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-                verbose=os.environ.get("MINIVLLM_VERBOSE_BUILD") == "1",
-            )
+        if is_built():
+            torch.ops.load_library(str(build_directory() / f"{extension_name()}.so"))
+        else:
+            _compile(build_directory())
     except Exception as e:  # noqa: BLE001 - a missing compiler, ninja, or a failed build
         lines = str(e).strip().splitlines() or [type(e).__name__]
         return f"{type(e).__name__}: {lines[-1][:200]}"

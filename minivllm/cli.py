@@ -162,12 +162,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="KV cache storage (default auto: the model's dtype; fp8: e4m3, "
                    "twice the blocks)")
 
-    from .bench import add_arguments
-
     b = sub.add_parser(
         "bench", help="PERF.md's workloads: throughput, latency, prefill, chat, coldstart"
     )
-    add_arguments(b)
+    if argv[:1] == ["bench"]:  # the bench module imports the engine: not for `generate`
+        from .bench import add_arguments
+
+        add_arguments(b)
 
     args = parser.parse_args(argv)
     try:

@@ -14,6 +14,7 @@ huggingface_hub are imported only on the paths that need them.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import json
 import os
@@ -21,6 +22,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +39,8 @@ __all__ = [
     "hf_cache_dir",
     "iter_safetensors",
     "load_tokenizer",
+    "map_safetensors",
+    "packed_weights_file",
     "resolve_model",
     "safetensors_files",
 ]
@@ -379,22 +383,20 @@ def gguf_cache_dir() -> Path:
 def _converted_gguf(gguf: Path, field: str, progress: bool) -> Path:
     """Convert `gguf` into a checkpoint folder once; later calls only stat a few files.
 
-    The folder is named from the file's name, size and mtime, so a changed file is
-    converted again. It is written under a temporary name and renamed into place, so a
-    crash never leaves a folder that looks complete; a file lock keeps two processes
-    from converting the same file at once.
+    The folder is named from the file's content (SHA-256), so the same file copied to
+    another place or installed again finds its conversion, and a changed file is converted
+    again. It is written under a temporary name and renamed into place, so a crash never
+    leaves a folder that looks complete; a lock keeps two processes from converting the
+    same file at once, and is removed when the conversion ends, failed or not.
     """
-    stat = gguf.stat()
-    key = f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}"
     root = gguf_cache_dir() / "gguf"
+    key = f"{gguf.stem}-{_content_digest(gguf, root)[:20]}"
     final = root / key
     if final.is_dir() and _folder_problem(final) is None:
         return final
 
-    from filelock import FileLock
-
     root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / f"{key}.lock")):
+    with _exclusive(root / f".{key}.lock"):
         # Another process may have finished the conversion while we waited.
         if final.is_dir() and _folder_problem(final) is None:
             return final
@@ -418,6 +420,59 @@ def _converted_gguf(gguf: Path, field: str, progress: bool) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return final
+
+
+def _content_digest(gguf: Path, root: Path) -> str:
+    """The SHA-256 of `gguf`'s bytes. Hashing ~100 MB takes a few tenths of a second, so
+    the digest is remembered under root/digests, keyed by the file's path, size, mtime and
+    inode: a start with an unchanged file reads one small file instead."""
+    st = gguf.stat()
+    identity = f"{gguf}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}"
+    memo = root / "digests" / hashlib.sha256(identity.encode()).hexdigest()[:32]
+    with contextlib.suppress(OSError):
+        digest = memo.read_text().strip()
+        if re.fullmatch(r"[0-9a-f]{64}", digest):
+            return digest
+    with open(gguf, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    with contextlib.suppress(OSError):  # a read-only cache only costs the hash next time
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f".{memo.name}.{os.getpid()}.{threading.get_ident()}")
+        tmp.write_text(digest + "\n")
+        os.replace(tmp, memo)
+    return digest
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the file `path` (created if missing, removed on exit).
+
+    The holder removes the file before it unlocks, so a process that was waiting on it
+    finds, once it has the lock, that its file is no longer the one at `path`, and locks
+    the new one instead: two holders can never coexist, and no lock file outlives the
+    work, whether it succeeded, failed or was interrupted.
+    """
+    import fcntl
+
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            current = os.stat(path).st_ino
+        except FileNotFoundError:
+            current = None
+        except BaseException:
+            os.close(fd)
+            raise
+        if current == os.fstat(fd).st_ino:
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -603,11 +658,101 @@ def iter_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.
             ) from None
 
 
+# tokenizer_config.json's names for transformers' generic tokenizer over tokenizer.json.
+_GENERIC_FAST_TOKENIZERS = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
+
+# safetensors' dtype names -> torch's (torch's names, imported with torch when mapping).
+_SAFETENSORS_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "BOOL": "bool",
+}  # fmt: skip
+
+
+def map_safetensors(file: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors of one safetensors file as views of the file mapped into memory, and the
+    file's metadata. Nothing is read or copied up front: a page is read when a tensor is
+    first used, and the mapping is private, so writing to a tensor never changes the file.
+    A truncated or corrupt file raises ValueError naming it."""
+    import mmap
+
+    import torch
+
+    file = Path(file)
+    size = file.stat().st_size if file.is_file() else 0
+    try:
+        with open(file, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            if size < 8 or header_len > size - 8:
+                raise ValueError(f"a header of {header_len} bytes does not fit")
+            header = json.loads(f.read(header_len))
+            buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        base = 8 + header_len
+        metadata = header.pop("__metadata__", None) or {}
+        tensors: dict[str, torch.Tensor] = {}
+        for name, info in header.items():
+            dtype = getattr(torch, _SAFETENSORS_DTYPES[info["dtype"]])
+            shape = [int(n) for n in info["shape"]]
+            start, end = (int(n) for n in info["data_offsets"])
+            numel = 1
+            for n in shape:
+                numel *= n
+            if not 0 <= start <= end <= size - base or end - start != numel * dtype.itemsize:
+                raise ValueError(f"tensor {name!r} lies outside the file or has a wrong size")
+            if numel == 0:
+                tensors[name] = torch.empty(shape, dtype=dtype)
+                continue
+            raw = torch.frombuffer(buffer, dtype=torch.uint8, count=end - start,
+                                   offset=base + start)
+            if (base + start) % dtype.itemsize:
+                raw = raw.clone()  # kernels may assume aligned elements
+            tensors[name] = raw.view(dtype).view(shape)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(
+            f"{file} is not a readable safetensors file ({size} bytes; "
+            f"{type(e).__name__}: {_first_line(e)}); the checkpoint is truncated or "
+            f"corrupt: download or save it again"
+        ) from None
+    return tensors, metadata
+
+
+def packed_weights_file(model_path: str | os.PathLike[str], tag: str) -> Path:
+    """Where the CPU linears' packed weights of a checkpoint are cached, for the packing
+    `tag` (format, layout, code version): beside a converted GGUF checkpoint (whose folder
+    never changes), else under the cache's packed/ folder keyed by the checkpoint's
+    location and its weight files' sizes and mtimes (a changed checkpoint misses)."""
+    folder = Path(model_path).resolve()
+    converted = (gguf_cache_dir() / "gguf").resolve()
+    if folder.parent == converted:
+        return folder / "packed" / f"{tag}.safetensors"
+    identity = [str(folder)]
+    for file in safetensors_files(folder):
+        st = file.stat()
+        identity.append(f"{file.name}:{st.st_size}:{st.st_mtime_ns}")
+    key = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:24]
+    return gguf_cache_dir() / "packed" / key / f"{tag}.safetensors"
+
+
 def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
-    """The checkpoint's fast tokenizer (never remote code)."""
+    """The checkpoint's fast tokenizer (never remote code).
+
+    A folder whose tokenizer_config.json names the generic fast tokenizer (what a GGUF
+    conversion writes) gets that class directly: AutoTokenizer would resolve the same class
+    after importing transformers' model configurations (seconds of a start).
+    """
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    config_file = Path(path) / "tokenizer_config.json"
+    try:
+        tokenizer_class = json.loads(config_file.read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        tokenizer_class = None
+    if tokenizer_class in _GENERIC_FAST_TOKENIZERS and (Path(path) / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), trust_remote_code=False)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(
             f"tokenizer in {path} is not a fast (Rust) tokenizer; minivllm needs tokenizer.json"

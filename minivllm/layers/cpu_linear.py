@@ -18,10 +18,13 @@ rows (`cpu_prefill_dtype`, `add_wide_copies`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
+import os
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -87,8 +90,9 @@ class LowpWeight(NamedTuple):
     mins: torch.Tensor | None = None  # q4_1: like its scales
     fmt: str = "bfloat16"  # bfloat16, int8, q8_0 or q4_1
     # The same weight in bf16 or fp32, packed by oneDNN, for a prefill's rows
-    # (`add_wide_copies`, `WideRows`); None: every product runs the weight-only kernel.
-    wide: torch.Tensor | None = None
+    # (`add_wide_copies`, `WideRows`): the packed tensor, or a `WideCopy` that packs it at
+    # its first use; None: every product runs the weight-only kernel.
+    wide: torch.Tensor | WideCopy | None = None
     # q8_0 / q4_1: the kernel quantizes the activations to int8 per group of 32
     # (`cpu_decode_dtype`, `int8_activations`); else fp32 activations and sums.
     int8_act: bool = False
@@ -108,9 +112,9 @@ class LowpWeight(NamedTuple):
     def wide_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The product on the wide copy: x in the copy's dtype (bf16: rounded; fp32: as
         is), fp32 sums, out in that dtype, as fp32."""
-        y = torch.ops.mkldnn._linear_pointwise(
-            x.to(self.wide.dtype), self.wide, None, "none", [], ""
-        ).float()
+        wide = self.wide.get() if isinstance(self.wide, WideCopy) else self.wide
+        y = torch.ops.mkldnn._linear_pointwise(x.to(wide.dtype), wide, None, "none", [], "")
+        y = y.float()
         return y if bias is None else y + bias
 
     def dequantized(self) -> torch.Tensor:
@@ -131,6 +135,28 @@ class LowpWeight(NamedTuple):
             return kernel.group_linear(x, self.packed, self.scales, self.mins, bias,
                                        self.out_features, self.int8_act)
         return kernel.lowp_linear(x, self.packed, self.scales, bias, self.out_features)
+
+
+class WideCopy:
+    """A weight-only linear's oneDNN-packed `dtype` copy, made at its first product.
+
+    Packing every layer's copy takes seconds (dequantize, then oneDNN's reorder); made
+    when a prefill first needs it, a start and the decode-only requests never pay it.
+    """
+
+    def __init__(self, weight: LowpWeight, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._weight: LowpWeight | None = weight._replace(wide=None)
+        self._packed: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor:
+        if self._packed is None:
+            assert self._weight is not None
+            packed = pack_weight(self._weight.dequantized().to(self.dtype))
+            if packed is None:  # `add_wide_copies` checked that oneDNN packs this dtype
+                raise RuntimeError(f"oneDNN cannot pack a {self.dtype} weight here")
+            self._packed, self._weight = packed, None
+        return self._packed
 
 
 def _ops_available() -> bool:
@@ -297,21 +323,121 @@ def int8_activations(model: torch.nn.Module) -> int:
 
 def add_wide_copies(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
     """Give every weight-only linear but the LM head (one row a sequence) a oneDNN-packed
-    `dtype` copy of its weight for a prefill's products; returns how many took one (none
-    where oneDNN cannot pack `dtype` here). Costs 2 bytes a weight in bf16, 4 in fp32
-    (SmolLM2-135M: ~210 / ~420 MB)."""
+    `dtype` copy of its weight for a prefill's products, packed at its first use
+    (`WideCopy`); returns how many took one (none where oneDNN cannot pack `dtype` here).
+    Costs 2 bytes a weight in bf16, 4 in fp32 (SmolLM2-135M: ~210 / ~420 MB), once used."""
+    if pack_weight(torch.zeros(16, 64, dtype=dtype)) is None:  # oneDNN refuses the dtype
+        return 0
     head = getattr(model, "lm_head", None)
     count = 0
     for module in model.modules():
         lowp = getattr(module, "lowp", None)
         if lowp is None or module is head:
             continue
-        wide = pack_weight(lowp.dequantized().to(dtype))
-        if wide is None:
-            return count
-        module.lowp = lowp._replace(wide=wide)
+        module.lowp = lowp._replace(wide=WideCopy(lowp, dtype))
         count += 1
     return count
+
+
+# -- the packed weights cached on disk ---------------------------------------------------
+
+
+def packing_tag(fmt: str) -> str:
+    """Names a cache of packed weights: the format asked for, the kernel's block width, and
+    a hash of the code that packs them and of torch (another version packs anew)."""
+    from minivllm.kernels import cpu_lowp_linear as kernel
+
+    digest = hashlib.sha256()
+    for source in (Path(kernel.__file__), Path(__file__)):
+        digest.update(source.read_bytes())
+    digest.update(torch.__version__.encode())
+    return f"{fmt}-w{kernel.block_width()}-{digest.hexdigest()[:12]}"
+
+
+def lowp_slots(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The modules `lowp_linears` gives a weight-only copy, by name."""
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if hasattr(module, "lowp") and isinstance(getattr(module, "weight", None), torch.Tensor)
+    }
+
+
+def replaced_weights(model: torch.nn.Module) -> frozenset[str]:
+    """The parameters a weight-only copy replaces: every linear's weight but one shared
+    with a module that reads it (the token embedding tied to the LM head)."""
+    shared = {
+        id(m.weight) for m in model.modules() if not hasattr(m, "lowp") and hasattr(m, "weight")
+    }
+    return frozenset(
+        f"{name}.weight" for name, module in lowp_slots(model).items()
+        if id(module.weight) not in shared
+    )
+
+
+def save_lowp_linears(model: torch.nn.Module, file: Path) -> None:
+    """Write every linear's weight-only copy to `file` (written aside, then renamed)."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    metadata: dict[str, str] = {}
+    for name, module in model.named_modules():
+        lowp = getattr(module, "lowp", None)
+        if not isinstance(lowp, LowpWeight):
+            continue
+        metadata[name] = f"{lowp.fmt}:{lowp.out_features}"
+        for part in ("packed", "scales", "mins"):
+            if getattr(lowp, part) is not None:
+                tensors[f"{name}.{part}"] = getattr(lowp, part)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        os.replace(tmp, file)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_lowp_linears(model: torch.nn.Module, file: Path) -> dict[str, LowpWeight] | None:
+    """The weight-only copies `save_lowp_linears` wrote for this model, as views of the
+    mapped file; None where the file is missing, unreadable or not this model's."""
+    from ..loader import map_safetensors
+
+    if not file.is_file():
+        return None
+    try:
+        tensors, metadata = map_safetensors(file)
+    except ValueError:
+        return None
+    slots = lowp_slots(model)
+    if set(metadata) != set(slots):
+        return None
+    copies: dict[str, LowpWeight] = {}
+    for name, module in slots.items():
+        fmt, _, n = metadata[name].partition(":")
+        packed = tensors.get(f"{name}.packed")
+        if packed is None or not n.isdigit() or int(n) != module.weight.shape[0]:
+            return None
+        copies[name] = LowpWeight(
+            packed, tensors.get(f"{name}.scales"), int(n), tensors.get(f"{name}.mins"), fmt
+        )
+    return copies
+
+
+def use_lowp_linears(model: torch.nn.Module, copies: dict[str, LowpWeight]) -> str | None:
+    """Give each linear its copy from `read_lowp_linears`, dropping the weights they
+    replace; returns the formats taken, as `lowp_linears` does."""
+    keep = {
+        id(m.weight) for m in model.modules() if not hasattr(m, "lowp") and hasattr(m, "weight")
+    }
+    taken: list[str] = []
+    for name, module in lowp_slots(model).items():
+        module.lowp = copies[name]
+        if id(module.weight) not in keep:
+            module.weight = None
+        if module.lowp.fmt not in taken:
+            taken.append(module.lowp.fmt)
+    return "/".join(taken) or None
 
 
 def _lowp_weight(kernel, weight: torch.Tensor, fmt: str, width: int) -> LowpWeight:

