@@ -607,3 +607,13 @@ async def test_resumed_and_reopened_panes_show_their_context(tmp_path):
         await wait_idle(pilot)
         prompt, completion = pane.usage
         assert pane.context_tokens == prompt + completion
+
+
+async def test_the_input_hint_names_the_keymap_s_send_key(tmp_path):
+    app = make_app(tmp_path, keymap={"input.send": "ctrl+s"})
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        assert app.panes[0].input.placeholder == "Message (ctrl+s sends, ctrl+j newline)"
+        await app.action_new_pane()
+        await wait_until(pilot, lambda: len(app.panes) == 3)
+        assert app.panes[-1].input.placeholder.startswith("Message (ctrl+s sends")

@@ -434,3 +434,21 @@ def test_a_pipe_says_the_plain_mode_runs_instead_of_the_app(tmp_path, capsys, mo
             in capsys.readouterr().err)
     assert main(["--plain", "--fake"]) == 0
     assert "not a terminal" not in capsys.readouterr().err
+
+
+def test_plain_mode_says_it_could_not_connect_to_a_server():
+    import io
+
+    from minivllm.tui.plain import run_plain
+    from minivllm.tui.remote import RemoteClient
+
+    from minivllm.server.launch import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    err = io.StringIO()
+    code = run_plain(engine_factory=lambda on_progress: RemoteClient(url, connect_timeout=2),
+                     stdin=io.StringIO("hi\n"), stdout=io.StringIO(), stderr=err,
+                     interactive=False, save=False)
+    assert code == 1
+    assert f"minivllm-chat: error: could not connect to the server: cannot reach {url}" in (
+        err.getvalue())

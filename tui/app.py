@@ -27,7 +27,7 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
-from minivllm.frontend import EngineClient, GenerateRequest, RequestOutput
+from minivllm.frontend import EngineClient, EngineUnavailable, GenerateRequest, RequestOutput
 
 from .commands import chat_commands
 from .conversation import FINISH_TO_STATUS, Conversation, Settings, Status
@@ -227,8 +227,10 @@ class ChatApp(App):
         try:
             client = self.source.connect(progress)
         except BaseException as exc:  # noqa: BLE001 - shown on the loading screen
+            headline = ("could not connect to the server" if isinstance(exc, EngineUnavailable)
+                        else "the engine failed to load")
             self.post_message(LoadFailed(f"{type(exc).__name__}: {exc}\n"
-                                         + traceback.format_exc()))
+                                         + traceback.format_exc(), headline))
             return
         self.post_message(EngineReady(client.info, client))
 
@@ -256,7 +258,7 @@ class ChatApp(App):
         # The first line names the error; the traceback after it is for developers.
         self.load_error = msg.error.strip().splitlines()[0] if msg.error.strip() else "?"
         if self.loading is not None:
-            self.loading.failed(self.load_error)
+            self.loading.failed(self.load_error, msg.headline)
 
     # -- panes -------------------------------------------------------------------------
 
@@ -460,6 +462,13 @@ class ChatApp(App):
         pane = self.current_pane()
         if pane is not None:
             self._set_thinking(pane, not pane.conversation.settings.thinking)
+
+    @property
+    def input_placeholder(self) -> str:
+        """A pane input's hint, naming the keys the keymap gives to send and newline."""
+        send = self._keymap.get("input.send", "Enter").split(",")[0]
+        newline = self._keymap.get("input.newline", "ctrl+j").split(",")[-1]
+        return f"Message ({send} sends, {newline} newline)"
 
     @property
     def tokenizer(self) -> Any:

@@ -37,6 +37,7 @@ class EngineReady(Message):
 @dataclass
 class LoadFailed(Message):
     error: str
+    headline: str = "the engine failed to load"  # or: could not connect to the server
 
 
 @dataclass

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from minivllm.frontend import EngineClient, GenerateRequest, RequestOutput
+from minivllm.frontend import EngineClient, EngineUnavailable, GenerateRequest, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 from .conversation import FINISH_TO_STATUS, ChatMessage, Conversation, Settings
@@ -74,7 +74,9 @@ class PlainChat:
             self.client = self.source.connect(progress)
         except Exception as exc:  # noqa: BLE001 - one line, as for every CLI error
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            self.err.write(f"minivllm-chat: error: the engine failed to load: {first}\n")
+            what = ("could not connect to the server" if isinstance(exc, EngineUnavailable)
+                    else "the engine failed to load")
+            self.err.write(f"minivllm-chat: error: {what}: {first}\n")
             return False
         assert self.client.info is not None
         self.err.write(header_text(self.client.info) + "\n")

@@ -33,6 +33,6 @@ class LoadingScreen(Screen):
         self.stage.update(stage)
         self.bar.update(progress=max(0.0, min(1.0, fraction)) * 100)
 
-    def failed(self, error: str) -> None:
-        self.stage.update("the engine failed to load (ctrl+q or Esc quits)")
+    def failed(self, error: str, headline: str = "the engine failed to load") -> None:
+        self.stage.update(f"{headline} (ctrl+q or Esc quits)")
         self.error.update(error)

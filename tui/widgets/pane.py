@@ -102,6 +102,8 @@ class ConversationPane(Vertical):
         return AssistantMessage(m.content, status, m.error)
 
     def on_mount(self) -> None:
+        # The keys that send and break lines, as the keymap has them.
+        self.input.placeholder = getattr(self.app, "input_placeholder", self.input.placeholder)
         self.transcript.anchor()
         last = self.conversation.messages[-1] if self.conversation.messages else None
         if last is not None and last.status in ("stopped", "interrupted"):
