@@ -617,3 +617,19 @@ async def test_the_input_hint_names_the_keymap_s_send_key(tmp_path):
         await app.action_new_pane()
         await wait_until(pilot, lambda: len(app.panes) == 3)
         assert app.panes[-1].input.placeholder.startswith("Message (ctrl+s sends")
+
+
+async def test_the_panel_says_when_the_server_stops_answering(tmp_path):
+    app = make_app(tmp_path, stats_interval=0.05)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        panel = app.chat.stats_panel
+        await wait_until(pilot, lambda: panel.lines and "KV cache" in panel.lines[0])
+        # What RemoteClient sets when the server's /metrics stops answering.
+        app.client.disconnected = "http://127.0.0.1:1 does not answer: ConnectError"
+        await wait_until(pilot, lambda: panel.lines[0].startswith("Disconnected: "))
+        assert "disconnected" in str(panel.border_title)
+        app.client.disconnected = None
+        await type_and_send(pilot, 0, "hello")  # new figures come
+        await wait_until(pilot, lambda: "KV cache" in panel.lines[0], 30)
+        assert not panel.border_title

@@ -452,3 +452,22 @@ def test_plain_mode_says_it_could_not_connect_to_a_server():
     assert code == 1
     assert f"minivllm-chat: error: could not connect to the server: cannot reach {url}" in (
         err.getvalue())
+
+
+def test_a_server_s_stats_show_no_step_figures_it_does_not_report():
+    from minivllm.tui.remote import parse_metrics
+    from minivllm.tui.stats import cache_line
+
+    from minivllm.outputs import EngineStats
+
+    text = ("minivllm:num_requests_running 1\nminivllm:num_requests_waiting 0\n"
+            "# TYPE minivllm:prompt_tokens counter\nminivllm:prompt_tokens_total 12\n"
+            "# TYPE minivllm:generation_tokens counter\nminivllm:generation_tokens_total 5\n")
+    stats, _ = parse_metrics(text)
+    assert "Step" not in cache_line(stats) and "Tokens 12 in / 5 out" in cache_line(stats)
+    local = EngineStats(block_size=16, num_blocks=8, num_used_blocks=1, num_running=1,
+                        num_waiting=0, num_preemptions=0, prefix_cache_hit_rate=0.0,
+                        prompt_tokens_per_s=0.0, generation_tokens_per_s=0.0,
+                        num_prompt_tokens=12, num_generated_tokens=5, num_steps=3,
+                        last_step_time_s=0.002, last_batch_size=1)
+    assert "Step 2.0 ms  Batch 1 seqs  Steps 3" in cache_line(local)

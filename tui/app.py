@@ -752,6 +752,11 @@ class ChatApp(App):
         if client.error is not None and self.engine_dead is None:
             await self._engine_died(client.error)
             return
+        away = getattr(client, "disconnected", None)  # a server whose /metrics fails
+        if self.chat is not None:
+            self.chat.stats_panel.show_disconnected(away)
+        if away:
+            return
         stats = client.stats()
         if stats is not None and stats is not self._last_stats:
             self._last_stats = stats

@@ -111,6 +111,8 @@ class RemoteClient:
         self._tasks: dict[str, asyncio.Task] = {}
         self._poller: Future | None = None
         self._closed = False
+        # Why the server's stats are not current (None while /metrics answers).
+        self.disconnected: str | None = None
 
     # -- EngineClient ------------------------------------------------------------------------
 
@@ -225,12 +227,17 @@ class RemoteClient:
             await asyncio.sleep(self._stats_interval)
             try:
                 r = await self._http.get("/metrics")
-                if r.status_code == 200:
-                    stats, _ = parse_metrics(r.text)
-                    if stats is not None:
-                        self._stats = stats
-            except httpx.HTTPError:
-                pass  # the server may be restarting; requests report their own errors
+            except httpx.HTTPError as exc:
+                # The server may be restarting; requests report their own errors. The
+                # last figures are not shown as if they were current.
+                self.disconnected = f"{self.base_url} does not answer: {type(exc).__name__}"
+                continue
+            stats = parse_metrics(r.text)[0] if r.status_code == 200 else None
+            if stats is not None:
+                self._stats = stats
+                self.disconnected = None
+            else:
+                self.disconnected = f"{self.base_url}/metrics: HTTP {r.status_code}"
 
     async def _shutdown(self) -> None:
         for task in list(self._tasks.values()):

@@ -112,11 +112,13 @@ def throughput_line(r: Rates) -> str:
 
 
 def cache_line(s: EngineStats) -> str:
+    """Hit rate, the last step (where reported: a server's /metrics has no step figures)
+    and the token counters."""
+    step = (f"Step {1000.0 * s.last_step_time_s:.1f} ms  Batch {s.last_batch_size} seqs  "
+            f"Steps {s.num_steps:,}  " if s.num_steps else "")
     return (
-        f"Prefix cache hit rate {100.0 * s.prefix_cache_hit_rate:.1f}%  "
-        f"Step {1000.0 * s.last_step_time_s:.1f} ms  Batch {s.last_batch_size} seqs  "
-        f"Steps {s.num_steps:,}  Tokens {s.num_prompt_tokens:,} in / "
-        f"{s.num_generated_tokens:,} out"
+        f"Prefix cache hit rate {100.0 * s.prefix_cache_hit_rate:.1f}%  {step}"
+        f"Tokens {s.num_prompt_tokens:,} in / {s.num_generated_tokens:,} out"
     )
 
 
@@ -127,8 +129,8 @@ def compact_lines(s: EngineStats, r: Rates) -> list[str]:
         f"KV [{kv_bar(s.num_used_blocks, s.num_blocks, 10)}] {pct:.1f}%  "
         f"Run {s.num_running} Wait {s.num_waiting} Preempt {s.num_preemptions}  "
         f"Hit {100.0 * s.prefix_cache_hit_rate:.1f}%",
-        f"Gen {r.gen_1s:,.1f} tok/s (10 s {r.gen_10s:,.1f})  Prompt {r.prompt_1s:,.1f} tok/s  "
-        f"Step {1000.0 * s.last_step_time_s:.0f} ms",
+        f"Gen {r.gen_1s:,.1f} tok/s (10 s {r.gen_10s:,.1f})  Prompt {r.prompt_1s:,.1f} tok/s"
+        + (f"  Step {1000.0 * s.last_step_time_s:.0f} ms" if s.num_steps else ""),
     ]
 
 

@@ -49,6 +49,15 @@ class StatsPanel(Horizontal):
             if self._last is not None:
                 self.show(*self._last)
 
+    def show_disconnected(self, why: str | None) -> None:
+        """Say the figures are not current (the server stopped answering), or no longer."""
+        title = f"disconnected: {why}" if why else None
+        if title != self.border_title:
+            self.border_title = title
+            if why:
+                self.lines = [f"Disconnected: {why}; retrying"]
+                set_growing_text(self.text, self.lines[0])
+
     def show(self, stats: EngineStats, rates: Rates, spark: list[float]) -> None:
         self._last = (stats, rates, spark)
         if self.compact:
