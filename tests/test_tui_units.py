@@ -460,10 +460,14 @@ def test_a_server_s_stats_show_no_step_figures_it_does_not_report():
 
     from minivllm.outputs import EngineStats
 
-    text = ("minivllm:num_requests_running 1\nminivllm:num_requests_waiting 0\n"
-            "# TYPE minivllm:prompt_tokens counter\nminivllm:prompt_tokens_total 12\n"
-            "# TYPE minivllm:generation_tokens counter\nminivllm:generation_tokens_total 5\n")
-    stats, _ = parse_metrics(text)
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+    registry = CollectorRegistry()  # what a server's /metrics has: no step figures
+    Gauge("minivllm:num_requests_running", "", registry=registry).set(1)
+    Gauge("minivllm:num_requests_waiting", "", registry=registry).set(0)
+    Counter("minivllm:prompt_tokens", "", registry=registry).inc(12)
+    Counter("minivllm:generation_tokens", "", registry=registry).inc(5)
+    stats, _ = parse_metrics(generate_latest(registry).decode())
     assert "Step" not in cache_line(stats) and "Tokens 12 in / 5 out" in cache_line(stats)
     local = EngineStats(block_size=16, num_blocks=8, num_used_blocks=1, num_running=1,
                         num_waiting=0, num_preemptions=0, prefix_cache_hit_rate=0.0,
