@@ -457,10 +457,9 @@ def test_plain_mode_says_it_could_not_connect_to_a_server():
 def test_a_server_s_stats_show_no_step_figures_it_does_not_report():
     from minivllm.tui.remote import parse_metrics
     from minivllm.tui.stats import cache_line
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
     from minivllm.outputs import EngineStats
-
-    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
     registry = CollectorRegistry()  # what a server's /metrics has: no step figures
     Gauge("minivllm:num_requests_running", "", registry=registry).set(1)
