@@ -19,6 +19,7 @@ from textual.widget import Widget
 from textual.widgets import Collapsible, Markdown, Static
 
 from ..conversation import Status
+from ..markdown import chat_markdown_parser
 from ..thinking import ThinkParser, split_thinking
 
 # A streaming block grows this many lines at a time: one screen layout per 4 new lines
@@ -221,7 +222,8 @@ class AssistantMessage(Vertical):
             self.thinking_text, self.answer_text = split_thinking(text, opens_thinking)
         self._think_box: Collapsible | None = None
         self._think_md: Markdown | None = None
-        self.answer_md = Markdown(self.answer_text.strip() or None, open_links=False)
+        self.answer_md = Markdown(self.answer_text.strip() or None, open_links=False,
+                                  parser_factory=chat_markdown_parser)
         self._live: LiveText | None = None  # the answer while it streams
         self._think_live: LiveText | None = None  # the thinking while it streams
         self._note = Static("", markup=False, classes="note")
@@ -241,7 +243,8 @@ class AssistantMessage(Vertical):
         self._show_note()
 
     def _make_think_box(self, text: str | None, collapsed: bool) -> None:
-        self._think_md = Markdown(text, open_links=False, classes="thinking")
+        self._think_md = Markdown(text, open_links=False, classes="thinking",
+                                  parser_factory=chat_markdown_parser)
         if text is None:  # streaming: plain text until the reply ends
             self._think_md.display = False
             self._think_live = LiveText(classes="thinking live")

@@ -1,0 +1,63 @@
+"""A new user's first run: replies keep their line breaks on screen and in the export,
+and the first answers of the embedded SmolLM2 at the default sampling make sense."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from markdown_it import MarkdownIt
+from minivllm.tui.app import create_app
+from minivllm.tui.conversation import ChatMessage, Conversation
+from minivllm.tui.fake_engine import FakeEngine
+from minivllm.tui.markdown import hard_line_breaks
+from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_until
+from minivllm.tui.widgets.message import AssistantMessage
+from textual.widgets._markdown import MarkdownBlock
+
+SIZE = (120, 40)
+POEM = "Roses are red,\nviolets are blue,\nsugar is sweet.\n\nAnd so are you."
+
+
+def rendered_lines(widget) -> list[str]:
+    """The text of each line a widget shows, right spaces dropped."""
+    return [widget.render_line(y).text.rstrip() for y in range(widget.size.height)]
+
+
+async def test_a_streamed_poem_keeps_its_line_breaks_in_the_finished_pane_and_export(
+    tmp_path: Path,
+):
+    engine = FakeEngine(reply=POEM, step_delay=0.001)
+    app = create_app(engine, data_root=tmp_path / "data", export_dir=tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        await type_and_send(pilot, 0, "A poem,\nplease.")
+        await wait_idle(pilot)
+        pane = app.panes[0]
+        reply = pane.transcript.query_one(AssistantMessage)
+        await wait_until(pilot, lambda: len(reply.answer_md.query(MarkdownBlock)) >= 2,
+                         what="the finished reply rendered as Markdown")
+        await wait_until(pilot, lambda: all(b.size.height for b in
+                                            reply.answer_md.query(MarkdownBlock)))
+        lines = [line.strip() for b in reply.answer_md.query(MarkdownBlock)
+                 for line in rendered_lines(b)]
+        shown = [line for line in lines if line]
+        assert shown == ["Roses are red,", "violets are blue,", "sugar is sweet.",
+                         "And so are you."], lines
+
+        app.action_export()
+        exported = app.last_export.read_text()
+    html = MarkdownIt("commonmark").render(exported)
+    assert "Roses are red,<br />\nviolets are blue,<br />\nsugar is sweet.</p>" in html
+    assert "<p>A poem,<br />\nplease.</p>" in html  # the user's message too
+
+
+def test_export_leaves_code_and_paragraph_ends_alone():
+    text = "Lines:\none\ntwo\n\n```python\nx = 1\ny = 2\n```\n\n- a\n- b\nend"
+    out = hard_line_breaks(text)
+    assert out == "Lines:  \none  \ntwo\n\n```python\nx = 1\ny = 2\n```\n\n- a  \n- b  \nend"
+    html = MarkdownIt("commonmark").render(out)
+    assert "<code class=\"language-python\">x = 1\ny = 2\n</code>" in html  # code unchanged
+    assert "Lines:<br />\none<br />\ntwo</p>" in html
+    conv = Conversation(1)
+    conv.messages = [ChatMessage("user", "q"), ChatMessage("assistant", text)]
+    assert out in conv.to_markdown()
