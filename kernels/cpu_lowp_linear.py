@@ -61,20 +61,42 @@ def _ninja_on_path():
         os.environ["PATH"] = old
 
 
+def _extension_name() -> str:
+    from minivllm.cpu_features import cpu_flags
+
+    # -march=native: the build is for this CPU, so its name carries the CPU's flags
+    # (a cache folder shared between machines must not hand one the other's build).
+    tag = hashlib.sha1(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
+    return f"minivllm_cpu_lowp_{tag}"
+
+
+def is_built() -> bool:
+    """Whether loading the extension will not compile it: it is loaded in this process, or
+    torch's extensions folder holds a library newer than the C++ sources."""
+    if _build.cache_info().currsize:
+        return True
+    try:
+        from torch.utils import cpp_extension
+
+        name = _extension_name()
+        # NOTE: torch's own rule for the folder (TORCH_EXTENSIONS_DIR, else its cache
+        # folder per Python and accelerator); no public function gives it.
+        library = Path(cpp_extension._get_build_directory(name, False)) / f"{name}.so"
+        newest_source = max(SOURCE.stat().st_mtime, STEP_SOURCE.stat().st_mtime)
+        return library.stat().st_mtime >= newest_source
+    except Exception:  # noqa: BLE001 - no library, or torch moved it: assume a build
+        return False
+
+
 @functools.cache
 def _build() -> str | None:
     """Compile and load the extension once per process; None on success, else why not."""
     try:
         from torch.utils import cpp_extension
 
-        from minivllm.cpu_features import cpu_flags
-
-        # -march=native: the build is for this CPU, so its name carries the CPU's flags
-        # (a cache folder shared between machines must not hand one the other's build).
-        tag = hashlib.sha1(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:8]
         with _ninja_on_path():
             cpp_extension.load_inline(
-                name=f"minivllm_cpu_lowp_{tag}",
+                name=_extension_name(),
                 cpp_sources=[SOURCE.read_text(), STEP_SOURCE.read_text()],
                 extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],

@@ -3,8 +3,11 @@ and the first answers of the embedded SmolLM2 at the default sampling make sense
 
 from __future__ import annotations
 
+import functools
+import shutil
 from pathlib import Path
 
+from conftest import write_tiny_checkpoint
 from markdown_it import MarkdownIt
 from minivllm.tui.app import create_app
 from minivllm.tui.conversation import ChatMessage, Conversation
@@ -13,6 +16,8 @@ from minivllm.tui.markdown import hard_line_breaks
 from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_until
 from minivllm.tui.widgets.message import AssistantMessage
 from textual.widgets._markdown import MarkdownBlock
+
+from minivllm import LLMEngine
 
 SIZE = (120, 40)
 POEM = "Roses are red,\nviolets are blue,\nsugar is sweet.\n\nAnd so are you."
@@ -61,3 +66,33 @@ def test_export_leaves_code_and_paragraph_ends_alone():
     conv = Conversation(1)
     conv.messages = [ChatMessage("user", "q"), ChatMessage("assistant", text)]
     assert out in conv.to_markdown()
+
+
+def test_start_up_progress_only_goes_forward(tmp_path, smollm2_path):
+    """Every stage of a start-up with a tokenizer and CPU weights (the tokenizer's 5% was
+    followed by the model's 0%)."""
+    path = write_tiny_checkpoint(tmp_path, "llama")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_path / name, path / name)
+    seen: list[tuple[str, float]] = []
+    llm = LLMEngine({"model_name_or_path": str(path), "device": "cpu",
+                     "cpu_weight_dtype": "bfloat16", "max_model_length": 128, "block_size": 16},
+                    on_progress=lambda stage, fraction: seen.append((stage, fraction)))
+    llm.exit()
+    fractions = [f for _, f in seen]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0, seen
+    stages = [stage for stage, _ in seen]
+    assert "loading the tokenizer" in stages and "building the model" in stages, seen
+    assert any(stage.startswith("bfloat16 weights") for stage in stages), seen
+
+
+def test_the_kernel_build_is_announced_only_when_it_will_happen(monkeypatch, tmp_path):
+    from minivllm.kernels import cpu_lowp_linear as kernel
+
+    assert kernel.unavailable_reason() is None  # built (or loaded from torch's folder)
+    assert kernel.is_built()
+    # A process that has not loaded it yet: torch's extensions folder holds the library.
+    monkeypatch.setattr(kernel, "_build", functools.cache(lambda: None))
+    assert kernel.is_built()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty folder: a build
+    assert not kernel.is_built()

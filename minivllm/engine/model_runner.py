@@ -90,7 +90,7 @@ class ModelRunner:
         seed = config.seed if config.seed is not None else 0
         torch.manual_seed(seed)
 
-        self.progress("building the model", 0.0)
+        self.progress("building the model", 0.1)
         old_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
@@ -115,7 +115,11 @@ class ModelRunner:
         # machine (~30-60 s), then loads from cache.
         self.cpu_weight_format = weight_format(config.cpu_weight_dtype, device, dtype)
         if self.cpu_weight_format is not None:
-            stage = f"{self.cpu_weight_format} weights (the first start builds the kernel)"
+            from minivllm.kernels import cpu_lowp_linear
+
+            stage = f"{self.cpu_weight_format} weights"
+            if not cpu_lowp_linear.is_built():
+                stage += " (building the CPU kernel, once per machine: about a minute)"
             self.progress(stage, 0.3)
             # None where the kernel did not build here (warned)
             self.cpu_weight_format = lowp_linears(self.model, self.cpu_weight_format)
@@ -194,7 +198,7 @@ class ModelRunner:
         `gpu_memory_utilization` is the share of the memory still free after the weights
         and the warm-up's peak activations that the pool takes (the seed's semantics).
         """
-        self.progress("warming up", 0.4)
+        self.progress("warming up", 0.45)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
