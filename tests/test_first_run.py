@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -138,3 +139,25 @@ def test_bench_latency_on_cpu_reports_as_it_goes(tmp_path, smollm2_path, monkeyp
                  "minivllm bench: round 2/2, transformers: decode"):
         assert line in err, err
     assert "minivllm batch-1 decode" in capsys.readouterr().out  # then the table
+
+
+@pytest.mark.parametrize(("pytest_rc", "wheel_rc", "make_fails"),
+                         [(1, 0, True), (0, 1, True), (1, 1, True), (0, 0, False)])
+def test_make_test_runs_the_wheel_check_after_failed_tests(tmp_path, pytest_rc, wheel_rc,
+                                                           make_fails):
+    """`make test` with stand-ins for ruff, pytest and the wheel check (the install step
+    taken as done): the wheel check always runs, and the target fails if either failed."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool, rc in (("ruff", 0), ("pytest", pytest_rc)):
+        (bin_dir / tool).write_text(f"#!/bin/sh\nexit {rc}\n")
+        (bin_dir / tool).chmod(0o755)
+    ran = tmp_path / "wheel-check-ran"
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        ["make", "-s", "-C", str(root), "-o", "install", "test", f"BIN={bin_dir}",
+         f"WHEEL_CHECK=sh -c 'touch {ran}; exit {wheel_rc}'"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert ran.exists(), result.stderr
+    assert (result.returncode != 0) == make_fails, result.stderr
