@@ -3,10 +3,16 @@ and the first answers of the embedded SmolLM2 at the default sampling make sense
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
+import os
 import shutil
 import subprocess
+import sys
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import write_tiny_checkpoint
@@ -19,7 +25,8 @@ from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_unti
 from minivllm.tui.widgets.message import AssistantMessage
 from textual.widgets._markdown import MarkdownBlock
 
-from minivllm import LLMEngine
+from minivllm import LLMEngine, SamplingParams
+from minivllm.chat_defaults import SMALL_MODEL_REPETITION_PENALTY
 
 SIZE = (120, 40)
 POEM = "Roses are red,\nviolets are blue,\nsugar is sweet.\n\nAnd so are you."
@@ -161,3 +168,112 @@ def test_make_test_runs_the_wheel_check_after_failed_tests(tmp_path, pytest_rc, 
     )
     assert ran.exists(), result.stderr
     assert (result.returncode != 0) == make_fails, result.stderr
+
+
+# -- the first answers at the default sampling (the embedded SmolLM2 on CPU) -------------
+
+
+def repeated_span(ids: list[int], span: int = 8, times: int = 3) -> tuple[int, ...] | None:
+    """A `span`-token window that occurs `times` times or more in `ids`, if any."""
+    counts = Counter(tuple(ids[i:i + span]) for i in range(len(ids) - span + 1))
+    return next((window for window, n in counts.items() if n >= times), None)
+
+
+def test_default_sampling_comes_from_the_model(smollm2_path, tmp_path):
+    from minivllm.tui.cli import build_parser, checked_config, settings_from
+
+    args = build_parser().parse_args(["--device", "cpu"])
+    settings = settings_from(args, checked_config(args)[1])
+    # SmolLM2's card (its generation_config.json holds none) and the small-model penalty.
+    assert (settings.temperature, settings.top_p, settings.repetition_penalty) == (
+        0.2, 0.9, SMALL_MODEL_REPETITION_PENALTY)
+    args = build_parser().parse_args(["--device", "cpu", "--temperature", "0.5",
+                                      "--repetition-penalty", "1"])
+    settings = settings_from(args, checked_config(args)[1])  # options win
+    assert (settings.temperature, settings.top_p, settings.repetition_penalty) == (0.5, 0.9, 1)
+
+    # A checkpoint's own generation_config.json comes first; it is not small: no penalty.
+    folder = tmp_path / "model"
+    shutil.copytree(smollm2_path, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "do_sample": True}))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 200}))
+    (folder / "model.safetensors").touch()  # never read: only the config is checked
+    args = build_parser().parse_args(["--device", "cpu", "--model", str(folder)])
+    settings = settings_from(args, checked_config(args)[1])
+    assert (settings.temperature, settings.top_p, settings.top_k,
+            settings.repetition_penalty) == (0.6, 0.95, 20, 1.0)
+
+
+def test_minivllm_generate_chat_takes_the_model_defaults(monkeypatch, capsys):
+    """`generate --chat` samples with the model's defaults, a plain completion stays
+    greedy, and an option given wins."""
+    import minivllm
+    from minivllm.cli import main
+
+    seen: list[SamplingParams] = []
+
+    class Recorder:  # the engine's API as `generate` uses it; records the request
+        tokenizer = SimpleNamespace(apply_chat_template=lambda messages, **kw: "chat")
+
+        def __init__(self, config, on_progress=None):
+            self.done = False
+
+        def add_prompt(self, prompt, params):
+            seen.append(params)
+            return 0
+
+        def step(self):
+            pass
+
+        def pop_deltas(self):
+            return [SimpleNamespace(seq_id=0, text="", finished=True)]
+
+        def exit(self):
+            pass
+
+    monkeypatch.setattr(minivllm, "LLMEngine", Recorder)
+    main(["generate", "--chat", "--device", "cpu", "--prompt", "hi"])
+    main(["generate", "--device", "cpu", "--prompt", "hi"])
+    main(["generate", "--chat", "--device", "cpu", "--prompt", "hi", "--temperature", "0.9"])
+    capsys.readouterr()
+    chat, plain, given = ((p.temperature, p.top_p, p.repetition_penalty) for p in seen)
+    assert chat == (0.2, 0.9, SMALL_MODEL_REPETITION_PENALTY)
+    assert plain == (0.0, 1.0, 1.0)
+    assert given == (0.9, 0.9, SMALL_MODEL_REPETITION_PENALTY)
+
+
+@pytest.mark.slow
+def test_the_first_answer_names_paris(tmp_path):
+    """`echo "What is the capital of France?" | minivllm-chat --plain` at the defaults."""
+    env = {**os.environ, "MINIVLLM_DATA_DIR": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [str(Path(sys.executable).with_name("minivllm-chat")), "--plain", "--device", "cpu",
+         "--max-tokens", "32"],
+        input="What is the capital of France?\n", capture_output=True, text=True, env=env,
+        timeout=600, cwd=tmp_path,  # as a user runs it, outside the clone
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout, result.stdout
+
+
+@pytest.mark.slow
+def test_say_hi_in_french_does_not_loop(smollm2_path):
+    """Three seeds at the app's default sampling: no 8-token span three times."""
+    from minivllm.tui.cli import build_parser, checked_config, settings_from
+
+    args = build_parser().parse_args(["--device", "cpu", "--max-tokens", "96"])
+    config, defaults = checked_config(args)
+    params = settings_from(args, defaults).sampling_params()
+    llm = LLMEngine(config)
+    try:
+        prompt = llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Say hi in French."}], add_generation_prompt=True,
+            tokenize=False)
+        out = llm.generate([prompt] * 3, [dataclasses.replace(params, seed=seed)
+                                          for seed in range(3)])
+    finally:
+        llm.exit()
+    for ids, text in zip(out["token_ids"], out["text"], strict=True):
+        assert repeated_span(ids) is None, text
