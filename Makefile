@@ -18,14 +18,17 @@ install: $(BIN)/python
 chat: install
 	$(BIN)/minivllm-chat
 
+# The wheel check runs whatever pytest reported (a failed test must not hide a broken
+# wheel); the target fails if either failed.
 test: install
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q
-	bash scripts/wheel_check.sh $(BIN)/python
+	pytest_status=0; $(BIN)/pytest -q || pytest_status=$$?; \
+	$(WHEEL_CHECK) && exit $$pytest_status
 
 # The built wheel in a fresh virtualenv: imports, `minivllm-chat --help`, a piped --plain.
+WHEEL_CHECK = bash scripts/wheel_check.sh $(BIN)/python
 wheel-check: install
-	bash scripts/wheel_check.sh $(BIN)/python
+	$(WHEEL_CHECK)
 
 lint:
 	$(BIN)/ruff check .

@@ -33,6 +33,12 @@ class Row:
     note: str = ""
 
 
+def report(text: str) -> None:
+    """A progress line or a partial result on stderr, as the bench goes (a full run takes
+    minutes; the table on stdout comes at the end)."""
+    print(f"minivllm bench: {text}", file=sys.stderr, flush=True)
+
+
 def load_format(args: argparse.Namespace) -> str:
     """Random weights for a known architecture unless a format is asked for."""
     if args.load_format:
@@ -201,6 +207,7 @@ def bench_latency(args: argparse.Namespace) -> list[Row]:
             times.append(total)
             decode_times.append(after_first)
         t = statistics.median(times)
+        report(f"batch {batch}: {batch * args.new_tokens / t:,.1f} tok/s, prefill included")
         rows.append(
             Row(
                 f"decode, batch {batch}",
@@ -219,6 +226,7 @@ def bench_latency(args: argparse.Namespace) -> list[Row]:
             )
         )
     ttfts = []
+    report(f"TTFT of a {args.ttft_prompt_len}-token prompt, {args.ttft_repeats} times")
     for i in range(args.ttft_repeats):
         prompt = [rng.randrange(vocab) for _ in range(args.ttft_prompt_len)]
         seconds = one_token(llm, prompt)
@@ -234,6 +242,7 @@ def bench_latency(args: argparse.Namespace) -> list[Row]:
     )
     llm.exit()
     if args.compare == "hf":
+        report("transformers, the same runs")
         hf, hf_decode = hf_latency(args, vocab)
         rows += [hf, hf_decode]
         rows.append(

@@ -90,9 +90,10 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def bench_latency_cpu(args: argparse.Namespace):
-    from .bench import Row, load_hf_model
+    from .bench import Row, load_hf_model, report
 
     new_tokens = args.new_tokens
+    report(f"starting minivllm ({args.model})")
     start = time.perf_counter()
     llm = _mv_engine(args)
     vocab = llm.config.model.vocab_size
@@ -101,12 +102,16 @@ def bench_latency_cpu(args: argparse.Namespace):
     _mv_tokens(llm, short, 1)
     mv_start = time.perf_counter() - start
     dtype = llm.dtype
+    report(f"minivllm start-up {mv_start:.1f} s; starting transformers")
 
     start = time.perf_counter()
     with torch.inference_mode():
         hf, note = load_hf_model(args, torch.device("cpu"), dtype)
         _hf_generate(hf, [short], 1)
     hf_start = time.perf_counter() - start
+    report(f"transformers start-up {hf_start:.1f} s; warming up, then {args.repeats} rounds "
+           f"(each: decode of {new_tokens} tokens, TTFT {args.prompt_len} and "
+           f"{args.ttft_prompt_len}, 8 x {new_tokens}; both engines)")
 
     def prompts(n: int, length: int) -> list[list[int]]:
         return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
@@ -118,7 +123,7 @@ def bench_latency_cpu(args: argparse.Namespace):
     _mv_generate(llm, prompts(8, args.prompt_len), 4)
     with torch.inference_mode():
         _hf_generate(hf, prompts(8, args.prompt_len), 4)
-    for _ in range(args.repeats):
+    for i in range(args.repeats):
         p1, p8 = prompts(1, args.prompt_len), prompts(8, args.prompt_len)
         p_long = prompts(1, args.ttft_prompt_len)
         total, first = _mv_generate(llm, p1, new_tokens)
@@ -136,6 +141,12 @@ def bench_latency_cpu(args: argparse.Namespace):
             times["hf"]["ttft_long"].append(_timed(lambda p=p_long: _hf_generate(hf, p, 1)))
             ref = _hf_generate(hf, p1, PARITY_TOKENS)[0]
         same_tokens.append(_mv_tokens(llm, p1[0], PARITY_TOKENS) == ref)
+        for engine, label in (("mv", "minivllm"), ("hf", "transformers")):
+            t = {figure: values[-1] for figure, values in times[engine].items()}
+            report(f"round {i + 1}/{args.repeats}, {label}: decode {t['decode']:,.1f} tok/s, "
+                   f"TTFT {args.prompt_len} {t['ttft128'] * 1e3:,.0f} ms, TTFT "
+                   f"{args.ttft_prompt_len} {t['ttft_long'] * 1e3:,.0f} ms, 8 x {new_tokens} "
+                   f"{t['batch8']:,.1f} tok/s")
     llm.exit()
 
     def med(engine: str, figure: str) -> float:

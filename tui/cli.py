@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from minivllm.chat_defaults import SMALL_MODEL_PARAMS, SMALL_MODEL_REPETITION_PENALTY
 from minivllm.config import APP_CPU_WEIGHT_DTYPE, CPU_WEIGHT_DTYPES
 
 from .conversation import Settings
@@ -57,10 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache storage (default: auto, the model's dtype; fp8: e4m3)")
     p.add_argument("--system", default="", metavar="TEXT", help="system prompt for every pane")
     p.add_argument("--temperature", type=float, default=None,
-                   help="sampling temperature (0 is greedy)")
+                   help="sampling temperature (0 is greedy; default: the model's "
+                   "generation_config, else 0.7)")
     p.add_argument("--max-tokens", type=int, default=None, help="reply length cap")
     p.add_argument("--repetition-penalty", type=float, default=None, metavar="X",
-                   help="above 1 discourages repeating tokens (try 1.1 with small models)")
+                   help="above 1 discourages repeating tokens (default: the model's, else "
+                   f"{SMALL_MODEL_REPETITION_PENALTY:g} below {SMALL_MODEL_PARAMS // 10**6:,}M "
+                   "parameters, else 1)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
                    help=f"tokens one engine step computes (default: the engine's; "
                    f"{CPU_STEP_TOKENS} on a CPU, so steps stay short)")
@@ -109,16 +113,23 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
 def check_config(args: argparse.Namespace) -> dict[str, Any]:
     """The engine config, validated before the engine is built (raises with the option
     named); on a CPU the step budget defaults to `CPU_STEP_TOKENS`."""
+    return checked_config(args)[0]
+
+
+def checked_config(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, float]]:
+    """`check_config`'s config, and the model's default chat sampling
+    (`minivllm.chat_defaults`; empty for a server or the scripted engine)."""
     config = engine_config(args)
     if args.fake or getattr(args, "url", None):  # nothing local to check
-        return config
+        return config, {}
+    from minivllm.chat_defaults import chat_sampling_defaults
     from minivllm.cli import check_engine_config
 
     checked = check_engine_config(config)
     if args.max_num_batched_tokens is None and _runs_on_cpu(checked.device):
         # Not above max_model_length: the engine needs a step to hold one sequence's chunk.
         config["max_num_batched_tokens"] = min(CPU_STEP_TOKENS, checked.max_len)
-    return config
+    return config, chat_sampling_defaults(checked)
 
 
 def _runs_on_cpu(device: str) -> bool:
@@ -206,8 +217,13 @@ def load_keymap(path: Path | None, known: set[str] | None = None) -> dict[str, s
     return keymap
 
 
-def settings_from(args: argparse.Namespace) -> Settings:
+def settings_from(args: argparse.Namespace, model_defaults: dict[str, float] | None = None
+                  ) -> Settings:
+    """Each pane's starting settings: the model's default sampling, then the options."""
     s = Settings(system_prompt=args.system)
+    for key, value in (model_defaults or {}).items():
+        if hasattr(s, key):  # Settings has no min_p
+            setattr(s, key, value)
     if args.temperature is not None:
         s.temperature = args.temperature
     if args.max_tokens is not None:
@@ -254,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.conversations < 1:
             raise ValueError(f"--conversations={args.conversations}: must be >= 1")
-        settings = settings_from(args)
+        settings_from(args)  # a bad option value fails before the model is looked for
         keymap = {}
         if args.keymap is not None or default_keymap_path().is_file():
             # Checked in every mode: a keymap that is wrong stays wrong in --plain too.
@@ -266,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             from .store import data_dir, find_session
 
             resume = find_session(args.resume, data_dir()) if args.resume else True
-        config = check_config(args)
+        config, model_defaults = checked_config(args)
+        settings = settings_from(args, model_defaults)
     except (ValueError, TypeError, OSError) as exc:
         return fail(exc)
     except KeyboardInterrupt:
@@ -278,7 +295,6 @@ def main(argv: list[str] | None = None) -> int:
         if not args.plain:
             print("minivllm-chat: stdin or stdout is not a terminal: the plain line mode "
                   "(--plain) runs instead of the full-screen app", file=sys.stderr)
-
         return run_plain(engine_factory=factory, settings=settings)
     from .app import create_app
 

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from minivllm.sampling_params import SamplingParams
 
+from .markdown import hard_line_breaks
 from .thinking import split_thinking
 
 Role = Literal["user", "assistant"]
@@ -167,22 +168,26 @@ class Conversation:
         return True
 
     def to_markdown(self, title: str = "Conversation") -> str:
+        """The conversation as a Markdown document; texts keep their single line breaks
+        (as hard breaks), as the app shows them."""
         lines = [f"# {title}", ""]
         s = self.settings
         lines.append(f"_Settings: {s.summary()}_")
         lines.append("")
         if s.system_prompt:
-            lines += ["## System", "", s.system_prompt, ""]
+            lines += ["## System", "", hard_line_breaks(s.system_prompt), ""]
         for m in self.messages:
             if m.role == "user":
-                lines += ["## User", "", m.content, ""]
+                lines += ["## User", "", hard_line_breaks(m.content), ""]
                 continue
             thinking, answer = split_thinking(m.content)
             lines += ["## Assistant", ""]
             if thinking.strip():
-                quoted = "\n".join("> " + line for line in thinking.strip().splitlines())
+                quoted = "\n".join(
+                    "> " + line for line in hard_line_breaks(thinking.strip()).splitlines()
+                )
                 lines += ["> **Thinking**", ">", quoted, ""]
-            lines += [answer.strip(), ""]
+            lines += [hard_line_breaks(answer.strip()), ""]
             if m.status not in ("done", "streaming"):
                 note = f"_[{m.status}{': ' + m.error if m.error else ''}]_"
                 lines += [note, ""]

@@ -131,7 +131,7 @@ class LLMEngine:
             self.cpu_prefill_dtype = self.runner.cpu_prefill_dtype
             # "int8" where the weight-only products take int8 activations, else None
             self.cpu_decode_dtype = self.runner.cpu_decode_dtype
-            progress("sizing the KV cache", 0.5)
+            progress("sizing the KV cache", 0.4)
             mine, theirs = self._on_all_ranks(SizeKVPool(), self.runner.size_kv_pool)
             num_blocks = min([mine, *theirs])  # every rank holds every block
             _check_pool_fits(config, num_blocks, self.runner.bytes_per_block)

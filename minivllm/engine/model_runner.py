@@ -107,7 +107,7 @@ class ModelRunner:
         seed = config.seed if config.seed is not None else 0
         torch.manual_seed(seed)
 
-        self.progress("building the model", 0.0)
+        self.progress("building the model", 0.1)
         old_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
@@ -244,7 +244,7 @@ class ModelRunner:
         `gpu_memory_utilization` is the share of the memory still free after the weights
         and the warm-up's peak activations that the pool takes (the seed's semantics).
         """
-        self.progress("warming up", 0.4)
+        self.progress("warming up", 0.45)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)

@@ -21,6 +21,7 @@ from textual.widget import Widget
 from textual.widgets import Collapsible, Static
 
 from ..conversation import Status
+from ..markdown import keep_line_breaks
 from ..thinking import ThinkParser, split_thinking
 
 # A streaming block grows several lines at a time, so one screen layout serves many new
@@ -245,10 +246,7 @@ class KeptBreaksMarkdown(RichMarkdown):
 
     def __init__(self, markup: str) -> None:
         super().__init__(markup, hyperlinks=False)
-        for token in self.parsed:
-            for child in token.children or ():
-                if child.type == "softbreak":
-                    child.type = "hardbreak"
+        keep_line_breaks(self.parsed)
 
 
 class _RenderedOnce(RichVisual):
