@@ -192,7 +192,7 @@ def test_sse_client_that_leaves_is_aborted(server):
     def running() -> float:
         text = httpx.get(f"{server}/metrics", timeout=10).text
         return sum(float(line.split()[-1]) for line in text.splitlines()
-                   if line.startswith("minivllm:num_requests_running"))
+                   if line.startswith("vllm:num_requests_running"))
 
     body = {"model": "smol", "stream": True, "max_tokens": 1000, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Tell me a very long story."}]}

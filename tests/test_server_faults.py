@@ -85,8 +85,9 @@ def error_of(response: httpx.Response) -> dict[str, Any]:
 def metrics(url: str) -> dict[str, float]:
     out = {}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith("minivllm:") and "{" in line:
-            out.setdefault(line[len("minivllm:"):line.index("{")],
+        prefix = line.split(":", 1)[0]
+        if prefix in ("vllm", "minivllm") and "{" in line:
+            out.setdefault(line[len(prefix) + 1:line.index("{")],
                            float(line.rsplit(" ", 1)[1]))
     return out
 

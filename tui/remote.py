@@ -32,7 +32,7 @@ from minivllm.frontend import (
 from minivllm.frontend.protocol import OutputCallback, ProgressFn
 from minivllm.outputs import EngineStats
 
-# Prometheus name (minus "minivllm:") -> EngineStats field
+# Prometheus name (minus its "vllm:" or "minivllm:" prefix) -> EngineStats field
 _GAUGES = {
     "num_requests_running": "num_running",
     "num_requests_waiting": "num_waiting",
@@ -52,7 +52,8 @@ def parse_metrics(text: str) -> tuple[EngineStats | None, dict[str, str]]:
     values: dict[str, float] = {}
     config: dict[str, str] = {}
     for family in text_string_to_metric_families(text):
-        name = family.name.removeprefix("minivllm:")
+        # vLLM's names under "vllm:"; servers before that named them all "minivllm:".
+        name = family.name.removeprefix("vllm:").removeprefix("minivllm:")
         for sample in family.samples:
             if name == "cache_config_info":
                 config = dict(sample.labels)

@@ -18,6 +18,7 @@ from ..sampling_params import SamplingParams
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: running usage on every chunk
 
 
 class TextPart(BaseModel):
@@ -37,6 +38,12 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template takes them (OpenAI's `developer` is a system turn)."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in messages]
 
 
 class BadField(ValueError):
@@ -184,6 +191,22 @@ class CompletionRequest(_SamplingRequest):
             raise BadField("suffix", "suffix: not supported")
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a `prompt`, or chat `messages` (templated as for a chat
+    completion)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = None
@@ -222,7 +245,4 @@ class ChatCompletionRequest(_SamplingRequest):
             raise BadField("tools", "tools: tool calling is not supported")
 
     def template_messages(self) -> list[dict[str, str]]:
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+        return template_messages(self.messages)
