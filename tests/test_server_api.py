@@ -8,6 +8,8 @@ the loading phase can be seen from outside.
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
 import signal
 import subprocess
 import sys
@@ -20,7 +22,9 @@ import httpx
 import pytest
 from minivllm.tui.remote import parse_metrics
 
-from minivllm.server.launch import free_port
+from minivllm.engine.llm_engine import encode_text
+from minivllm.frontend import render_chat_prompt
+from minivllm.server.launch import free_port, launch_server
 
 pytestmark = pytest.mark.slow
 
@@ -160,3 +164,220 @@ def test_the_apps_client_reads_vllm_names_and_the_older_minivllm_ones(server):
     assert stats is not None
     assert (stats.num_running, stats.num_waiting, stats.num_used_blocks,
             stats.num_blocks) == (3, 2, 5, 64)
+
+
+# -- vLLM's extra endpoints, headers and usage fields --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_path))
+
+
+def test_tokenize_detokenize_and_version_in_vllms_shapes(server, tokenizer):
+    url, _ = server
+    ready(url)
+    text = "The quick brown fox jumps over the lazy dog."
+    r = httpx.post(f"{url}/tokenize", json={"model": SMOL, "prompt": text,
+                                            "return_token_strs": True}, timeout=30)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    ids = encode_text(tokenizer, text)
+    assert out == {"count": len(ids), "max_model_len": 1024, "tokens": ids,
+                   "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    messages = [{"role": "user", "content": text}]
+    chat = httpx.post(f"{url}/tokenize", json={"messages": messages}, timeout=30).json()
+    templated = render_chat_prompt(tokenizer, messages)
+    assert chat["tokens"] == encode_text(tokenizer, templated) and chat["token_strs"] is None
+    back = httpx.post(f"{url}/detokenize", json={"model": SMOL, "tokens": ids}, timeout=30)
+    assert back.status_code == 200 and back.json() == {"prompt": tokenizer.decode(ids)}
+    bad = httpx.post(f"{url}/detokenize", json={"tokens": [1, 10**9]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert str(10**9) in bad.json()["error"]["message"]
+    both = httpx.post(f"{url}/tokenize", json={"prompt": text, "messages": messages},
+                      timeout=30)
+    assert both.status_code == 400 and "exactly one" in both.json()["error"]["message"]
+    other = httpx.post(f"{url}/tokenize", json={"model": "gpt-4", "prompt": text}, timeout=30)
+    assert other.status_code == 404
+    version = httpx.get(f"{url}/version", timeout=30).json()
+    assert version == {"version": importlib.metadata.version("minivllm")}
+
+
+def test_x_request_id_names_the_request_is_echoed_and_logged(server):
+    url, log = server
+    ready(url)
+    r = complete(url, headers={"X-Request-Id": "router-7"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "router-7"
+    assert r.json()["id"] == "cmpl-router-7"
+    usage = r.json()["usage"]
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60,
+                      headers={"X-Request-Id": "router-8"},
+                      json={"model": SMOL, "stream": True, "max_tokens": 4,
+                            "messages": [{"role": "user", "content": "Hi"}]}) as s:
+        assert s.headers["x-request-id"] == "router-8"
+        ids = {json.loads(line[6:])["id"] for line in s.iter_lines()
+               if line.startswith("data: {")}
+    assert ids == {"chatcmpl-router-8"}
+    refused = complete(url, headers={"X-Request-Id": "router-9"}, max_tokens=-1)
+    assert refused.status_code == 400 and refused.headers["x-request-id"] == "router-9"
+    assert "x-request-id" not in complete(url).headers  # none asked: none sent
+
+    def line_of(request_id: str) -> str | None:
+        return next((line for line in log.read_text().splitlines()
+                     if f"id={request_id} " in line), None)
+
+    line = wait_for(lambda: line_of("cmpl-router-7"), 30, "the access-log line")
+    assert '"POST /v1/completions" 200' in line
+    assert (f"prompt_tokens={usage['prompt_tokens']} "
+            f"completion_tokens={usage['completion_tokens']} ttft=") in line
+    assert "ttft=-" not in line and "duration=" in line
+    stream_line = wait_for(lambda: line_of("chatcmpl-router-8"), 30, "the stream's line")
+    assert "completion_tokens=4 " in stream_line
+    assert '" 400 id=cmpl-router-9 ' in wait_for(lambda: line_of("cmpl-router-9"), 30,
+                                                  "the refused request's line")
+
+
+def stream_chunks(url: str, **fields: Any) -> list[dict[str, Any]]:
+    body = {"model": SMOL, "prompt": "Count with me:", "max_tokens": 12, "stream": True,
+            **fields}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as s:
+        assert s.status_code == 200
+        return [json.loads(line[6:]) for line in s.iter_lines()
+                if line.startswith("data: {")]
+
+
+def test_continuous_usage_stats_put_the_running_usage_on_every_chunk(server):
+    url, _ = server
+    ready(url)
+    chunks = stream_chunks(url, stream_options={"include_usage": True,
+                                                "continuous_usage_stats": True})
+    *with_choices, final = chunks
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 12
+    counts = [c["usage"]["completion_tokens"] for c in with_choices]
+    assert all(c["choices"] for c in with_choices)
+    assert counts == sorted(counts) and counts[-1] == 12 and len(set(counts)) > 1
+    for c in with_choices:
+        u = c["usage"]
+        assert u["prompt_tokens"] == final["usage"]["prompt_tokens"]
+        assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+    plain = stream_chunks(url, stream_options={"include_usage": True})
+    assert all(c["usage"] is None for c in plain[:-1]) and plain[-1]["usage"]
+
+
+def test_cached_tokens_count_the_prompts_prefix_cache_hits(server):
+    url, _ = server
+    ready(url)
+    # A prompt of several 16-token blocks, unlike any other test's.
+    prompt = " ".join(f"item{i} is number {i};" for i in range(40))
+
+    def hits() -> float:
+        return vllm_metrics(url)["prefix_cache_hits_total"][1]
+
+    before = hits()
+    first = complete(url, prompt=prompt, max_tokens=4).json()["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    second = complete(url, prompt=prompt, max_tokens=4).json()["usage"]
+    cached = second["prompt_tokens_details"]["cached_tokens"]
+    assert 16 <= cached < second["prompt_tokens"] and cached % 16 == 0
+    wait_for(lambda: hits() == before + cached, 30, "/metrics counting the same hits")
+    streamed = stream_chunks(url, prompt=prompt, max_tokens=4,
+                             stream_options={"include_usage": True})[-1]["usage"]
+    assert streamed["prompt_tokens_details"] == {"cached_tokens": cached}
+
+
+# -- logprobs: a real SmolLM2 server against the engine in this process ----------------------
+
+
+REAL = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "2048", "--block-size",
+        "16", "--num-gpu-blocks-override", "256", "--served-model-name", SMOL]
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory, smollm2_path):
+    tmp = tmp_path_factory.mktemp("real")
+    proc, url = launch_server([str(smollm2_path), *REAL], tmp / "server.log", cwd=tmp,
+                              timeout=600)
+    try:
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def test_logprobs_over_http_equal_the_engines(real, smollm2, tokenizer):
+    from minivllm import SamplingParams
+
+    prompt = "The capital of France is"
+    messages = [{"role": "user", "content": "Name a color."}]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    [text_lps] = smollm2.generate([prompt], params)["logprobs"]
+    [chat_lps] = smollm2.generate([render_chat_prompt(tokenizer, messages)],
+                                  params)["logprobs"]
+
+    def close(a: float, b: float) -> bool:
+        return abs(a - b) < 1e-3
+
+    r = httpx.post(f"{real}/v1/completions", timeout=120, json={
+        "model": SMOL, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+        "ignore_eos": True, "logprobs": 3})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    got = choice["logprobs"]
+    assert got["tokens"] == [tokenizer.decode([p.token_id]) for p in text_lps]
+    assert "".join(got["tokens"]) == choice["text"]
+    assert all(close(a, p.logprob) for a, p in zip(got["token_logprobs"], text_lps,
+                                                     strict=True))
+    for top, p in zip(got["top_logprobs"], text_lps, strict=True):
+        want = {tokenizer.decode([t]): v for t, v in p.top.items()}
+        assert len(top) == 3 and top.keys() == want.keys()
+        assert all(close(top[k], want[k]) for k in top)
+    offsets = got["text_offset"]
+    assert offsets[0] == 0 and offsets[1:] == [
+        offsets[i] + len(t) for i, t in enumerate(got["tokens"][:-1])]
+
+    body = {"model": SMOL, "messages": messages, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "logprobs": True, "top_logprobs": 3}
+    r = httpx.post(f"{real}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [tokenizer.decode([p.token_id]) for p in chat_lps]
+    for c, p in zip(content, chat_lps, strict=True):
+        assert close(c["logprob"], p.logprob) and bytes(c["bytes"]) == c["token"].encode()
+        assert [t["token"] for t in c["top_logprobs"]] == [
+            tokenizer.decode([t]) for t in p.top]
+        assert all(close(t["logprob"], v) for t, v in zip(c["top_logprobs"], p.top.values(),
+                                                          strict=True))
+    # Streamed, each chunk carries its own tokens' entries: together the same list.
+    with httpx.stream("POST", f"{real}/v1/chat/completions", timeout=120,
+                      json={**body, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines()
+                  if line.startswith("data: {")]
+    streamed = [c for ch in chunks for choice in ch["choices"]
+                for c in ((choice.get("logprobs") or {}).get("content") or [])]
+    assert [(c["token"], round(c["logprob"], 3)) for c in streamed] == [
+        (c["token"], round(c["logprob"], 3)) for c in content]
+    plain = httpx.post(f"{real}/v1/chat/completions", timeout=120,
+                       json={**body, "logprobs": False, "top_logprobs": None})
+    assert plain.json()["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("path,field,value", [
+    ("/v1/completions", "logprobs", 21),
+    ("/v1/completions", "logprobs", "3"),
+    ("/v1/chat/completions", "logprobs", 2),
+    ("/v1/chat/completions", "top_logprobs", -1),
+])
+def test_bad_logprobs_values_are_refused_by_name(server, path, field, value):
+    url, _ = server
+    ready(url)
+    body: dict[str, Any] = {"model": SMOL, "max_tokens": 4, field: value}
+    if path == "/v1/completions":
+        body["prompt"] = "hi"
+    else:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+        body.setdefault("logprobs", True)
+    r = httpx.post(f"{url}{path}", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field and repr(value) in r.json()["error"]["message"]

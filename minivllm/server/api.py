@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.llm_engine import encode_text
 from ..frontend import GenerateRequest, RequestOutput, render_chat_prompt
+from ..outputs import TokenLogprob
 from .metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
 from .protocol import (
     BadField,
@@ -102,8 +103,17 @@ class _Chunks:
             self._mid = b',"logprobs":null,"finish_reason":null'
         self._post = b"}]" + (b',"usage":null' if include_usage else b"") + b"}\n\n"
 
-    def text(self, text: str, token_ids: list[int], usage: dict[str, Any] | None = None
-             ) -> bytes:
+    def text(self, text: str, token_ids: list[int], usage: dict[str, Any] | None = None,
+             logprobs: dict[str, Any] | None = None) -> bytes:
+        if logprobs is not None:
+            choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": None}
+            if self.chat:
+                choice["delta"] = {"content": text}
+            else:
+                choice["text"] = text
+            if self.with_ids:
+                choice["token_ids"] = token_ids
+            return self._event(choice, usage)
         ids = b',"token_ids":' + _dumps(token_ids) if self.with_ids else b""
         post = self._post if usage is None else b'}],"usage":' + _dumps(usage) + b"}\n\n"
         return self._pre + _dumps(text) + self._mid + ids + post
@@ -187,6 +197,43 @@ class _AccessLog:
                             "completion_tokens=%d ttft=%s duration=%.3fs", scope["method"],
                             scope["path"], status, record.request_id, record.prompt_tokens,
                             record.completion_tokens, ttft, time.monotonic() - start)
+
+
+class _Logprobs:
+    """The engine's logprobs of one request in OpenAI's shapes: chat's `{"content": [...]}`
+    or completions' `{tokens, token_logprobs, top_logprobs, text_offset}`. A token's text
+    is that token decoded alone (a token holding part of a character shows U+FFFD)."""
+
+    def __init__(self, tokenizer: Any, chat: bool) -> None:
+        self.tokenizer, self.chat = tokenizer, chat
+        self.offset = 0  # completions: where the next token starts in the text
+        self._texts: dict[int, str] = {}
+
+    def _text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self._text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def format(self, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+        if self.chat:
+            return {"content": [
+                {**self._entry(p.token_id, p.logprob),
+                 "top_logprobs": [self._entry(t, v) for t, v in p.top.items()]}
+                for p in logprobs]}
+        tokens = [self._text(p.token_id) for p in logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offset)
+            self.offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [p.logprob for p in logprobs],
+                "top_logprobs": [{self._text(t): v for t, v in p.top.items()}
+                                 for p in logprobs],
+                "text_offset": offsets}
 
 
 class _ApiKeyCheck:
@@ -478,13 +525,16 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         record.ttft = timer.ttft
 
     async def collect(stream: AsyncIterator[RequestOutput], first: RequestOutput,
-                      timer: RequestTimer, record: _Access) -> tuple[str, RequestOutput]:
+                      timer: RequestTimer, record: _Access
+                      ) -> tuple[str, RequestOutput, list[TokenLogprob]]:
         texts = [first.text]
         last = first
+        logprobs: list[TokenLogprob] = []
         try:
             async for out in stream:
                 timer.output(out.at, len(out.token_ids))
                 texts.append(out.text)
+                logprobs += out.logprobs or ()
                 last = out
         finally:
             await stream.aclose()
@@ -493,7 +543,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         if last.finish_reason == "error":
             status = 503 if client.error is not None else 500
             raise ApiError(status, f"generation failed: {last.error}", "server_error")
-        return "".join(texts), last
+        return "".join(texts), last, logprobs
 
     async def until_disconnect(http: Request, work: Any) -> Any:
         """Await `work`, cancelling it (which aborts its request) if the client leaves."""
@@ -514,8 +564,8 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                 "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
     async def sse(stream: AsyncIterator[RequestOutput], first: RequestOutput,
-                  timer: RequestTimer, chunks: _Chunks, record: _Access
-                  ) -> AsyncIterator[bytes]:
+                  timer: RequestTimer, chunks: _Chunks, record: _Access,
+                  logprobs: _Logprobs | None) -> AsyncIterator[bytes]:
         """The SSE body. Cancelled when the client goes away: closing `stream` then aborts
         the request in the engine (its blocks are freed on the next step)."""
         last = first
@@ -535,7 +585,9 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                                           "code": None}})
                     break
                 if out.text or (chunks.with_ids and out.token_ids):
-                    yield chunks.text(out.text, out.token_ids, running(out))
+                    lps = (logprobs.format(out.logprobs or [])
+                           if logprobs is not None else None)
+                    yield chunks.text(out.text, out.token_ids, running(out), lps)
                 if out.finished:
                     yield chunks.finish(FINISH_REASONS.get(out.finish_reason or "", "stop"),
                                         running(out))
@@ -559,52 +611,63 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         # As vLLM: running usage on every chunk needs include_usage too.
         continuous = include_usage and bool(options and options.continuous_usage_stats)
         chunks = _Chunks(chat, head, include_usage, body.return_token_ids, continuous)
-        return StreamingResponse(sse(stream, first, timer, chunks, record),
+        return StreamingResponse(sse(stream, first, timer, chunks, record,
+                                     logprobs_of(body, chat)),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    def whole_response(kind: str, request_id: str, created: int, choice: dict[str, Any],
-                       last: RequestOutput) -> dict[str, Any]:
+    def logprobs_of(body: Any, chat: bool) -> _Logprobs | None:
+        """The request's logprobs formatter (None: it asked for none)."""
+        if body.num_logprobs() is None:
+            return None
+        return _Logprobs(client.tokenizer, chat)
+
+    def whole_response(body: Any, kind: str, request_id: str, created: int,
+                       choice: dict[str, Any], last: RequestOutput,
+                       logprobs: list[TokenLogprob]) -> dict[str, Any]:
         """A non-streamed reply: one choice (`text` or `message`) and the usage."""
         finish = FINISH_REASONS.get(last.finish_reason or "", "stop")
+        formatter = logprobs_of(body, kind == "chat.completion")
+        lps = formatter.format(logprobs) if formatter is not None else None
         return {"id": request_id, "object": kind, "created": created, "model": model_name,
-                "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": finish}],
+                "choices": [{"index": 0, **choice, "logprobs": lps, "finish_reason": finish}],
                 "usage": usage(last)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Any:
+        request_id = request_id_of(http, "chatcmpl")
         check_model(body.model)
         params = params_of(body)
         try:
             template_kwargs = body.template_kwargs(trust_request_chat_template)
         except BadField as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
-        request_id = request_id_of(http, "chatcmpl")
         request = await admit(body, params, request_id, "messages",
                               messages=body.template_messages(),
                               template_kwargs=template_kwargs)
         stream, first, timer = await start(request, "messages")
         now = int(time.time())
         if not body.stream:
-            text, last = await until_disconnect(
+            text, last, lps = await until_disconnect(
                 http, collect(stream, first, timer, access(http)))
             choice = {"message": {"role": "assistant", "content": text}}
-            return whole_response("chat.completion", request_id, now, choice, last)
+            return whole_response(body, "chat.completion", request_id, now, choice, last, lps)
         return streaming_response(body, True, request_id, now, stream, first, timer,
                                   access(http))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request) -> Any:
+        request_id = request_id_of(http, "cmpl")
         check_model(body.model)
         params = params_of(body)
-        request_id = request_id_of(http, "cmpl")
         request = await admit(body, params, request_id, "prompt", prompt=body.prompt)
         stream, first, timer = await start(request, "prompt")
         now = int(time.time())
         if not body.stream:
-            text, last = await until_disconnect(
+            text, last, lps = await until_disconnect(
                 http, collect(stream, first, timer, access(http)))
-            return whole_response("text_completion", request_id, now, {"text": text}, last)
+            return whole_response(body, "text_completion", request_id, now, {"text": text},
+                                  last, lps)
         return streaming_response(body, False, request_id, now, stream, first, timer,
                                   access(http))
 
