@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from minivllm.tui.remote import parse_metrics
+from minivllm.tui.remote import RemoteClient, parse_metrics
 
 from minivllm.engine.llm_engine import encode_text
 from minivllm.frontend import render_chat_prompt
@@ -111,9 +111,30 @@ def test_health_is_503_while_the_engine_loads_then_200(server):
     assert r.json()["error"]["code"] == "engine_loading"
     refused = complete(url)  # a request while loading: 503, not a hang
     assert refused.status_code == 503 and "loading" in refused.json()["error"]["message"]
+    assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 503
     assert httpx.get(f"{url}/metrics", timeout=10).status_code == 200
+    # The app's client, started now, waits for the engine instead of failing.
+    app_client = RemoteClient(url)
+    stages: list[str] = []
+    try:
+        info = app_client.start(lambda stage, fraction: stages.append(stage))
+        assert info.block_size == 16 and info.max_len == 1024
+        assert any("loading" in stage for stage in stages)
+    finally:
+        app_client.close()
     ready(url)
     assert complete(url).status_code == 200
+
+
+def test_a_model_that_fails_to_load_ends_serve_with_its_error(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", "from minivllm.cli import main; main()", "serve",
+         str(tmp_path / "no-model"), "--port", "0"], capture_output=True, text=True,
+        timeout=300, cwd=tmp_path)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("minivllm serve: ") and "no-model" in last
+    assert "Traceback" not in done.stderr
 
 
 def test_vllm_gauges_rise_under_load_and_fall_back_to_zero(server):

@@ -81,6 +81,20 @@ def parse_metrics(text: str) -> tuple[EngineStats | None, dict[str, str]]:
     return stats, config
 
 
+LOADING_POLL_S = 1.0  # how often start() asks a server whose engine is loading
+
+
+class _Loading(Exception):
+    """The server answers, but its engine is still loading."""
+
+
+def _error_code(response: httpx.Response) -> str | None:
+    try:
+        return response.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def _error_message(response: httpx.Response, body: bytes) -> str:
     try:
         err = json.loads(body)["error"]
@@ -128,7 +142,13 @@ class RemoteClient:
         progress(f"connecting to {self.base_url}", 0.1)
         self._thread.start()
         try:
-            info = self._call(self._connect(), timeout=self._connect_timeout + 5)
+            while True:
+                try:
+                    info = self._call(self._connect(), timeout=self._connect_timeout + 5)
+                    break
+                except _Loading:  # the server is up, its engine not yet: wait for it
+                    progress(f"{self.base_url}: the engine is loading", 0.5)
+                    time.sleep(LOADING_POLL_S)
         except Exception:
             self.close()
             raise
@@ -196,6 +216,8 @@ class RemoteClient:
             r = await self._http.get("/v1/models")
         except httpx.HTTPError as exc:
             raise EngineUnavailable(f"cannot reach {self.base_url}: {exc}") from None
+        if r.status_code == 503 and _error_code(r) == "engine_loading":
+            raise _Loading
         if r.status_code != 200:
             raise EngineUnavailable(f"{self.base_url}/v1/models: {_error_message(r, r.content)}")
         cards = r.json().get("data") or []

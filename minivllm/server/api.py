@@ -401,6 +401,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        check_model(model_name)  # 503 while the engine loads: its context is not known yet
         info = client.info
         card = {"id": model_name, "object": "model", "created": created,
                 "owned_by": "minivllm", "root": info.model if info else model_name,
