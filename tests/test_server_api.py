@@ -24,7 +24,7 @@ from minivllm.tui.remote import RemoteClient, parse_metrics
 
 from minivllm.engine.llm_engine import encode_text
 from minivllm.frontend import render_chat_prompt
-from minivllm.server.launch import free_port, launch_server
+from minivllm.server.launch import descendants, free_port, launch_server
 
 pytestmark = pytest.mark.slow
 
@@ -135,6 +135,29 @@ def test_a_model_that_fails_to_load_ends_serve_with_its_error(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("minivllm serve: ") and "no-model" in last
     assert "Traceback" not in done.stderr
+
+
+def test_sigterm_while_loading_stops_the_load_and_exits_0(tmp_path, smollm2_path):
+    port = free_port()
+    with open(tmp_path / "server.log", "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from minivllm.cli import main; main()", "serve",
+             str(smollm2_path), "--stand-in-ms", "0.1", "20", "--stand-in-load-s", "600",
+             "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
+            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: (r := answer(url, "/health")) is not None and r.status_code == 503,
+                 300, "/health 503")
+        wait_for(lambda: descendants(proc.pid), 60, "the engine process")
+        engine = descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0, (tmp_path / "server.log").read_text()
+        assert not [p for p in engine if Path(f"/proc/{p}").exists()]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
 
 
 def test_vllm_gauges_rise_under_load_and_fall_back_to_zero(server):

@@ -315,6 +315,8 @@ class _Supervised:
             error = client.error
             if error is None:
                 continue
+            if stop.is_set():  # the server is closing the engine itself
+                return
             client.close()  # waits for the dead child: no zombie left behind
             if self._restart:
                 print(f"minivllm serve: the engine stopped ({error}); starting a new one",
