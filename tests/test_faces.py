@@ -197,10 +197,12 @@ def test_sse_client_that_leaves_is_aborted(server):
         return sum(float(line.split()[-1]) for line in text.splitlines()
                    if line.startswith("vllm:num_requests_running"))
 
-    body = {"model": "smol", "stream": True, "max_tokens": 1000, "ignore_eos": True,
+    # 900: prompt + completion within the 1024-token context (more is a 400).
+    body = {"model": "smol", "stream": True, "max_tokens": 900, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Tell me a very long story."}]}
     with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=60) as r:
-        for line in r.iter_lines():
+        lines = r.iter_lines()  # held: a dropped line iterator closes the response
+        for line in lines:
             if '"content":"' in line and '"content":""' not in line:
                 break  # tokens are flowing
         assert running() == 1
