@@ -27,7 +27,8 @@ class Delta:
     "abort" or "error"; `error` holds the message when it is "error".
     `logprobs` has one entry per new token when the request asked for logprobs;
     `prompt_logprobs` comes once, with the sequence's first delta (None for the first
-    prompt token, which nothing predicts).
+    prompt token, which nothing predicts). `num_cached_tokens`: the prompt tokens found
+    in the prefix cache when the sequence was first scheduled.
     """
 
     seq_id: int
@@ -38,6 +39,7 @@ class Delta:
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

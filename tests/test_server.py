@@ -69,8 +69,9 @@ def metrics(url: str) -> dict[str, float]:
     """The first sample of each /metrics family, by name without the prefix."""
     out = {}
     for line in _HTTP.get(f"{url}/metrics").text.splitlines():
-        if line.startswith("minivllm:") and "{" in line:
-            name = line[len("minivllm:"):line.index("{")]
+        prefix = line.split(":", 1)[0]
+        if prefix in ("vllm", "minivllm") and "{" in line:
+            name = line[len(prefix) + 1:line.index("{")]
             out.setdefault(name, float(line.rsplit(" ", 1)[1]))
     return out
 

@@ -32,7 +32,7 @@ from minivllm.frontend import (
 from minivllm.frontend.protocol import OutputCallback, ProgressFn
 from minivllm.outputs import EngineStats
 
-# Prometheus name (minus "minivllm:") -> EngineStats field
+# Prometheus name (minus its "vllm:" or "minivllm:" prefix) -> EngineStats field
 _GAUGES = {
     "num_requests_running": "num_running",
     "num_requests_waiting": "num_waiting",
@@ -52,7 +52,8 @@ def parse_metrics(text: str) -> tuple[EngineStats | None, dict[str, str]]:
     values: dict[str, float] = {}
     config: dict[str, str] = {}
     for family in text_string_to_metric_families(text):
-        name = family.name.removeprefix("minivllm:")
+        # vLLM's names under "vllm:"; servers before that named them all "minivllm:".
+        name = family.name.removeprefix("vllm:").removeprefix("minivllm:")
         for sample in family.samples:
             if name == "cache_config_info":
                 config = dict(sample.labels)
@@ -78,6 +79,20 @@ def parse_metrics(text: str) -> tuple[EngineStats | None, dict[str, str]]:
         num_generated_tokens=fields.get("num_generated_tokens", 0),
     )
     return stats, config
+
+
+LOADING_POLL_S = 1.0  # how often start() asks a server whose engine is loading
+
+
+class _Loading(Exception):
+    """The server answers, but its engine is still loading."""
+
+
+def _error_code(response: httpx.Response) -> str | None:
+    try:
+        return response.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _error_message(response: httpx.Response, body: bytes) -> str:
@@ -129,7 +144,13 @@ class RemoteClient:
         progress(f"connecting to {self.base_url}", 0.1)
         self._thread.start()
         try:
-            info = self._call(self._connect(), timeout=self._connect_timeout + 5)
+            while True:
+                try:
+                    info = self._call(self._connect(), timeout=self._connect_timeout + 5)
+                    break
+                except _Loading:  # the server is up, its engine not yet: wait for it
+                    progress(f"{self.base_url}: the engine is loading", 0.5)
+                    time.sleep(LOADING_POLL_S)
         except Exception:
             self.close()
             raise
@@ -197,6 +218,8 @@ class RemoteClient:
             r = await self._http.get("/v1/models")
         except httpx.HTTPError as exc:
             raise EngineUnavailable(f"cannot reach {self.base_url}: {exc}") from None
+        if r.status_code == 503 and _error_code(r) == "engine_loading":
+            raise _Loading
         if r.status_code != 200:
             raise EngineUnavailable(f"{self.base_url}/v1/models: {_error_message(r, r.content)}")
         cards = r.json().get("data") or []

@@ -125,6 +125,7 @@ class OutputProcessor:
             seq.error,
             logprobs,
             prompt_logprobs,
+            seq.num_cached_tokens,
         )
 
     def final_text(self, seq: Sequence) -> str:

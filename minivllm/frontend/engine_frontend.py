@@ -209,6 +209,9 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         opens_thinking=any(o.opens_thinking for o in outputs),
         at=last.at,
         first_at=outputs[0].since,
+        num_cached_tokens=max(o.num_cached_tokens for o in outputs),
+        logprobs=(None if all(o.logprobs is None for o in outputs)
+                  else [p for o in outputs for p in o.logprobs or ()]),
     )
 
 
@@ -513,6 +516,8 @@ class EngineFrontend:
                 live.request.request_id, d.text, list(d.token_ids), d.finished,
                 d.finish_reason, getattr(d, "error", None), live.num_prompt_tokens,
                 live.num_generated_tokens, at=now,
+                num_cached_tokens=getattr(d, "num_cached_tokens", 0),
+                logprobs=getattr(d, "logprobs", None),
             ))
 
     def _forget(self, live: _Live) -> None:

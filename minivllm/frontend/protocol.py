@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from ..outputs import EngineStats
+from ..outputs import EngineStats, TokenLogprob
 from ..sampling_params import SamplingParams
 
 ProgressFn = Callable[[str, float], None]
@@ -56,6 +56,9 @@ class RequestOutput:
     "stop", "length", "abort" or "error" (then `error` says why). `at` is the
     `time.monotonic()` when the engine produced it; an output merged from several
     (`merge_outputs`) has the last one's `at` and the first one's in `first_at`.
+    `num_cached_tokens` counts the prompt tokens found in the prefix cache (known from
+    the first generated token on). `logprobs` has one entry per token in `token_ids`
+    when the request asked for logprobs.
 
     NOTE: not a frozen dataclass: one is built per request per engine step, and a frozen
     one's __init__ (object.__setattr__ per field) costs ~4x as much on the engine thread.
@@ -74,6 +77,8 @@ class RequestOutput:
     opens_thinking: bool = False  # the templated prompt ends inside <think>
     at: float = 0.0
     first_at: float = 0.0  # 0: not merged (the output's own `at`)
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def since(self) -> float:

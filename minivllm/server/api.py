@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP face of an `EngineClient` (FastAPI).
 
-Routes: GET /health, GET /metrics, GET /v1/models, POST /v1/completions,
-POST /v1/chat/completions (non-streaming, or SSE chunks ending in `data: [DONE]`).
+Routes: GET /health (503 while the engine loads), GET /metrics, GET /v1/models,
+POST /v1/completions, POST /v1/chat/completions (non-streaming, or SSE chunks ending in
+`data: [DONE]`), and vLLM's POST /tokenize, POST /detokenize, GET /version. A request's
+`X-Request-Id` header is echoed on its response and names it (`chatcmpl-<id>`).
 Every error is OpenAI's JSON shape `{"error": {"message", "type", "param", "code"}}`
 with its HTTP status; a request that fails never stops the server.
 
@@ -16,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib.metadata
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -30,8 +34,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.llm_engine import encode_text
 from ..frontend import GenerateRequest, RequestOutput, render_chat_prompt
+from ..outputs import TokenLogprob
 from .metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
-from .protocol import BadField, ChatCompletionRequest, CompletionRequest
+from .protocol import (
+    BadField,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    template_messages,
+)
 
 # The engine's reasons in OpenAI's vocabulary ("abort": the server stopped the request).
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
@@ -78,9 +90,10 @@ class _Chunks:
     """
 
     def __init__(self, chat: bool, head: dict[str, Any], include_usage: bool,
-                 with_ids: bool) -> None:
+                 with_ids: bool, continuous_usage: bool = False) -> None:
         self.chat, self.head = chat, head
         self.include_usage, self.with_ids = include_usage, with_ids
+        self.continuous_usage = continuous_usage  # every chunk carries the usage so far
         open_ = b"data: " + _dumps(head)[:-1]  # '{"id":...,"model":"..."' without its "}"
         if chat:
             self._pre = open_ + b',"choices":[{"index":0,"delta":{"content":'
@@ -90,23 +103,34 @@ class _Chunks:
             self._mid = b',"logprobs":null,"finish_reason":null'
         self._post = b"}]" + (b',"usage":null' if include_usage else b"") + b"}\n\n"
 
-    def text(self, text: str, token_ids: list[int]) -> bytes:
+    def text(self, text: str, token_ids: list[int], usage: dict[str, Any] | None = None,
+             logprobs: dict[str, Any] | None = None) -> bytes:
+        if logprobs is not None:
+            choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": None}
+            if self.chat:
+                choice["delta"] = {"content": text}
+            else:
+                choice["text"] = text
+            if self.with_ids:
+                choice["token_ids"] = token_ids
+            return self._event(choice, usage)
         ids = b',"token_ids":' + _dumps(token_ids) if self.with_ids else b""
-        return self._pre + _dumps(text) + self._mid + ids + self._post
+        post = self._post if usage is None else b'}],"usage":' + _dumps(usage) + b"}\n\n"
+        return self._pre + _dumps(text) + self._mid + ids + post
 
-    def _event(self, choice: dict[str, Any]) -> bytes:
+    def _event(self, choice: dict[str, Any], usage: dict[str, Any] | None = None) -> bytes:
         payload = {**self.head, "choices": [choice]}
         if self.include_usage:
-            payload["usage"] = None
+            payload["usage"] = usage
         return _sse(payload)
 
-    def opening(self) -> bytes:
+    def opening(self, usage: dict[str, Any] | None = None) -> bytes:
         if not self.chat:
             return b""
         return self._event({"index": 0, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None})
+                            "logprobs": None, "finish_reason": None}, usage)
 
-    def finish(self, reason: str) -> bytes:
+    def finish(self, reason: str, usage: dict[str, Any] | None = None) -> bytes:
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
         if self.chat:
             choice["delta"] = {}
@@ -114,10 +138,102 @@ class _Chunks:
             choice["text"] = ""
         if self.with_ids:
             choice["token_ids"] = []
-        return self._event(choice)
+        return self._event(choice, usage)
 
     def usage(self, usage: dict[str, int]) -> bytes:
         return _sse({**self.head, "choices": [], "usage": usage})
+
+
+ACCESS_KEY = "minivllm.access"  # the ASGI scope key of a request's `_Access`
+
+
+@dataclass
+class _Access:
+    """What a request's access-log line says besides its status (its route fills it)."""
+
+    request_id: str = "-"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft: float | None = None
+
+
+class _AccessLog:
+    """Echoes a request's `X-Request-Id` header on its response, and logs one line per
+    request (not /health, /metrics: probes and scrapes) at info level once its response
+    has ended: id, status, prompt and completion tokens, time to first token, duration.
+    Plain ASGI, like `_ApiKeyCheck`: SSE chunks pass straight through."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
+        logged = scope["path"] not in ("/health", "/metrics")
+        if given is None and not logged:
+            await self.app(scope, receive, send)
+            return
+        record = scope[ACCESS_KEY] = _Access()
+        status = 499  # the client left before the response began
+        start = time.monotonic()
+
+        async def send_echoing(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                if given is not None:
+                    message = {**message, "headers": [*message.get("headers", ()),
+                                                      (b"x-request-id", given)]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_echoing)
+        finally:
+            if logged:
+                ttft = "-" if record.ttft is None else f"{record.ttft:.3f}s"
+                logger.info('minivllm serve: "%s %s" %d id=%s prompt_tokens=%d '
+                            "completion_tokens=%d ttft=%s duration=%.3fs", scope["method"],
+                            scope["path"], status, record.request_id, record.prompt_tokens,
+                            record.completion_tokens, ttft, time.monotonic() - start)
+
+
+class _Logprobs:
+    """The engine's logprobs of one request in OpenAI's shapes: chat's `{"content": [...]}`
+    or completions' `{tokens, token_logprobs, top_logprobs, text_offset}`. A token's text
+    is that token decoded alone (a token holding part of a character shows U+FFFD)."""
+
+    def __init__(self, tokenizer: Any, chat: bool) -> None:
+        self.tokenizer, self.chat = tokenizer, chat
+        self.offset = 0  # completions: where the next token starts in the text
+        self._texts: dict[int, str] = {}
+
+    def _text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self._text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def format(self, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+        if self.chat:
+            return {"content": [
+                {**self._entry(p.token_id, p.logprob),
+                 "top_logprobs": [self._entry(t, v) for t, v in p.top.items()]}
+                for p in logprobs]}
+        tokens = [self._text(p.token_id) for p in logprobs]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offset)
+            self.offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [p.logprob for p in logprobs],
+                "top_logprobs": [{self._text(t): v for t, v in p.top.items()}
+                                 for p in logprobs],
+                "text_offset": offsets}
 
 
 class _ApiKeyCheck:
@@ -219,8 +335,14 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
     the client has one, tokenizes prompts here (on worker threads)."""
     app = FastAPI(title="minivllm", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(client, model_name)
-    info = client.info
-    max_len = max_model_len or (info.max_len if info is not None else 4096)
+
+    def context_len() -> int:
+        """The context length: the engine's, known once it has loaded."""
+        info = client.info
+        return max_model_len or (info.max_len if info is not None else 4096)
+
+    def loading() -> bool:
+        return bool(getattr(client, "loading", False))
     created = int(time.time())
     app.state.client = client
     app.state.metrics = metrics
@@ -228,6 +350,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
     if api_key is not None:
         app.add_middleware(_ApiKeyCheck, api_key=api_key)
     app.add_middleware(_BodyLimit, limit=max_request_bytes)
+    app.add_middleware(_AccessLog)  # outermost: refused requests are logged too
     vocab_bound: dict[int, int | None] = {}  # id(tokenizer) -> _chars_per_token
 
     @app.exception_handler(ApiError)
@@ -265,6 +388,9 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
 
     @app.get("/health")
     async def health() -> Response:
+        if loading():
+            return error_response(503, "the engine is loading", "server_error",
+                                  code="engine_loading")
         if client.error is not None:
             return error_response(503, f"the engine stopped: {client.error}", "server_error")
         return Response(status_code=200)
@@ -275,12 +401,18 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
+        check_model(model_name)  # 503 while the engine loads: its context is not known yet
+        info = client.info
         card = {"id": model_name, "object": "model", "created": created,
                 "owned_by": "minivllm", "root": info.model if info else model_name,
-                "max_model_len": max_len}
+                "max_model_len": context_len()}
         return {"object": "list", "data": [card]}
 
     def check_model(name: str) -> None:
+        """The model is ours and ready (requests sent while it loads get 503)."""
+        if loading():
+            raise ApiError(503, "the engine is loading: retry once /health answers 200",
+                           "server_error", code="engine_loading")
         if name != model_name:
             raise ApiError(404, f"The model `{name}` does not exist (this server serves "
                            f"`{model_name}`).", "not_found_error", "model", "model_not_found")
@@ -311,7 +443,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
             logger.warning("minivllm serve: ignored request fields unknown to this server: "
                            "%s", ", ".join(unknown))
         try:
-            return body.sampling_params(body.requested_max_tokens()[1] or max_len)
+            return body.sampling_params(body.requested_max_tokens()[1] or context_len())
         except BadField as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
 
@@ -320,6 +452,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         """The prompt's token ids (on a worker thread); a text that cannot fit the context
         whatever it tokenizes to is refused without tokenizing it."""
         texts = [prompt] if messages is None else [m["content"] for m in messages]
+        max_len = context_len()
         key = id(tokenizer)
         if key not in vocab_bound:
             vocab_bound[key] = _chars_per_token(tokenizer)
@@ -359,6 +492,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
             return GenerateRequest(request_id, params, prompt=prompt, messages=messages,
                                    chat_template_kwargs=kwargs)
         n = len(ids)
+        max_len = context_len()
         if n >= max_len:
             raise ApiError(400, f"This model's maximum context length is {max_len} tokens. "
                            f"However, your request has {n} input tokens ({field}). Please "
@@ -377,22 +511,40 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                            ) from None
         return GenerateRequest(request_id, params, prompt=ids)
 
+    def access(http: Request) -> _Access:
+        return http.scope.get(ACCESS_KEY) or _Access()
+
+    def request_id_of(http: Request, prefix: str) -> str:
+        """`prefix-<X-Request-Id>` when the client named its request, else a new id."""
+        request_id = f"{prefix}-{http.headers.get('x-request-id') or uuid.uuid4().hex}"
+        access(http).request_id = request_id
+        return request_id
+
+    def account(record: _Access, timer: RequestTimer, last: RequestOutput) -> None:
+        record.prompt_tokens = last.num_prompt_tokens
+        record.completion_tokens = last.num_generated_tokens
+        record.ttft = timer.ttft
+
     async def collect(stream: AsyncIterator[RequestOutput], first: RequestOutput,
-                      timer: RequestTimer) -> tuple[str, RequestOutput]:
+                      timer: RequestTimer, record: _Access
+                      ) -> tuple[str, RequestOutput, list[TokenLogprob]]:
         texts = [first.text]
         last = first
+        logprobs: list[TokenLogprob] = []
         try:
             async for out in stream:
                 timer.output(out.at, len(out.token_ids))
                 texts.append(out.text)
+                logprobs += out.logprobs or ()
                 last = out
         finally:
             await stream.aclose()
+            account(record, timer, last)
         timer.finish(time.monotonic(), last.num_prompt_tokens, last.finish_reason)
         if last.finish_reason == "error":
             status = 503 if client.error is not None else 500
             raise ApiError(status, f"generation failed: {last.error}", "server_error")
-        return "".join(texts), last
+        return "".join(texts), last, logprobs
 
     async def until_disconnect(http: Request, work: Any) -> Any:
         """Await `work`, cancelling it (which aborts its request) if the client leaves."""
@@ -405,92 +557,169 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                 task.cancel()
                 raise ApiError(499, "the client closed the connection")
 
-    def usage(out: RequestOutput) -> dict[str, int]:
+    def usage(out: RequestOutput) -> dict[str, Any]:
+        """OpenAI's usage; `cached_tokens`: the prompt tokens the prefix cache held."""
         return {"prompt_tokens": out.num_prompt_tokens,
                 "completion_tokens": out.num_generated_tokens,
-                "total_tokens": out.num_prompt_tokens + out.num_generated_tokens}
+                "total_tokens": out.num_prompt_tokens + out.num_generated_tokens,
+                "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
     async def sse(stream: AsyncIterator[RequestOutput], first: RequestOutput,
-                  timer: RequestTimer, chunks: _Chunks) -> AsyncIterator[bytes]:
+                  timer: RequestTimer, chunks: _Chunks, record: _Access,
+                  logprobs: _Logprobs | None) -> AsyncIterator[bytes]:
         """The SSE body. Cancelled when the client goes away: closing `stream` then aborts
         the request in the engine (its blocks are freed on the next step)."""
         last = first
+        running = usage if chunks.continuous_usage else (lambda out: None)
         try:
-            opening = chunks.opening()
+            opening = chunks.opening(running(first))
             if opening:
                 yield opening
             async for out in stream:
                 last = out
                 timer.output(out.at, len(out.token_ids))
                 if out.finish_reason == "error":
-                    yield chunks.finish("error")  # then why (OpenAI's client raises on it)
+                    # Then why (OpenAI's client raises on it).
+                    yield chunks.finish("error", running(out))
                     yield _sse({"error": {"message": f"generation failed: {out.error}",
                                           "type": "server_error", "param": None,
                                           "code": None}})
                     break
                 if out.text or (chunks.with_ids and out.token_ids):
-                    yield chunks.text(out.text, out.token_ids)
+                    lps = (logprobs.format(out.logprobs or [])
+                           if logprobs is not None else None)
+                    yield chunks.text(out.text, out.token_ids, running(out), lps)
                 if out.finished:
-                    yield chunks.finish(FINISH_REASONS.get(out.finish_reason or "", "stop"))
+                    yield chunks.finish(FINISH_REASONS.get(out.finish_reason or "", "stop"),
+                                        running(out))
             if chunks.include_usage:
                 yield chunks.usage(usage(last))
             yield b"data: [DONE]\n\n"
         finally:
             await stream.aclose()
+            account(record, timer, last)
             timer.finish(time.monotonic(), last.num_prompt_tokens,
                          last.finish_reason if last.finished else "abort")
 
     def streaming_response(body: Any, chat: bool, request_id: str, created: int,
                            stream: AsyncIterator[RequestOutput], first: RequestOutput,
-                           timer: RequestTimer) -> StreamingResponse:
+                           timer: RequestTimer, record: _Access) -> StreamingResponse:
         head = {"id": request_id,
                 "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": created, "model": model_name}
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = _Chunks(chat, head, include_usage, body.return_token_ids)
-        return StreamingResponse(sse(stream, first, timer, chunks),
+        options = body.stream_options
+        include_usage = bool(options and options.include_usage)
+        # As vLLM: running usage on every chunk needs include_usage too.
+        continuous = include_usage and bool(options and options.continuous_usage_stats)
+        chunks = _Chunks(chat, head, include_usage, body.return_token_ids, continuous)
+        return StreamingResponse(sse(stream, first, timer, chunks, record,
+                                     logprobs_of(body, chat)),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    def whole_response(kind: str, request_id: str, created: int, choice: dict[str, Any],
-                       last: RequestOutput) -> dict[str, Any]:
+    def logprobs_of(body: Any, chat: bool) -> _Logprobs | None:
+        """The request's logprobs formatter (None: it asked for none)."""
+        if body.num_logprobs() is None:
+            return None
+        return _Logprobs(client.tokenizer, chat)
+
+    def whole_response(body: Any, kind: str, request_id: str, created: int,
+                       choice: dict[str, Any], last: RequestOutput,
+                       logprobs: list[TokenLogprob]) -> dict[str, Any]:
         """A non-streamed reply: one choice (`text` or `message`) and the usage."""
         finish = FINISH_REASONS.get(last.finish_reason or "", "stop")
+        formatter = logprobs_of(body, kind == "chat.completion")
+        lps = formatter.format(logprobs) if formatter is not None else None
         return {"id": request_id, "object": kind, "created": created, "model": model_name,
-                "choices": [{"index": 0, **choice, "logprobs": None, "finish_reason": finish}],
+                "choices": [{"index": 0, **choice, "logprobs": lps, "finish_reason": finish}],
                 "usage": usage(last)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Any:
+        request_id = request_id_of(http, "chatcmpl")
         check_model(body.model)
         params = params_of(body)
         try:
             template_kwargs = body.template_kwargs(trust_request_chat_template)
         except BadField as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
         request = await admit(body, params, request_id, "messages",
                               messages=body.template_messages(),
                               template_kwargs=template_kwargs)
         stream, first, timer = await start(request, "messages")
         now = int(time.time())
         if not body.stream:
-            text, last = await until_disconnect(http, collect(stream, first, timer))
+            text, last, lps = await until_disconnect(
+                http, collect(stream, first, timer, access(http)))
             choice = {"message": {"role": "assistant", "content": text}}
-            return whole_response("chat.completion", request_id, now, choice, last)
-        return streaming_response(body, True, request_id, now, stream, first, timer)
+            return whole_response(body, "chat.completion", request_id, now, choice, last, lps)
+        return streaming_response(body, True, request_id, now, stream, first, timer,
+                                  access(http))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request) -> Any:
+        request_id = request_id_of(http, "cmpl")
         check_model(body.model)
         params = params_of(body)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
         request = await admit(body, params, request_id, "prompt", prompt=body.prompt)
         stream, first, timer = await start(request, "prompt")
         now = int(time.time())
         if not body.stream:
-            text, last = await until_disconnect(http, collect(stream, first, timer))
-            return whole_response("text_completion", request_id, now, {"text": text}, last)
-        return streaming_response(body, False, request_id, now, stream, first, timer)
+            text, last, lps = await until_disconnect(
+                http, collect(stream, first, timer, access(http)))
+            return whole_response(body, "text_completion", request_id, now, {"text": text},
+                                  last, lps)
+        return streaming_response(body, False, request_id, now, stream, first, timer,
+                                  access(http))
+
+    def tokenizer_for(model: str | None) -> Any:
+        """The tokenizer requests are tokenized with (`model`, when given, must be ours)."""
+        if model is not None:
+            check_model(model)
+        elif loading():
+            check_model(model_name)  # the loading 503
+        tokenizer = getattr(client, "tokenizer", None)
+        if tokenizer is None:
+            raise ApiError(501, "this server has no copy of the model's tokenizer",
+                           "server_error")
+        return tokenizer
+
+    @app.post("/tokenize")
+    async def tokenize_text(body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's: the token ids a prompt (or chat messages, templated) costs."""
+        tokenizer = tokenizer_for(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
+
+        def run() -> list[int]:
+            prompt = body.prompt
+            if body.messages is not None:
+                prompt = render_chat_prompt(tokenizer, template_messages(body.messages))
+            return encode_text(tokenizer, prompt or "")
+
+        try:
+            ids = await asyncio.to_thread(run)
+        except ValueError as exc:  # a prompt that tokenizes to nothing
+            field = "prompt" if body.messages is None else "messages"
+            raise ApiError(400, f"{field}: {str(exc).removeprefix('prompt: ')}",
+                           param=field) from None
+        strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": context_len(), "tokens": ids,
+                "token_strs": strs}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's: the text of token ids."""
+        tokenizer = tokenizer_for(body.model)
+        size = len(tokenizer)
+        bad = next((t for t in body.tokens if not 0 <= t < size), None)
+        if bad is not None:
+            raise ApiError(400, f"tokens: {bad} is not a token id of this model (0 to "
+                           f"{size - 1})", param="tokens")
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens)}
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": importlib.metadata.version("minivllm")}
 
     return app

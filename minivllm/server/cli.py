@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -55,6 +58,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stand-in-ms", type=float, nargs=2, metavar=("HOST", "DEVICE"),
                    help="benchmarks only: no model; each step costs HOST ms of Python and "
                    "DEVICE ms of GIL-free waiting (e.g. 0.3 1.4 is an H200's decode step)")
+    p.add_argument("--stand-in-load-s", type=float, default=0.0, metavar="SECONDS",
+                   help="with --stand-in-ms: the engine takes this long to load, as weights "
+                   "do (to try readiness probes and routers)")
 
 
 ENGINE_KEYS = ("max_model_length", "max_num_sequences", "max_num_batched_tokens", "block_size",
@@ -79,6 +85,7 @@ def build_engine(args: argparse.Namespace, on_progress: Any = None) -> Any:
 
         host_ms, device_ms = args.stand_in_ms
         return stand_in_engine(engine_config(args), host_ms=host_ms, device_ms=device_ms,
+                               load_s=getattr(args, "stand_in_load_s", 0.0),
                                on_progress=on_progress)
     from minivllm import LLMEngine
 
@@ -128,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.port <= 65535:
         print(f"minivllm serve: --port {args.port}: must be in [0, 65535]", file=sys.stderr)
         return 1
+    if args.stand_in_load_s < 0 or (args.stand_in_load_s and not args.stand_in_ms):
+        print(f"minivllm serve: --stand-in-load-s {args.stand_in_load_s}: needs "
+              "--stand-in-ms and must be >= 0", file=sys.stderr)
+        return 1
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         print(f"minivllm serve: --max-request-bytes {args.max_request_bytes}: must be >= 1",
               file=sys.stderr)
@@ -150,8 +161,16 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     from .api import DEFAULT_MAX_REQUEST_BYTES, build_app
 
     sys.setswitchinterval(SWITCH_INTERVAL_S)  # see its note
+    # The server's own lines (warnings; per-request access lines at info) on stderr,
+    # at --log-level like uvicorn's.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    server_log = logging.getLogger("minivllm.server")
+    server_log.addHandler(handler)
+    server_log.setLevel(args.log_level.upper())
+    server_log.propagate = False
 
-    def start_engine() -> Any:
+    def start_engine(client_box: list[Any] | None = None) -> Any:
         frontend: Any
         if args.engine_process:
             frontend = EngineProcessClient(functools.partial(build_engine, args))
@@ -160,16 +179,12 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
             # half speed elsewhere).
             frontend = EngineFrontend(engine_factory=functools.partial(build_engine, args),
                                       owns_engine=True)
+        if client_box is not None:
+            client_box.append(frontend)
         frontend.start(_progress)
         return frontend
 
-    try:
-        frontend = _Supervised(start_engine(), start_engine, restart=args.restart_engine)
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as exc:
-        print(f"minivllm serve: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    frontend = _Supervised(start_engine, restart=args.restart_engine)
     name = args.served_model_name or args.model
     app = build_app(frontend, model_name=name, api_key=args.api_key,
                     trust_request_chat_template=args.trust_request_chat_template,
@@ -178,18 +193,23 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
                             access_log=False)
     server = _Server(config, frontend)
     stop = threading.Event()
-    watcher = threading.Thread(target=frontend.watch, args=(server, stop),
+    # The port answers while the model loads (/health: 503 until it is ready), so a
+    # router or an orchestrator's readiness probe can tell loading from down.
+    watcher = threading.Thread(target=frontend.load_then_watch, args=(server, stop),
                                name="minivllm-engine-watch", daemon=True)
     try:
         port = sock.getsockname()[1]
-        print(f"minivllm serve: {name} on http://{args.host}:{port}/v1",
+        print(f"minivllm serve: {name} on http://{args.host}:{port}/v1 (loading)",
               file=sys.stderr, flush=True)
         watcher.start()
         server.run(sockets=[sock])
     finally:
         stop.set()
-        watcher.join(5)
         frontend.close()  # aborts what is left and exits the engine (and its TP workers)
+        watcher.join(5)
+    if frontend.load_failed is not None:
+        print(f"minivllm serve: {frontend.load_failed}", file=sys.stderr, flush=True)
+        return 1
     if frontend.died is not None:
         print(f"minivllm serve: exiting, the engine stopped: {frontend.died}",
               file=sys.stderr, flush=True)
@@ -201,46 +221,60 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
 
 
 class _Supervised:
-    """The engine client the app talks to, watched by `watch`: when the engine dies (its
-    process killed, its loop crashed) the server stops with status 1, so that whatever
-    supervises it restarts it, or, with `restart`, a new engine is started and serves
-    the next request. Open requests have already failed with the old engine."""
+    """The engine client the app talks to. `load_then_watch` (on its own thread) starts
+    the engine while the server already answers (`loading` until then), then polls its
+    health: when the engine dies (its process killed, its loop crashed) the server stops
+    with status 1, so that whatever supervises it restarts it, or, with `restart`, a new
+    engine is started and serves the next request. Open requests have already failed
+    with the old engine."""
 
-    def __init__(self, client: Any, start: Callable[[], Any], *, restart: bool) -> None:
-        self.current = client
+    def __init__(self, start: Callable[[list[Any] | None], Any], *, restart: bool) -> None:
+        self.current: Any = None
         self._start = start
         self._restart = restart
         self._restarting: str | None = None
+        self._starting: list[Any] = []  # the client being started, for close()
+        self._loaded = threading.Event()
+        self._closed = False
+        self.load_failed: str | None = None  # why the first start failed
         self.died: str | None = None  # why the server is stopping, once it is
 
     @property
+    def loading(self) -> bool:
+        return self.current is None and self.load_failed is None
+
+    @property
     def info(self) -> Any:
-        return self.current.info
+        return None if self.current is None else self.current.info
 
     @property
     def error(self) -> str | None:
         if self._restarting is not None:
             return f"the engine is restarting after it stopped: {self._restarting}"
-        return self.current.error
+        if self.load_failed is not None:
+            return f"the engine failed to load: {self.load_failed}"
+        return None if self.current is None else self.current.error
 
     @property
     def tokenizer(self) -> Any:
-        return self.current.tokenizer
+        return None if self.current is None else self.current.tokenizer
 
     def add_request(self, request: Any, on_output: Any) -> None:
         self.current.add_request(request, on_output)
 
     def abort(self, request_id: str) -> None:
-        self.current.abort(request_id)
+        if self.current is not None:
+            self.current.abort(request_id)
 
     def abort_all(self, refuse_new: bool = False) -> None:
-        self.current.abort_all(refuse_new)
+        if self.current is not None:
+            self.current.abort_all(refuse_new)
 
     def stats(self) -> Any:
-        return self.current.stats()
+        return None if self.current is None else self.current.stats()
 
     def prefix_cache_counters(self) -> Any:
-        return self.current.prefix_cache_counters()
+        return None if self.current is None else self.current.prefix_cache_counters()
 
     def generate(self, request: Any) -> Any:
         from ..frontend import stream_outputs
@@ -248,7 +282,31 @@ class _Supervised:
         return stream_outputs(self, request)
 
     def close(self) -> None:
-        self.current.close()
+        """Stop a load in progress (its engine process is terminated), then the engine."""
+        self._closed = True
+        if not self._loaded.is_set():
+            pid = getattr(next(iter(self._starting), None), "pid", None)
+            if pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+            self._loaded.wait()
+        if self.current is not None:
+            self.current.close()
+
+    def load_then_watch(self, server: uvicorn.Server, stop: threading.Event) -> None:
+        try:
+            self.current = self._start(self._starting)
+        except BaseException as exc:  # noqa: BLE001 - the server exits with its message
+            if not self._closed:  # not a load that close() stopped
+                self.load_failed = str(exc) or type(exc).__name__
+            server.should_exit = True
+            return
+        finally:
+            self._loaded.set()
+        if self._closed:
+            return
+        print("minivllm serve: the engine is ready", file=sys.stderr, flush=True)
+        self.watch(server, stop)
 
     def watch(self, server: uvicorn.Server, stop: threading.Event) -> None:
         """Poll the engine's health until `stop`; act on its death."""
@@ -257,13 +315,15 @@ class _Supervised:
             error = client.error
             if error is None:
                 continue
+            if stop.is_set():  # the server is closing the engine itself
+                return
             client.close()  # waits for the dead child: no zombie left behind
             if self._restart:
                 print(f"minivllm serve: the engine stopped ({error}); starting a new one",
                       file=sys.stderr, flush=True)
                 self._restarting = error
                 try:
-                    self.current = self._start()
+                    self.current = self._start(None)
                     self._restarting = None
                     continue
                 except Exception as exc:  # noqa: BLE001 - then the server stops

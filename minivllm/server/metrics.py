@@ -1,4 +1,6 @@
-"""Prometheus metrics with vLLM's names under `minivllm:`.
+"""Prometheus metrics under vLLM's own names (`vllm:` prefix, label `model_name`), so a
+router or dashboard set up for vLLM replicas reads ours unchanged; the few figures vLLM
+has no metric for keep a `minivllm:` prefix.
 
 Request-level figures (token counters, TTFT, inter-token latency, end-to-end latency)
 are observed by the server as outputs arrive. Engine gauges (running / waiting requests,
@@ -43,7 +45,7 @@ class _EngineCollector(Collector):
         stats = self.frontend.stats()
         info = self.frontend.info
         if info is not None:
-            g = GaugeMetricFamily("minivllm:cache_config_info", "KV cache and engine configuration",
+            g = GaugeMetricFamily("vllm:cache_config_info", "KV cache and engine configuration",
                                   labels=["block_size", "num_gpu_blocks", "device", "dtype",
                                           "world_size", "max_model_len"])
             g.add_metric([str(info.block_size), str(info.num_blocks), info.device, info.dtype,
@@ -58,34 +60,39 @@ class _EngineCollector(Collector):
                                         generation_tokens_per_s=0.0)
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(f"minivllm:{name}", doc, labels=labels)
+            g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric(values, value)
             return g
 
-        yield gauge("num_requests_running", "Requests in the running batch", stats.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled", stats.num_waiting)
-        yield gauge("kv_cache_usage_perc", "KV cache usage (1 means 100 percent)",
+        yield gauge("vllm:num_requests_running", "Requests in the running batch",
+                    stats.num_running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled",
+                    stats.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 means 100 percent)",
                     stats.kv_cache_usage)
-        yield gauge("num_kv_cache_blocks_used", "KV cache blocks in use", stats.num_used_blocks)
-        yield gauge("num_kv_cache_blocks", "KV cache blocks in the pool", stats.num_blocks)
-        yield gauge("prefix_cache_hit_rate", "Share of prompt tokens found in the prefix cache",
+        yield gauge("minivllm:num_kv_cache_blocks_used", "KV cache blocks in use",
+                    stats.num_used_blocks)
+        yield gauge("minivllm:num_kv_cache_blocks", "KV cache blocks in the pool",
+                    stats.num_blocks)
+        yield gauge("minivllm:prefix_cache_hit_rate",
+                    "Share of prompt tokens found in the prefix cache",
                     stats.prefix_cache_hit_rate)
-        yield gauge("avg_prompt_throughput_toks_per_s", "Prompt tokens per second (1 s window)",
-                    stats.prompt_tokens_per_s)
-        yield gauge("avg_generation_throughput_toks_per_s",
+        yield gauge("minivllm:avg_prompt_throughput_toks_per_s",
+                    "Prompt tokens per second (1 s window)", stats.prompt_tokens_per_s)
+        yield gauge("minivllm:avg_generation_throughput_toks_per_s",
                     "Generated tokens per second (1 s window)", stats.generation_tokens_per_s)
-        c = CounterMetricFamily("minivllm:num_preemptions", "Preemptions since start",
+        c = CounterMetricFamily("vllm:num_preemptions", "Preemptions since start",
                                 labels=labels)
         c.add_metric(values, stats.num_preemptions)
         yield c
         counters = getattr(self.frontend, "prefix_cache_counters", None)
-        if counters is not None:
-            pc = counters()
-            q = CounterMetricFamily("minivllm:prefix_cache_queries",
+        pc = counters() if counters is not None else None
+        if pc is not None:
+            q = CounterMetricFamily("vllm:prefix_cache_queries",
                                     "Prompt tokens looked up in the prefix cache", labels=labels)
             q.add_metric(values, pc.queries)
             yield q
-            h = CounterMetricFamily("minivllm:prefix_cache_hits",
+            h = CounterMetricFamily("vllm:prefix_cache_hits",
                                     "Prompt tokens found in the prefix cache", labels=labels)
             h.add_metric(values, pc.hits)
             yield h
@@ -100,10 +107,10 @@ class ServerMetrics:
         labels = ["model_name"]
 
         def counter(name: str, doc: str, extra: list[str] = ()) -> Counter:
-            return Counter(f"minivllm:{name}", doc, [*labels, *extra], registry=self.registry)
+            return Counter(f"vllm:{name}", doc, [*labels, *extra], registry=self.registry)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(f"minivllm:{name}", doc, labels, buckets=buckets,
+            return Histogram(f"vllm:{name}", doc, labels, buckets=buckets,
                              registry=self.registry)
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
@@ -137,6 +144,7 @@ class RequestTimer:
         self.m = metrics
         self.start: float | None = None
         self.last: float | None = None
+        self.ttft: float | None = None  # seconds from submission to the first token
         self.num_generated = 0
 
     def begin(self, at: float) -> None:
@@ -148,7 +156,8 @@ class RequestTimer:
         m = self.m
         m.generation_tokens_of.inc(num_new_tokens)
         if self.last is None:
-            m.ttft_of.observe(max(0.0, at - self.start))
+            self.ttft = max(0.0, at - self.start)
+            m.ttft_of.observe(self.ttft)
             num_new_tokens -= 1
         elif num_new_tokens:
             # Several tokens arriving together share the gap evenly.

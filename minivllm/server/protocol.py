@@ -18,6 +18,7 @@ from ..sampling_params import SamplingParams
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: running usage on every chunk
 
 
 class TextPart(BaseModel):
@@ -39,6 +40,12 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the chat template takes them (OpenAI's `developer` is a system turn)."""
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in messages]
+
+
 class BadField(ValueError):
     """A request field with a value we refuse; becomes a 400 with `param` = the field."""
 
@@ -52,7 +59,6 @@ class BadField(ValueError):
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "logit_bias": (None, {}),
-    "top_logprobs": (None, 0),
     "prompt_logprobs": (None,),
     "guided_json": (None,),
     "guided_regex": (None,),
@@ -79,6 +85,18 @@ _TEMPLATE_RESERVED = frozenset({
     "conversation", "messages", "tools", "documents", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length",
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+MAX_LOGPROBS = 20  # the most top tokens a request may ask for (vLLM's default cap)
+
+
+def _count(name: str, value: Any) -> int | None:
+    """A count of top logprobs: None, or an int in [0, MAX_LOGPROBS]."""
+    if value is None:
+        return None
+    if type(value) is not int or not 0 <= value <= MAX_LOGPROBS:
+        raise BadField(name, f"{name}={value!r}: must be an integer from 0 to {MAX_LOGPROBS}")
+    return value
 
 
 def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
@@ -117,6 +135,10 @@ class _SamplingRequest(BaseModel):
         """The completion-length field the request used, and its value (None: unset)."""
         return "max_tokens", self.max_tokens
 
+    def num_logprobs(self) -> int | None:
+        """How many top tokens each generated token's logprobs list (None: no logprobs)."""
+        return None if self.logprobs is False else _count("logprobs", self.logprobs)
+
     def unknown_fields(self) -> list[str]:
         """Fields nobody here knows (ignored, as vLLM does; the server logs them)."""
         extra = self.model_extra or {}
@@ -129,9 +151,6 @@ class _SamplingRequest(BaseModel):
         for name, allowed in _NEUTRAL.items():
             if name in extra and not _neutral(extra[name], allowed):
                 raise BadField(name, f"{name}={extra[name]!r}: not supported by this server")
-        if self.logprobs not in (None, False, 0):
-            raise BadField("logprobs", f"logprobs={self.logprobs!r}: not supported by this "
-                           "server (it does not return log-probabilities)")
         fmt = self.response_format
         if fmt is not None and fmt != {"type": "text"}:
             raise BadField("response_format", f"response_format={fmt!r}: only "
@@ -161,6 +180,7 @@ class _SamplingRequest(BaseModel):
             "repetition_penalty": (1.0 if self.repetition_penalty is None
                                    else self.repetition_penalty),
             "min_tokens": self.min_tokens,
+            "logprobs": self.num_logprobs(),
         }
         try:
             return SamplingParams(**kwargs)
@@ -182,6 +202,22 @@ class CompletionRequest(_SamplingRequest):
         super().check_supported()
         if self.suffix:
             raise BadField("suffix", "suffix: not supported")
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a `prompt`, or chat `messages` (templated as for a chat
+    completion)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -216,13 +252,22 @@ class ChatCompletionRequest(_SamplingRequest):
                            "to allow that)")
         return kwargs
 
+    top_logprobs: Any = None
+
+    def num_logprobs(self) -> int | None:
+        """Chat's `logprobs` is true or false; `top_logprobs` says how many top tokens."""
+        if self.logprobs not in (None, True, False):
+            raise BadField("logprobs", f"logprobs={self.logprobs!r}: must be true or false "
+                           "(top_logprobs says how many top tokens)")
+        top = _count("top_logprobs", self.top_logprobs)
+        if top is not None and self.logprobs is not True:
+            raise BadField("top_logprobs", f"top_logprobs={top}: needs logprobs=true")
+        return (top or 0) if self.logprobs else None
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.tools:
             raise BadField("tools", "tools: tool calling is not supported")
 
     def template_messages(self) -> list[dict[str, str]]:
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+        return template_messages(self.messages)

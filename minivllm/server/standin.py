@@ -105,9 +105,11 @@ def _runner_replaced(host_ms: float, device_ms: float) -> Iterator[None]:
 
 
 def stand_in_engine(config: dict[str, Any], *, host_ms: float = DEFAULT_HOST_MS,
-                    device_ms: float = DEFAULT_DEVICE_MS, on_progress: Any = None) -> Any:
+                    device_ms: float = DEFAULT_DEVICE_MS, load_s: float = 0.0,
+                    on_progress: Any = None) -> Any:
     """An `LLMEngine` for `config` whose steps cost `host_ms` (GIL held) + `device_ms`
-    (GIL free), with overlapped scheduling on, as on the GPU."""
+    (GIL free), with overlapped scheduling on, as on the GPU; building it takes `load_s`
+    seconds more, as loading weights would."""
     from minivllm import LLMEngine
 
     if host_ms < 0 or device_ms <= 0:
@@ -115,5 +117,9 @@ def stand_in_engine(config: dict[str, Any], *, host_ms: float = DEFAULT_HOST_MS,
                          f"device_ms={device_ms} > 0")
     # A model with a tokenizer (SmolLM2's folder) makes the stand-in detokenize too.
     config = {**config, "device": "cpu", "async_scheduling": True}
+    if load_s > 0:
+        if on_progress is not None:
+            on_progress("loading (stand-in)", 0.0)
+        time.sleep(load_s)
     with _runner_replaced(host_ms, device_ms):
         return LLMEngine(config, on_progress=on_progress)
