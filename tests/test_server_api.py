@@ -425,3 +425,36 @@ def test_bad_logprobs_values_are_refused_by_name(server, path, field, value):
     r = httpx.post(f"{url}{path}", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field and repr(value) in r.json()["error"]["message"]
+
+
+def test_prompt_tokens_are_counted_as_they_are_prefilled(tmp_path, smollm2_path):
+    # A long prompt prefilled 32 tokens a step (20 ms each): the prompt-token counter that
+    # the app's panel (and a dashboard) reads moves while the prefill runs, not at the end.
+    flags = ["--stand-in-ms", "0.1", "20", "--max-model-len", "1024", "--block-size", "16",
+             "--max-num-batched-tokens", "32", "--served-model-name", SMOL]
+    proc, url = launch_server([str(smollm2_path), *flags], tmp_path / "server.log",
+                              cwd=tmp_path)
+    try:
+        prompt = list(range(1000, 1800))  # 800 token ids
+        first_token = threading.Event()
+
+        def stream() -> None:
+            body = {"model": SMOL, "prompt": prompt, "max_tokens": 4, "stream": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {") and '"text":""' not in line:
+                        first_token.set()
+
+        counted = lambda: vllm_metrics(url).get("prompt_tokens_total", ({}, 0.0))[1]  # noqa: E731
+        before = counted()
+        thread = threading.Thread(target=stream)
+        thread.start()
+        seen = []
+        while not first_token.is_set() and thread.is_alive():
+            seen.append(counted() - before)
+        thread.join(120)
+        assert any(0 < n < len(prompt) for n in seen), seen  # part of the prompt, counted
+        assert counted() - before == len(prompt)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)

@@ -540,7 +540,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         finally:
             await stream.aclose()
             account(record, timer, last)
-        timer.finish(time.monotonic(), last.num_prompt_tokens, last.finish_reason)
+        timer.finish(time.monotonic(), last.finish_reason)
         if last.finish_reason == "error":
             status = 503 if client.error is not None else 500
             raise ApiError(status, f"generation failed: {last.error}", "server_error")
@@ -598,8 +598,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         finally:
             await stream.aclose()
             account(record, timer, last)
-            timer.finish(time.monotonic(), last.num_prompt_tokens,
-                         last.finish_reason if last.finished else "abort")
+            timer.finish(time.monotonic(), last.finish_reason if last.finished else "abort")
 
     def streaming_response(body: Any, chat: bool, request_id: str, created: int,
                            stream: AsyncIterator[RequestOutput], first: RequestOutput,

@@ -85,6 +85,12 @@ class _EngineCollector(Collector):
                                 labels=labels)
         c.add_metric(values, stats.num_preemptions)
         yield c
+        # As the engine computes them, chunk by chunk: a long prompt's prefill shows in
+        # the prompt throughput while it runs, not when its request ends.
+        p = CounterMetricFamily("vllm:prompt_tokens", "Prompt tokens computed (prefilled)",
+                                labels=labels)
+        p.add_metric(values, stats.num_prompt_tokens)
+        yield p
         counters = getattr(self.frontend, "prefix_cache_counters", None)
         pc = counters() if counters is not None else None
         if pc is not None:
@@ -113,7 +119,6 @@ class ServerMetrics:
             return Histogram(f"vllm:{name}", doc, labels, buckets=buckets,
                              registry=self.registry)
 
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = counter("generation_tokens", "Tokens generated")
         self.request_success = counter("request_success", "Requests finished, by reason",
                                        ["finished_reason"])
@@ -168,11 +173,10 @@ class RequestTimer:
         self.last = at
         self.num_generated += num_new_tokens
 
-    def finish(self, at: float, num_prompt_tokens: int, reason: str | None) -> None:
+    def finish(self, at: float, reason: str | None) -> None:
         if self.start is None:
             return
         model = self.m._model
-        self.m.prompt_tokens.labels(model).inc(num_prompt_tokens)
         self.m.request_success.labels(model, reason or "abort").inc()
         self.m.e2e.labels(model).observe(max(0.0, at - self.start))
         self.start = None
