@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -242,3 +246,26 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         pad_token_id=0,
     )
     return out[0, len(prompt_ids) :].tolist()
+
+
+def wait_for(condition: Any, timeout: float, what: str) -> Any:
+    """Poll `condition` until it returns something true (returned); fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.05)
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 30) -> int | None:
+    """SIGTERM (if it still runs), then its exit status; killed if it does not exit."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+        return None

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import subprocess
 import time
 
 import httpx
 import pytest
+from conftest import stop_process
 from minivllm.tui.app import create_app
 from minivllm.tui.conversation import Settings
 from minivllm.tui.engine_spec import EngineSpec, engine_process_client
@@ -44,12 +43,7 @@ def server(tmp_path_factory, smollm2_path):
     proc, url = launch_server([str(smollm2_path), *SERVER_FLAGS, "--served-model-name",
                                "smol"], tmp / "server.log", cwd=tmp)
     yield url
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    stop_process(proc, 60)
 
 
 async def app_replies(app) -> list[tuple[str, tuple[int, int] | None]]:

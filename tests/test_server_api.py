@@ -14,12 +14,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from conftest import wait_for
 from minivllm.tui.remote import RemoteClient, parse_metrics
 
 from minivllm.engine.llm_engine import encode_text
@@ -33,16 +33,6 @@ LOAD_S = 15  # the stand-in's load: long enough to be seen loading from outside
 STAND_IN = ["--stand-in-ms", "0.1", "20", "--stand-in-load-s", str(LOAD_S),
             "--max-model-len", "1024", "--max-num-seqs", "2", "--block-size", "16",
             "--served-model-name", SMOL]
-
-
-def wait_for(condition: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(0.05)
 
 
 def answer(url: str, path: str) -> httpx.Response | None:

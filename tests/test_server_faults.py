@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import stop_process, wait_for
 
 from minivllm.frontend.engine_frontend import stream_outputs
 from minivllm.frontend.engine_process import EngineProcessClient
@@ -44,26 +45,6 @@ REAL = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "2048",
         "--block-size", "16", "--num-gpu-blocks-override", "256", "--served-model-name", SMOL]
 
 
-def wait_for(condition: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(0.05)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-
-
 @contextlib.contextmanager
 def serve(tmp: Path, model: Path, *flags: str) -> Iterator[tuple[subprocess.Popen, str, Path]]:
     log = tmp / f"server-{time.monotonic_ns()}.log"
@@ -71,7 +52,7 @@ def serve(tmp: Path, model: Path, *flags: str) -> Iterator[tuple[subprocess.Pope
     try:
         yield proc, url, log
     finally:
-        stop(proc)
+        stop_process(proc)
 
 
 def post(url: str, path: str, body: dict[str, Any], timeout: float = 120) -> httpx.Response:
