@@ -58,6 +58,11 @@ FRAME_HZ = 30  # frames a second: streams are read and new text is shown at most
 # in lines a block already has does not).
 GROW_HZ = 10
 LAGS_KEPT = 10_000  # frame lags kept for the bench (`ChatApp.frame_lags`)
+# A pane with only a little new text (under SHOW_CHARS, as at a CPU's speed: a token or two a
+# frame) waits until its oldest new token is SHOW_WITHIN old: a repaint costs the same for
+# one token as for a line of them.
+SHOW_WITHIN = 0.05
+SHOW_CHARS = 40
 HELP = (
     "Enter sends · ctrl+j newline · Esc or ctrl+c stops · alt+a or /all sends to every pane · "
     "ctrl+r regenerates · ctrl+n/ctrl+w new/close · ctrl+o reopens · alt+1..9 focus · "
@@ -801,6 +806,9 @@ class ChatApp(App):
                     and pane.request_id is not None:
                 pane.set_prefill_progress(progress(str(pane.request_id)))
             oldest = pane.pending_since
+            if (oldest is not None and now - oldest < SHOW_WITHIN
+                    and pane.pending_chars < SHOW_CHARS):
+                continue  # a token or two: shown with the next ones, still within SHOW_WITHIN
             text = await pane.flush(grow=False)
             if text:
                 if oldest is not None:

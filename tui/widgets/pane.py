@@ -274,6 +274,11 @@ class ConversationPane(Vertical):
                 self.set_state("streaming")
         self._buffer(self._cleaner.feed(text))
 
+    @property
+    def pending_chars(self) -> int:
+        """Characters buffered and not shown yet."""
+        return sum(map(len, self._pending))
+
     def _buffer(self, text: str) -> None:
         if text:
             self._pending.append(text)
