@@ -16,32 +16,9 @@ import statistics
 
 import torch
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain photosynthesis in two sentences.",
-    "List three uses of a paperclip.",
-    "What is 17 times 23?",
-    "Tell me a joke about computers.",
-    "How do I boil an egg?",
-    "Translate 'good morning' into Spanish and German.",
-    "Who wrote Romeo and Juliet?",
-    "Give me a short tip for learning to code.",
-    "Why is the sky blue?",
-    "Write a Python function that reverses a string.",
-    "What are the planets of the solar system?",
-    "Describe a cat in one sentence.",
-    "What should I pack for a weekend hike?",
-    "Summarise the plot of Cinderella.",
-    "What is the difference between a list and a tuple in Python?",
-    "Name three famous painters.",
-    "How does a refrigerator keep food cold?",
-    "Suggest a name for a bakery.",
-    "What is machine learning?",
-    "Write a limerick about a dog.",
-    "How many days are in a leap year?",
-    "What is the boiling point of water in Fahrenheit?",
-]
+# The weight-format comparison's 24 chat prompts (this folder is on sys.path when a
+# script here runs).
+from cpu_weight_accuracy import PROMPTS
 
 
 def compare(ref: dict, got: dict) -> dict:
