@@ -269,3 +269,32 @@ def stop_process(proc: subprocess.Popen, timeout: float = 30) -> int | None:
         proc.kill()
         proc.wait(5)
         return None
+
+
+def dummy_engine(**kw):
+    """Qwen3-0.6B's config with random weights on the GPU (the GPU tests' engine)."""
+    from minivllm import LLMEngine
+
+    config = {
+        "model_name_or_path": "Qwen/Qwen3-0.6B",
+        "load_format": "dummy",
+        "gpu_memory_utilization": 0.3,
+        "max_model_length": 4096,
+        "max_num_sequences": 64,
+        "seed": 0,
+        **kw,
+    }
+    return LLMEngine(config)
+
+
+def run_kernel_checks(path: str, group: str) -> None:
+    """Run `path` as a script for one check group in a fresh process: "compile_sm90"
+    compiles for the GPU, any other group runs under Triton's interpreter."""
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
+    if group == "compile_sm90":
+        del env["TRITON_INTERPRET"]
+    proc = subprocess.run([sys.executable, path, group], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"{group} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_engine
+from conftest import run_kernel_checks, tiny_engine
 from minivllm.kernels.store_kvcache import (
     FP8_KV_DTYPE,
     FP8_MAX,
@@ -310,12 +310,7 @@ CHECKS = {"interpreted": check_interpreted, "compile_sm90": check_compile_sm90}
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("group", list(CHECKS))
 def test_fp8_triton_kernels(group: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
-    if group == "compile_sm90":
-        del env["TRITON_INTERPRET"]
-    proc = subprocess.run([sys.executable, __file__, group], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, f"{group} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    run_kernel_checks(__file__, group)
 
 
 # -- the engine ------------------------------------------------------------------------------

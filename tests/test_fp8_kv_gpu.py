@@ -9,10 +9,11 @@ import itertools
 
 import pytest
 import torch
+from conftest import dummy_engine
 from minivllm.kernels.store_kvcache import FP8_KV_DTYPE, dequantize_kv, quantize_kv
 from minivllm.kernels.testing import cos_sin_table, paged_kv, qk_norm_weights, rel_err
 
-from minivllm import LLMEngine, SamplingParams
+from minivllm import SamplingParams
 
 pytestmark = pytest.mark.gpu
 
@@ -161,20 +162,6 @@ def test_fp8_prefill_attention(block_size: int, heads: tuple) -> None:
     _check("prefill", got, want)
 
 
-def _engine(**kw) -> LLMEngine:
-    config = {
-        "model_name_or_path": "Qwen/Qwen3-0.6B",
-        "load_format": "dummy",
-        "gpu_memory_utilization": 0.3,
-        "max_model_length": 4096,
-        "max_num_sequences": 64,
-        "seed": 0,
-        "kv_cache_dtype": "fp8",
-        **kw,
-    }
-    return LLMEngine(config)
-
-
 def _prompts(n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     prefix = torch.randint(0, 151936, (300,), generator=g).tolist()
@@ -190,7 +177,7 @@ def test_fp8_engine_tokens_equal_with_and_without_graphs(dtype: str) -> None:
     prompts = _prompts(8, seed=3)
     out = {}
     for eager in (False, True):
-        llm = _engine(dtype=dtype, enforce_eager=eager, block_size=16,
+        llm = dummy_engine(kv_cache_dtype="fp8", dtype=dtype, enforce_eager=eager, block_size=16,
                       max_num_batched_tokens=512)
         try:
             assert llm.runner.kv_cache.dtype == FP8_KV_DTYPE
@@ -205,7 +192,7 @@ def test_fp8_engine_tokens_equal_with_and_without_graphs(dtype: str) -> None:
 def test_fp8_pool_has_about_twice_the_blocks() -> None:
     blocks = {}
     for kv in ("auto", "fp8"):
-        llm = _engine(kv_cache_dtype=kv)
+        llm = dummy_engine(kv_cache_dtype=kv)
         try:
             blocks[kv] = llm.runner.num_blocks
         finally:

@@ -9,28 +9,16 @@ import random
 
 import pytest
 import torch
+from conftest import dummy_engine
 from test_gpu_engine import engine, prompts, qwen3_06b, run  # noqa: F401 (fixture)
 
-from minivllm import LLMEngine, SamplingParams
+from minivllm import SamplingParams
 from minivllm.engine.batch import ForwardBatch
 from minivllm.engine.compile_watch import TritonCompileWatch
 
 pytestmark = pytest.mark.gpu
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-def dummy_engine(**kw) -> LLMEngine:
-    config = {
-        "model_name_or_path": "Qwen/Qwen3-0.6B",
-        "load_format": "dummy",
-        "gpu_memory_utilization": 0.3,
-        "max_model_length": 4096,
-        "max_num_sequences": 64,
-        "seed": 0,
-        **kw,
-    }
-    return LLMEngine(config)
 
 
 def test_prefill_and_mixed_graphs_give_the_eager_tokens_fp32(qwen3_06b):  # noqa: F811

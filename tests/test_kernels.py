@@ -13,12 +13,12 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import math
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import run_kernel_checks
 from minivllm.kernels.testing import cos_sin_table, qk_norm_weights
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -547,12 +547,7 @@ CHECKS = {
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.parametrize("group", list(CHECKS))
 def test_triton_kernel_interpreted(group: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
-    if group == "compile_sm90":
-        del env["TRITON_INTERPRET"]
-    proc = subprocess.run([sys.executable, __file__, group], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, f"{group} failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    run_kernel_checks(__file__, group)
 
 
 def test_use_triton(monkeypatch: pytest.MonkeyPatch) -> None:
