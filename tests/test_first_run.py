@@ -22,7 +22,6 @@ from minivllm.tui.conversation import ChatMessage, Conversation
 from minivllm.tui.fake_engine import FakeEngine
 from minivllm.tui.markdown import hard_line_breaks
 from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_until
-from minivllm.tui.widgets.message import AssistantMessage
 
 from minivllm import LLMEngine, SamplingParams
 from minivllm.chat_defaults import SMALL_MODEL_REPETITION_PENALTY
@@ -46,12 +45,11 @@ async def test_a_streamed_poem_keeps_its_line_breaks_in_the_finished_pane_and_ex
         await type_and_send(pilot, 0, "A poem,\nplease.")
         await wait_idle(pilot)
         pane = app.panes[0]
-        reply = pane.transcript.query_one(AssistantMessage)
-        await wait_until(pilot, lambda: reply.answer_md.display
-                         and reply.answer_md.size.height >= 4,
+        [reply] = pane.transcript.replies
+        await wait_until(pilot, lambda: reply.markdown_source is not None,
                          what="the finished reply rendered as Markdown")
-        lines = [line.strip() for line in rendered_lines(reply.answer_md)]
-        shown = [line for line in lines if line]
+        lines = [line.strip() for line in rendered_lines(pane.transcript)]
+        shown = [line for line in lines if line and not line.startswith("▌")]
         assert shown == ["Roses are red,", "violets are blue,", "sugar is sweet.",
                          "And so are you."], lines
 

@@ -20,7 +20,7 @@ from minivllm.tui.messages import StatsSnapshot
 from minivllm.tui.stats import StatsHistory
 from minivllm.tui.store import latest_session, load_session
 from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_until
-from minivllm.tui.widgets.message import AssistantMessage
+from minivllm.tui.widgets.transcript import Reply
 
 from minivllm.outputs import EngineStats
 
@@ -35,8 +35,8 @@ def make_app(tmp_path: Path, engine: FakeEngine | None = None, **kw):
     return create_app(engine, **kw)
 
 
-def replies(pane) -> list[AssistantMessage]:
-    return list(pane.transcript.query(AssistantMessage))
+def replies(pane) -> list[Reply]:
+    return pane.transcript.replies
 
 
 def records(tmp_path: Path) -> list[dict]:
@@ -58,7 +58,7 @@ async def test_first_input_focused_enter_sends_and_ctrl_j_inserts_newline(tmp_pa
         user, reply = pane.conversation.messages
         assert (user.role, user.content) == ("user", "hi\nyo")
         assert (reply.content, reply.status) == ("Hello **there**.", "done")
-        assert replies(pane)[0].answer_md.source == "Hello **there**."
+        assert replies(pane)[0].markdown_source == "Hello **there**."
         assert pane.state == "idle"
         assert pane.title_text.startswith("#1 idle · TTFT ")
         assert "tok/s" in pane.title_text
@@ -78,8 +78,8 @@ async def test_thinking_goes_to_a_collapsible_expanded_then_collapsed(tmp_path):
         await wait_idle(pilot)
         assert msg.has_thinking and not msg.thinking_expanded  # collapsed once answered
         assert msg.thinking_text.strip() == thinking
-        assert msg.answer_md.source == "The answer."
-        assert "<think>" not in msg.answer_md.source
+        assert msg.markdown_source == "The answer."
+        assert "<think>" not in msg.markdown_source
         # Thinking is not put back into the history.
         assert pane.conversation.template_messages()[-1] == {
             "role": "assistant", "content": "The answer."}
@@ -171,7 +171,7 @@ async def test_ctrl_r_regenerates_the_last_reply(tmp_path):
         await wait_until(pilot, lambda: pane.conversation.messages[-1].content
                          == "second answer" and not pane.busy)
         assert [m.content for m in pane.conversation.messages] == ["question", "second answer"]
-        assert [r.answer_md.source for r in replies(pane)] == ["second answer"]
+        assert [r.markdown_source for r in replies(pane)] == ["second answer"]
     loaded = load_session(latest_session(tmp_path / "data"))
     assert [m.content for m in loaded.conversations[0].messages] == ["question", "second answer"]
 
@@ -274,7 +274,7 @@ async def test_persistence_quit_and_resume_shows_the_same_messages(tmp_path):
                  for p in app2.panes]
         assert after == before
         assert app2.panes[0].conversation.settings.system_prompt == "sys"
-        assert [r.answer_md.source for r in replies(app2.panes[0])] == ["one **1**", "three"]
+        assert [r.markdown_source for r in replies(app2.panes[0])] == ["one **1**", "three"]
         # The resumed history continues: the next prompt carries the earlier turns.
         await type_and_send(pilot, 1, "more")
         await wait_idle(pilot)
@@ -412,8 +412,8 @@ async def test_model_output_is_plain_text_without_control_sequences(tmp_path):
         await wait_idle(pilot)
         pane = app.panes[0]
         assert pane.conversation.messages[-1].content == "[bold red]not markup[/] red done"
-        assert "\x1b" not in replies(pane)[0].answer_md.source
-        assert "[b]user text[/b]" in str(pane.transcript.children[0].render())
+        assert "\x1b" not in replies(pane)[0].markdown_source
+        assert "[b]user text[/b]" in "\n".join(pane.transcript.text_lines())
 
 
 FROZEN = EngineStats(
@@ -495,44 +495,33 @@ async def test_load_failure_is_shown_and_the_app_stays_up(tmp_path):
     assert not app.is_running
 
 
-async def test_live_text_renders_and_counts_lines_as_textual_does():
-    """The streaming block keeps its finished paragraphs' lines between updates; what it
-    renders, and its height, equal Textual's own rendering of the whole text."""
+def test_streamed_text_wraps_as_the_whole_text_does_and_keeps_every_character():
+    """Wrapping a reply as it streams (only its last line again each time) gives the lines
+    of wrapping the whole text at once, and drops nothing but spaces at line breaks."""
     import random
 
-    from minivllm.tui.widgets.message import LiveText
-    from textual.app import App
-    from textual.content import Content
-    from textual.style import Style
-    from textual.visual import RenderOptions
-
-    live = LiveText(classes="live")
-
-    class One(App):
-        def compose(self):
-            yield live
+    from minivllm.tui.widgets.transcript import GrowingText, wrap
+    from rich.style import Style
 
     rng = random.Random(0)
-    words = ["a", "lighthouse", "keeper", "\n", "\n\n", "supercalifragilistic", "-", " ",
-             "**bold**", "  "]
-    async with One().run_test(size=(40, 20)) as pilot:
-        await pilot.pause()
-        options = RenderOptions(live._get_style, live.styles)
-        style = Style()
-        text = ""
-        for i in range(300):
-            text += rng.choice(words) + rng.choice([" ", ""])
-            if i == 150:
-                text = text[:-7]  # not a continuation: starts over
-            live.set_text(text)
-            assert live.text == text
-            for width in (7, 23):
-                visual = live.render()
-                assert visual.get_height(live.styles, width) == Content(text).get_height(
-                    live.styles, width), (width, text)
-                got = visual.render_strips(width, None, style, options)
-                want = Content(text).render_strips(width, None, style, options)
-                assert [s.text for s in got] == [s.text for s in want], (width, text)
+    words = ["a", "lighthouse", "keeper", "\n", "\n\n", "supercalifragilisticexpialidocious",
+             "-", " ", "**bold**", "  ", "日本語のテキスト", "é"]
+    for width in (9, 23, 40):
+        text, grown = "", GrowingText()
+        for _ in range(300):
+            piece = rng.choice(words) + rng.choice([" ", ""])
+            text += piece
+            grown.add(piece)
+            got = [s.text for s in grown.lines(width, Style())]
+            whole = GrowingText()
+            whole.add(text)
+            want = [s.text for s in whole.lines(width, Style())]
+            assert got == want, (width, text)
+        for paragraph in text.split("\n"):
+            lines = wrap(paragraph, width - 2)
+            assert "".join(line for _, line in lines).replace(" ", "") == \
+                paragraph.replace(" ", "")
+            assert all(paragraph[at:].startswith(line) for at, line in lines)
 
 
 async def test_a_reply_the_engine_stops_is_an_error_not_a_stop(tmp_path):
@@ -558,33 +547,30 @@ async def test_a_reply_the_engine_stops_is_an_error_not_a_stop(tmp_path):
         assert pane.conversation.messages[-1].status == "stopped"
 
 
-async def test_a_long_streaming_reply_freezes_its_finished_lines(tmp_path):
-    # The live block keeps only the reply's last lines; the lines before them move to
-    # frozen blocks above it, which together show exactly the text so far.
-    from minivllm.tui.widgets.message import FREEZE_CHARS, FrozenText, LiveText
-
+async def test_a_long_streaming_reply_repaints_only_its_new_lines(tmp_path):
+    # Lines a reply has finished are kept (the same strips) while it streams on, and the
+    # view follows the end in jumps: the last line is always on screen.
     paragraphs = [f"Paragraph {i}: " + "word " * 40 for i in range(30)]
     long = "\n".join(paragraphs)
-    assert len(long) > 3 * FREEZE_CHARS
     engine = FakeEngine(reply=long, step_delay=0.001)
     app = make_app(tmp_path, engine, settings=Settings(max_tokens=4096))
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
         pane = app.panes[0]
+        transcript = pane.transcript
         await type_and_send(pilot, 0, "go")
-        reply = replies(pane)[0]
-
-        def shown() -> str:
-            frozen = [w.text for w in reply.query(FrozenText)]
-            return "\n".join([*frozen, *(w.text for w in reply.query(LiveText))])
-
-        await wait_until(pilot, lambda: len(reply.query(FrozenText)) >= 2, 60)
-        live = reply.query_one(LiveText).text
-        assert len(live) <= FREEZE_CHARS
-        assert long.startswith(shown())
+        await wait_until(pilot, lambda: transcript.line_count > 2 * transcript.view_height, 60)
+        early = list(transcript._lines[:transcript.view_height])
+        kept, seen_end = [], []
+        while pane.busy and replies(pane)[0].streaming:
+            lines, top = transcript._lines, transcript.scroll_y
+            kept.append(all(a is b for a, b in zip(early, lines, strict=False)))
+            seen_end.append(top <= len(lines) <= top + transcript.view_height)
+            await pilot.pause(0.02)
+        assert kept and all(kept) and all(seen_end)
         await wait_idle(pilot, 60)
-        assert not reply.query(FrozenText) and not reply.query(LiveText)
-        assert reply.answer_md.source == long.strip()
+        assert replies(pane)[0].markdown_source == long.strip()
+        assert transcript.scroll_y == transcript.max_scroll_y  # the end, no blank lines
 
 
 async def test_resumed_and_reopened_panes_show_their_context(tmp_path):

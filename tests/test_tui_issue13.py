@@ -23,7 +23,6 @@ from minivllm.tui.conversation import Settings
 from minivllm.tui.fake_engine import FakeEngine
 from minivllm.tui.store import latest_session, load_session, session_files
 from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_until
-from minivllm.tui.widgets.message import AssistantMessage
 
 SIZE = (160, 48)
 LONG = " ".join(f"w{i}" for i in range(300))
@@ -185,9 +184,10 @@ async def test_a_long_conversation_drops_its_oldest_turns_with_a_marker(started,
         assert sent[0] == {"role": "system", "content": "Be kind."}
         assert sent[-1]["content"] == "short reply here"
         assert app.count_prompt_tokens(conv) + 16 <= 160
-        marker = pane.transcript.query_one(".context-cut")
-        assert f"{conv.dropped} earlier messages left out" in str(marker.render())
-        assert "(160 tokens)" in str(marker.render())
+        [marker] = [e for e in pane.transcript.entries if e.kind == "cut"]
+        assert f"{conv.dropped} earlier messages left out" in marker.text
+        assert "(160 tokens)" in marker.text
+        assert any("earlier messages left out" in line for line in pane.transcript.text_lines())
         assert "ctx " in pane.title_text and " / 160 tok" in pane.title_text
         await pilot.press("ctrl+q")
     # --resume shows the cut where it was.
@@ -469,13 +469,13 @@ async def test_streaming_reply_is_plain_text_then_markdown_once(started):
         await type_and_send(pilot, 0, "go")
         pane = app.panes[0]
         await wait_until(pilot, lambda: pane.tokens > 10)
-        msg = pane.transcript.query_one(AssistantMessage)
-        live = msg.query_one(".live")
-        await wait_until(pilot, lambda: "**bold**" in str(live.render()))
-        assert not msg.answer_md.display
+        [msg] = pane.transcript.replies
+        await wait_until(pilot, lambda: "**bold**" in "".join(pane.transcript.text_lines()))
+        assert msg.markdown_source is None  # plain text while it streams
         await wait_idle(pilot)
-        assert not msg.query(".live") and msg.answer_md.display
-        assert msg.answer_md.source.startswith("**bold**")
+        assert msg.markdown_source.startswith("**bold**")
+        shown = "".join(pane.transcript.text_lines())
+        assert "bold" in shown and "**bold**" not in shown  # rendered as Markdown
 
 
 # -- 13: the engine CLI is free of the app --------------------------------------------------------

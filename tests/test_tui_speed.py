@@ -21,7 +21,6 @@ from minivllm.tui.cli import use_engine_process
 from minivllm.tui.engine_spec import EngineSpec, engine_process_client
 from minivllm.tui.fake_engine import FakeEngine, GpuLikeEngine, WordTokenizer, gpu_like_reply
 from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_until
-from minivllm.tui.widgets.message import RESERVE_LINES, AssistantMessage, LiveText
 
 from minivllm.frontend import GenerateRequest
 from minivllm.sampling_params import SamplingParams
@@ -192,8 +191,8 @@ async def test_app_chats_through_an_engine_process(tmp_path):
         await type_and_send(pilot, 0, "hello")
         await wait_until(pilot, lambda: app.panes[0].tokens > 0)
         await wait_idle(pilot)
-        reply = app.panes[0].transcript.query_one(AssistantMessage)
-        assert reply.answer_md.source == "**hi** from a child process"
+        [reply] = app.panes[0].transcript.replies
+        assert reply.markdown_source == "**hi** from a child process"
         assert app.count_prompt_tokens(app.panes[0].conversation) > 0  # its tokenizer
         await pilot.press("ctrl+q")
     assert client._process.poll() is not None  # the app's close stopped the child
@@ -211,32 +210,6 @@ async def test_switch_interval_is_short_while_the_app_runs_and_restored_after():
         assert sys.getswitchinterval() == pytest.approx(0.005)
     finally:
         sys.setswitchinterval(before)
-
-
-async def test_streaming_block_grows_only_when_allowed():
-    """`grow=False` repaints what fits and defers the layout; `grow()` applies it with
-    RESERVE_LINES of room."""
-    from textual.app import App
-
-    live = LiveText(classes="live")
-
-    class One(App):
-        def compose(self):
-            yield live
-
-    async with One().run_test(size=(30, 40)) as pilot:
-        live.set_text("first line")
-        await pilot.pause()
-        height = live.content_region.height
-        text = "first line" + "\nmore" * (height + 3)
-        live.set_text(text, grow=False)
-        await pilot.pause()
-        assert live.needs_layout and live.content_region.height == height  # clipped
-        assert live.grow()
-        await pilot.pause()
-        assert not live.needs_layout
-        assert live.content_region.height == text.count("\n") + 1 + RESERVE_LINES - 1
-        assert not live.grow()  # nothing left to grow
 
 
 def test_gpu_like_engine_makes_markdown_prose_at_its_timing():

@@ -53,10 +53,6 @@ from .widgets.settings_modal import SettingsModal
 MAX_PANES = 9
 SWITCH_INTERVAL = 0.001  # seconds; see on_mount
 FRAME_HZ = 30  # frames a second: streams are read and new text is shown at most this often
-# Streaming blocks that outgrew their lines are laid out again at most this often, all in
-# one screen layout (a layout arranges every widget on the screen; a repaint of new text
-# in lines a block already has does not).
-GROW_HZ = 10
 LAGS_KEPT = 10_000  # frame lags kept for the bench (`ChatApp.frame_lags`)
 # A pane with only a little new text (under SHOW_CHARS, as at a CPU's speed: a token or two a
 # frame) waits until its oldest new token is SHOW_WITHIN old: a repaint costs the same for
@@ -133,7 +129,6 @@ class ChatApp(App):
         self.frames = 0
         self.frame_lags: deque[float] = deque(maxlen=LAGS_KEPT)
         self._quitting = False
-        self._grow_slot = 0
         self.save_sessions = save_sessions
         self.store, conversations_ = self._open_session(resume, conversations)
         self._next_key = max((c.key for c in conversations_), default=0) + 1
@@ -795,13 +790,8 @@ class ChatApp(App):
         """Show every pane's new text (one repaint each), at most FRAME_HZ times a second."""
         self.frames += 1
         progress = getattr(self.client, "prompt_progress", None)  # a remote has none
-        # Every GROW_HZ-th of a second one frame may lay out (the same one for all panes).
         now = time.monotonic()
-        slot = int(now * GROW_HZ)
-        grow = slot != self._grow_slot
-        self._grow_slot = slot
-        panes = self.panes
-        for pane in panes:
+        for pane in self.panes:
             if progress is not None and pane.state in ("queued", "prefill") \
                     and pane.request_id is not None:
                 pane.set_prefill_progress(progress(str(pane.request_id)))
@@ -809,15 +799,11 @@ class ChatApp(App):
             if (oldest is not None and now - oldest < SHOW_WITHIN
                     and pane.pending_chars < SHOW_CHARS):
                 continue  # a token or two: shown with the next ones, still within SHOW_WITHIN
-            text = await pane.flush(grow=False)
+            text = pane.flush()
             if text:
                 if oldest is not None:
                     self.frame_lags.append(now - oldest)
                 self.store.chunk(pane.conversation.key, text)
-        # One layout grows every streaming reply that needs (or will soon need) more lines.
-        if grow and any(pane.needs_growth for pane in panes):
-            for pane in panes:
-                pane.grow(ahead=True)
 
     # -- quitting --------------------------------------------------------------------------
 

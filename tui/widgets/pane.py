@@ -9,14 +9,14 @@ from __future__ import annotations
 import time
 
 from textual.app import ComposeResult
-from textual.containers import Vertical, VerticalScroll
+from textual.containers import Vertical
 from textual.content import Content
 from textual.widgets import Static
 
 from ..conversation import ChatMessage, Conversation, Status
 from ..sanitize import StreamCleaner
 from .chat_input import ChatInput
-from .message import AssistantMessage, UserMessage
+from .transcript import Entry, Notice, Reply, Transcript, UserEntry
 
 BUSY_STATES = ("queued", "prefill", "streaming")
 TITLE_PERIOD = 0.5  # seconds between title redraws while streaming
@@ -52,9 +52,9 @@ class ConversationPane(Vertical):
         self.max_len = 0  # the engine's max_model_length, once known
         self._prefill: tuple[int, int] | None = None  # (computed, prompt) tokens
         self.title_bar = Static("", markup=False, classes="pane-title")
-        self.transcript = VerticalScroll(classes="transcript")
+        self.transcript = Transcript(self._entries(), classes="transcript")
         self.input = ChatInput(placeholder="Message (Enter sends, ctrl+j newline)")
-        self._reply: AssistantMessage | None = None
+        self._reply: Reply | None = None
         self._cleaner = StreamCleaner()
         self._pending: list[str] = []
         self.pending_since: float | None = None  # engine time of the oldest unshown token
@@ -72,34 +72,37 @@ class ConversationPane(Vertical):
 
     def compose(self) -> ComposeResult:
         yield self.title_bar
-        with self.transcript:
-            for i, m in enumerate(self.conversation.messages):
-                if i == self.conversation.dropped and i:
-                    yield self._cut_marker(0)
-                yield self._widget_for(m)
+        yield self.transcript
         yield self.input
 
-    def _cut_marker(self, max_len: int) -> Static:
+    def _entries(self) -> list[Entry]:
+        entries: list[Entry] = []
+        for i, m in enumerate(self.conversation.messages):
+            if i == self.conversation.dropped and i:
+                entries.append(self._cut_marker(0))
+            entries.append(self._entry_for(m))
+        return entries
+
+    def _cut_marker(self, max_len: int) -> Notice:
         n = self.conversation.dropped
         limit = f" ({max_len:,} tokens)" if max_len else ""
-        return Static(f"── {n} earlier message{'s' if n != 1 else ''} left out: "
-                      f"they no longer fit the context{limit} ──",
-                      markup=False, classes="context-cut")
+        return Notice(f"── {n} earlier message{'s' if n != 1 else ''} left out: "
+                      f"they no longer fit the context{limit} ──", "cut")
 
     async def show_context_cut(self, max_len: int) -> None:
         """Move the "left out" marker to just before the first message still sent."""
-        await self.transcript.query(".context-cut").remove()
-        widgets = [c for c in self.transcript.children
-                   if isinstance(c, (UserMessage, AssistantMessage))]
+        self.transcript.remove_kind("cut")
+        entries = self.transcript.entries
+        messages = [e for e in entries if isinstance(e, (UserEntry, Reply))]
         n = self.conversation.dropped
-        if 0 < n < len(widgets):
-            await self.transcript.mount(self._cut_marker(max_len), before=widgets[n])
+        if 0 < n < len(messages):
+            self.transcript.insert(entries.index(messages[n]), self._cut_marker(max_len))
 
-    def _widget_for(self, m: ChatMessage) -> UserMessage | AssistantMessage:
+    def _entry_for(self, m: ChatMessage) -> UserEntry | Reply:
         if m.role == "user":
-            return UserMessage(m.content)
+            return UserEntry(m.content)
         status: Status = "interrupted" if m.status == "streaming" else m.status
-        return AssistantMessage(m.content, status, m.error)
+        return Reply(m.content, status, m.error)
 
     def on_mount(self) -> None:
         # The keys that send and break lines, as the keymap has them.
@@ -208,21 +211,15 @@ class ConversationPane(Vertical):
 
     # -- a turn --------------------------------------------------------------------------
 
-    # NOTE: add_user and begin_reply mount without waiting for the mount to complete: the
-    # request goes to the engine at once (sending to eight panes waited ~70 ms a pane on
-    # two busy cores when each mount was awaited). A reply's text that arrives before its
-    # widget composed is kept and shown by the next update.
-
     def add_user(self, text: str) -> None:
         self.conversation.messages.append(ChatMessage("user", text))
-        self.transcript.mount(UserMessage(text))
         self.transcript.anchor()
+        self.transcript.add(UserEntry(text))
 
     def begin_reply(self, request_id: int) -> None:
         self.conversation.messages.append(ChatMessage("assistant", "", status="streaming"))
-        self._reply = AssistantMessage()
-        self.transcript.mount(self._reply)
-        self.transcript.anchor()
+        self._reply = Reply()
+        self.transcript.add(self._reply)
         self.request_id = request_id
         self._prefill = None
         self._cleaner = StreamCleaner()
@@ -284,47 +281,29 @@ class ConversationPane(Vertical):
             self._pending.append(text)
             self.conversation.messages[-1].content += text
 
-    async def flush(self, grow: bool = True) -> str:
-        """Render buffered text; returns it (for the session file). `grow=False` defers a
-        layout the new text needs (see `LiveText.set_text`); `grow=True` applies it."""
+    def flush(self) -> str:
+        """Show buffered text (only the lines it changed are repainted); returns it (for
+        the session file)."""
         text = "".join(self._pending)
         self._pending.clear()
         self.pending_since = None
-        if text:
+        if text and self._reply is not None:
             self.renders += 1
-        if self._reply is not None and (text or grow):
-            near_bottom = self.transcript.scroll_y >= self.transcript.max_scroll_y - 1
-            if text:
-                await self._reply.append(text, grow)
-            grew = grow and self._reply.grow()
-            if near_bottom and (text or grew):
-                self.transcript.anchor()  # NOTE: anchor does not re-engage by itself
+            self._reply.append(text)
+            self.transcript.changed(self._reply)
         self.refresh_title()
         return text
-
-    @property
-    def needs_growth(self) -> bool:
-        """The streaming reply's text outgrew its lines (`grow` shows the rest)."""
-        return self._reply is not None and self._reply.needs_layout
-
-    def grow(self, ahead: bool = False) -> None:
-        """Lay the streaming reply out again where it needs (or, `ahead`, will soon need)
-        more lines, keeping the transcript at its bottom if it was there."""
-        if self._reply is None:
-            return
-        near_bottom = self.transcript.scroll_y >= self.transcript.max_scroll_y - 1
-        if self._reply.grow(ahead) and near_bottom:
-            self.transcript.anchor()
 
     async def finish(self, status: Status, error: str | None = None) -> ChatMessage:
         """End the reply in progress; the partial text stays."""
         if self._reply is not None:
             self._buffer(self._cleaner.finish())
-        await self.flush()
+        self.flush()
         msg = self.conversation.messages[-1]
         msg.status, msg.error = status, error
         if self._reply is not None:
-            await self._reply.finish(status, error)
+            self._reply.finish(status, error)
+            self.transcript.changed(self._reply)
         self._reply = None
         self.request_id = None
         if self.context_tokens:
@@ -343,17 +322,15 @@ class ConversationPane(Vertical):
         if i is None:
             return
         self.conversation.drop_last_reply()
-        children = list(self.transcript.children)
-        messages = [c for c in children if isinstance(c, (UserMessage, AssistantMessage))]
+        entries = self.transcript.entries
+        messages = [e for e in entries if isinstance(e, (UserEntry, Reply))]
         if len(messages) > i:
-            cut = children.index(messages[i]) + 1
-            if children[cut:]:
-                await self.transcript.remove_children(children[cut:])
+            self.transcript.truncate(entries.index(messages[i]) + 1)
 
     async def clear(self) -> None:
         self.conversation.messages.clear()
         self.conversation.dropped = 0
-        await self.transcript.remove_children()
+        self.transcript.clear()
         self._first_at = None
         self._tokens = 0
         self.context_tokens = 0
@@ -362,5 +339,5 @@ class ConversationPane(Vertical):
 
     async def show_error(self, error: str) -> None:
         """A notice at the end of the transcript (e.g. the engine thread died)."""
-        await self.transcript.mount(Static(f"[{error}]", markup=False, classes="pane-error"))
+        self.transcript.add(Notice(f"[{error}]", "error"))
         self.transcript.anchor()

@@ -12,10 +12,27 @@ from textual.widgets import Sparkline, Static
 from minivllm.outputs import EngineStats
 
 from ..stats import Rates, cache_line, compact_lines, kv_line, queue_line, throughput_line
-from .message import set_growing_text
 
 SPARK_PERIOD = 1.0  # seconds between sparkline redraws
 COMPACT_BELOW = 120  # columns: narrower, the panel condenses and the sparkline goes
+
+
+def set_growing_text(widget: Static, text: str, reserve: int = 1) -> None:
+    """Show `text` in a Static that changes often (the stats panel), laying the screen out
+    again only when its height changes.
+
+    NOTE: `Static.update` lays out the whole screen by default, and a layout re-renders
+    every widget on it: with four panes streaming on a 2-core CPU that was most of the
+    UI's time per token. Text that keeps its height only repaints the widget.
+    """
+    region = widget.content_region
+    widget.update(text, layout=False)
+    if region.width <= 0:  # not laid out yet
+        widget.refresh(layout=True)
+        return
+    height = widget.get_content_height(region.size, region.size, region.width)
+    if height != region.height:
+        widget.refresh(layout=True)
 
 
 class StatsPanel(Horizontal):
