@@ -80,6 +80,15 @@ async def test_thinking_goes_to_a_collapsible_expanded_then_collapsed(tmp_path):
         assert msg.thinking_text.strip() == thinking
         assert msg.markdown_source == "The answer."
         assert "<think>" not in msg.markdown_source
+        # A click on its title opens the thinking block, another closes it.
+        transcript = pane.transcript
+        assert "pondering" not in " ".join(transcript.text_lines())
+        title = next(i for i, line in enumerate(transcript.text_lines()) if "Thinking" in line)
+        await pilot.click(transcript, offset=(3, title - transcript.scroll_y))
+        assert msg.thinking_expanded and "pondering" in " ".join(transcript.text_lines())
+        title = next(i for i, line in enumerate(transcript.text_lines()) if "Thinking" in line)
+        await pilot.click(transcript, offset=(3, title - transcript.scroll_y))
+        assert not msg.thinking_expanded
         # Thinking is not put back into the history.
         assert pane.conversation.template_messages()[-1] == {
             "role": "assistant", "content": "The answer."}

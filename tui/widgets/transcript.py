@@ -575,7 +575,10 @@ class Transcript(Widget):
         offset = line - self._starts[i] - (1 if entry.gap and i else 0)
         if offset >= 0 and entry.click(offset):
             event.stop()
+            self.follow = False
             self.rebuild()
+            # The clicked line stays where it was on screen.
+            self.scroll_to_line(line - event.y)
 
     # -- drawing -----------------------------------------------------------------------
 
