@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 import triton.testing
+
 from minivllm.kernels.decode_attention import _tile_config as decode_tiles
 from minivllm.kernels.decode_attention import (
     choose_num_splits,

@@ -33,7 +33,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     import minivllm.kernels.prefill_attention as prefill
-
     from minivllm import LLMEngine, SamplingParams
     from minivllm.loader import resolve_model
 

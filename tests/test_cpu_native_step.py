@@ -9,12 +9,12 @@ import pytest
 import torch
 import transformers
 from conftest import hf_greedy, tiny_engine
-from minivllm.kernels import cpu_lowp_linear
-from minivllm.kernels.decode_attention import context_slots
 
 from minivllm import SamplingParams
 from minivllm.engine import cpu_step
 from minivllm.engine.cpu_step import CPUDecodeStep, NativeCPUDecodeStep, decode_layer
+from minivllm.kernels import cpu_lowp_linear
+from minivllm.kernels.decode_attention import context_slots
 
 pytestmark = pytest.mark.skipif(
     cpu_lowp_linear.unavailable_reason() is not None,

@@ -14,6 +14,8 @@ import sys
 import pytest
 import torch
 from conftest import run_kernel_checks, tiny_engine
+
+from minivllm import EngineConfig, SamplingParams
 from minivllm.kernels.store_kvcache import (
     FP8_KV_DTYPE,
     FP8_MAX,
@@ -21,8 +23,6 @@ from minivllm.kernels.store_kvcache import (
     quantize_kv,
     store_kvcache_ref,
 )
-
-from minivllm import EngineConfig, SamplingParams
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 # e4m3 keeps 3 mantissa bits: a normal value rounds within 2**-4 of itself (relative);
@@ -266,11 +266,12 @@ def check_interpreted() -> None:
 def check_compile_sm90() -> None:
     """The fp8 variants compile for an H100 (Triton's passes and ptxas, no GPU)."""
     sys.path.insert(0, os.path.dirname(__file__))
+    from test_kernels import _compile_sm90
+
     from minivllm.kernels.decode_attention import _decode_attention_kernel
     from minivllm.kernels.prefill_attention import _prefill_kernel
     from minivllm.kernels.qkv_rotary_store import _qkv_rotary_store_kernel
     from minivllm.kernels.store_kvcache import _store_kvcache_kernel
-    from test_kernels import _compile_sm90
 
     fp8 = dict(k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv")
     scalars = dict(k_scale="fp32", v_scale="fp32", eps="fp32", qk_scale="fp32")

@@ -11,6 +11,7 @@ import itertools
 
 import pytest
 import torch
+
 from minivllm.kernels.testing import DECODE_MODELS as MODELS
 from minivllm.kernels.testing import cos_sin_table, projections, qk_norm_weights
 

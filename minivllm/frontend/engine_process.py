@@ -117,9 +117,9 @@ class EngineProcessClient:
         if self._process is not None:
             raise RuntimeError("EngineProcessClient.start() was already called")
         ours, theirs = socket.socketpair()
-        # -P (3.11+): not the working folder first on sys.path. Run from a clone's root,
-        # it would make the clone's `kernels/` shadow the installed `kernels` package
-        # that transformers imports. The working folder itself is kept (relative paths).
+        # -P (3.11+): not the working folder first on sys.path, so the child imports the
+        # installed packages whatever folders the working folder holds. The working folder
+        # itself is kept (relative paths).
         safe = ["-P"] if sys.version_info >= (3, 11) else []
         cmd = [sys.executable, *safe, "-c", "from minivllm.frontend.engine_process import "
                "child_entry; child_entry()", str(theirs.fileno())]

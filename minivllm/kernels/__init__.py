@@ -10,23 +10,3 @@ Paged KV cache layout (one pool per layer):
     cu_seqlens_q:     [num_seqs + 1] int32, prefix sums of this step's query lengths;
                       sequence i's queries sit at the last q_len_i positions of its context
 """
-
-if __name__ == "kernels":
-    # This folder installs as `minivllm.kernels`. It is imported as a bare `kernels` only
-    # when a minivllm clone's root is on sys.path (`python -m ...` run from the clone), and
-    # that name belongs to Hugging Face's package, which transformers imports when it is
-    # installed. Hand the name over to the installed package, or fail as its absence would.
-    import importlib.machinery
-    import importlib.util
-    import os
-    import sys
-
-    _clone = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _path = [p for p in sys.path if os.path.abspath(p or os.curdir) != _clone]
-    _spec = importlib.machinery.PathFinder.find_spec("kernels", _path)
-    if _spec is None or _spec.loader is None:
-        del sys.modules["kernels"]
-        raise ModuleNotFoundError("No module named 'kernels'", name="kernels")
-    _real = importlib.util.module_from_spec(_spec)
-    sys.modules["kernels"] = _real  # what `import kernels` returns once this file ends
-    _spec.loader.exec_module(_real)

@@ -7,6 +7,7 @@ other dtypes take the torch references."""
 from __future__ import annotations
 
 import torch
+
 from minivllm.kernels.rms_norm import rms_norm_ref
 from minivllm.kernels.silu_and_mul import silu_and_mul_ref
 

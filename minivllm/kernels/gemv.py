@@ -22,6 +22,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
 from minivllm.kernels.dispatch import (
     HAS_TRITON,
     check_tensor,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from minivllm.kernels.attention_tile import LOG2E, attend_kv_tile
 from minivllm.kernels.dispatch import INDEX_DTYPES, check_paged_attention, check_tensor, tl, triton
 from minivllm.kernels.store_kvcache import dequantize_kv, is_fp8
