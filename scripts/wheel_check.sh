@@ -48,7 +48,7 @@ bin="$tmp/venv/bin"
 "$bin/minivllm-chat" --help > /dev/null
 echo "minivllm-chat --help: ok"
 reply=$(echo "What is the capital of France?" | "$bin/minivllm-chat" --plain --device cpu \
-    --max-model-length 512 --temperature 0 --max-tokens 12 2> "$tmp/stderr") || {
+    --max-model-len 512 --temperature 0 --max-tokens 12 2> "$tmp/stderr") || {
     cat "$tmp/stderr" >&2; exit 1; }
 case "$reply" in
     *Paris*) echo "minivllm-chat --plain: ok ($reply)" ;;

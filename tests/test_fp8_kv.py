@@ -91,7 +91,7 @@ def test_gpu_script_imports_and_parses() -> None:
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     args = script.parse_args(["--long", "4096", "--num-seqs", "64"])
-    bench = script.bench_args(args, "fp8", "--max-model-length", "4300")
+    bench = script.bench_args(args, "fp8", "--max-model-len", "4300")
     assert (bench.kv_cache_dtype, bench.num_seqs, bench.max_model_length) == ("fp8", 64, 4300)
     assert bench.model == "Qwen/Qwen3-0.6B"
     if not torch.cuda.is_available():

@@ -217,9 +217,9 @@ async def test_the_context_figure_fits_three_pane_titles_at_80_columns(started):
 @pytest.mark.parametrize("args, expected", [
     (["--model", "/nonexistent"],
      "--model='/nonexistent': no such folder or file: /nonexistent"),
-    (["--world-size", "0"], "--world-size=0: must be an int >= 1"),
-    (["--max-model-length", "999999999"],
-     "--max-model-length=999999999 is above the model's max_position=8192"),
+    (["-tp", "0"], "--tensor-parallel-size=0: must be an int >= 1"),
+    (["--max-model-len", "999999999"],
+     "--max-model-len=999999999 is above the model's max_position=8192"),
     (["--device", "cuda"], "--device='cuda': no CUDA GPU is available here"),
     (["--conversations", "0"], "--conversations=0: must be >= 1"),
     (["--temperature", "-1"], "--temperature=-1.0: must be a finite number >= 0"),

@@ -135,11 +135,10 @@ def test_plain_mode_through_a_pipe_on_the_real_model(tmp_path, engine):
     env = {**os.environ, "MINIVLLM_DATA_DIR": str(tmp_path)}
     proc = subprocess.run(
         [sys.executable, "-m", "minivllm.tui.cli", "--plain", "--device", "cpu",
-         "--max-model-length", "512", "--temperature", "0", "--max-tokens", "16"],
+         "--max-model-len", "512", "--temperature", "0", "--max-tokens", "16"],
         input="What is the capital of France?\n/stats\n", capture_output=True, text=True,
         env=env, timeout=600,
-        # As a user runs it: from outside the clone, whose `kernels` folder would shadow
-        # the `kernels` package transformers imports (`python -m` puts the cwd first).
+        # As a user runs it: from outside the clone.
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -43,6 +43,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+from minivllm.config import APP_CPU_WEIGHT_DTYPE
+from minivllm.engine_args import EngineArgs
 from minivllm.sampling_params import SamplingParams
 
 from .conversation import Settings
@@ -114,16 +116,10 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
     """The engine `minivllm-chat` would build: its CPU weights and, on a CPU, its step
     budget (without them the bench measured a bf16 engine on AVX-512 BF16 CPUs, 4x slower
     than the app's)."""
-    from minivllm.config import APP_CPU_WEIGHT_DTYPE
-
     from .cli import CPU_STEP_TOKENS, _runs_on_cpu
 
-    config = {"model_name_or_path": args.model, "device": args.device,
-              "load_format": args.load_format, "max_model_length": 2048,
-              "cpu_weight_dtype": APP_CPU_WEIGHT_DTYPE}
-    if args.max_num_batched_tokens:
-        config["max_num_batched_tokens"] = args.max_num_batched_tokens
-    elif _runs_on_cpu(args.device):
+    config = EngineArgs.from_cli_args(args).engine_config()
+    if args.max_num_batched_tokens is None and _runs_on_cpu(args.device):
         config["max_num_batched_tokens"] = CPU_STEP_TOKENS
     return config
 
@@ -278,18 +274,24 @@ def build_parser() -> argparse.ArgumentParser:
                    "--engine-process` does: on (every round), both (app rounds in-process "
                    "and with the engine process, interleaved; two engines, so not on one "
                    "GPU); default off")
-    p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     p.add_argument("--panes", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2, help="app rounds (headless: one more)")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's; 1 is steadier on a shared machine)")
     p.add_argument("--round-timeout", type=float, default=300.0, metavar="S",
                    help="a round that takes longer fails, printing where every thread is "
                    "(default 300)")
+    from .cli import CPU_STEP_TOKENS
+
+    # The engine `minivllm-chat` builds, with a context that holds the bench's replies.
+    EngineArgs.add_cli_args(
+        p.add_argument_group("engine"),
+        defaults={"device": "auto", "max_model_length": 2048,
+                  "cpu_weight_dtype": APP_CPU_WEIGHT_DTYPE},
+        help_defaults={"max_num_batched_tokens": f"{CPU_STEP_TOKENS} on a CPU, else the "
+                       "engine's"},
+    )
     return p
 
 

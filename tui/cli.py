@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from minivllm.chat_defaults import SMALL_MODEL_PARAMS, SMALL_MODEL_REPETITION_PENALTY
-from minivllm.config import APP_CPU_WEIGHT_DTYPE, CPU_WEIGHT_DTYPES
+from minivllm.config import APP_CPU_WEIGHT_DTYPE
+from minivllm.engine_args import EngineArgs
 
 from .conversation import Settings
 from .engine_client import EngineFactory
 
-DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # Step token budget on a CPU: a step computes at most this many tokens, so a long paste
 # in one pane is prefilled in chunks while the other panes keep streaming. Measured with
 # scripts/cpu_step_budget.py (SmolLM2-135M fp32, a 3,000-word paste beside a streaming
@@ -39,23 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Chat with a local model in several conversations side by side, "
         "with a live view of the engine (KV blocks, running/waiting requests, throughput).",
     )
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"model folder, .gguf file or Hub name (default: {DEFAULT_MODEL})")
     p.add_argument("--conversations", type=int, default=2, metavar="N",
                    help="panes side by side at start (default: 2)")
-    p.add_argument("--world-size", type=int, default=1, metavar="N",
-                   help="tensor-parallel ranks (default: 1)")
-    p.add_argument("--max-model-length", type=int, default=None, metavar="L",
-                   help="cap on prompt + reply tokens per conversation")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
-                   help="where the engine runs (default: auto)")
-    p.add_argument("--cpu-weight-dtype", default=APP_CPU_WEIGHT_DTYPE,
-                   metavar="{" + ",".join(CPU_WEIGHT_DTYPES) + "}",
-                   help="CPU linear weights, weight-only formats with fp32 compute "
-                   f"(default: {APP_CPU_WEIGHT_DTYPE}: a GGUF model's own Q4_1 / Q8_0 where "
-                   "they hold its weights exactly, else bfloat16; auto: the compute dtype)")
-    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3"],
-                   help="KV cache storage (default: auto, the model's dtype; fp8: e4m3)")
     p.add_argument("--system", default="", metavar="TEXT", help="system prompt for every pane")
     p.add_argument("--temperature", type=float, default=None,
                    help="sampling temperature (0 is greedy; default: the model's "
@@ -65,16 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="above 1 discourages repeating tokens (default: the model's, else "
                    f"{SMALL_MODEL_REPETITION_PENALTY:g} below {SMALL_MODEL_PARAMS // 10**6:,}M "
                    "parameters, else 1)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
-                   help=f"tokens one engine step computes (default: the engine's; "
-                   f"{CPU_STEP_TOKENS} on a CPU, so steps stay short)")
     p.add_argument("--resume", nargs="?", const="", default=None, metavar="ID",
                    help="restore the newest session with messages, or session ID")
     p.add_argument("--sessions", action="store_true",
                    help="list saved sessions (id, date, panes, first words) and exit")
-    p.add_argument("--bench", action="store_true",
-                   help="measure the app's cost: generation tok/s with N panes streaming vs "
-                   "headless (options: minivllm-chat --bench --help)")
     p.add_argument("--plain", action="store_true",
                    help="line-oriented REPL instead of the full-screen app")
     p.add_argument("--keymap", type=Path, default=None, metavar="FILE",
@@ -91,23 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "engine up (one GIL per process); auto: on, except for a remote "
                    "server (--url) and the scripted test engine (default: auto)")
     p.add_argument("--fake", action="store_true", help=argparse.SUPPRESS)  # scripted engine
+    EngineArgs.add_cli_args(
+        p.add_argument_group("engine"),
+        defaults={"cpu_weight_dtype": APP_CPU_WEIGHT_DTYPE},
+        help_defaults={"max_num_batched_tokens": f"{CPU_STEP_TOKENS} on a CPU, so steps stay "
+                       "short; else the engine's"},
+    )
     return p
 
 
 def engine_config(args: argparse.Namespace) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "model_name_or_path": args.model,
-        "world_size": args.world_size,
-        "device": args.device,
-        "cpu_weight_dtype": getattr(args, "cpu_weight_dtype", APP_CPU_WEIGHT_DTYPE),
-    }
-    if args.max_model_length is not None:
-        config["max_model_length"] = args.max_model_length
-    if args.max_num_batched_tokens is not None:
-        config["max_num_batched_tokens"] = args.max_num_batched_tokens
-    if getattr(args, "kv_cache_dtype", None) is not None:
-        config["kv_cache_dtype"] = args.kv_cache_dtype
-    return config
+    return EngineArgs.from_cli_args(args).engine_config()
 
 
 def check_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -244,14 +217,10 @@ def list_sessions_text() -> str:
 
 
 def fail(error: BaseException | str) -> int:
-    from minivllm.cli import describe_error
+    from minivllm.cli import OPTION_OF_KEY, describe_error
 
     text = error if isinstance(error, str) else describe_error(
-        error, {"model_name_or_path": "--model", "max_model_length": "--max-model-length",
-                "world_size": "--world-size", "device": "--device",
-                "cpu_weight_dtype": "--cpu-weight-dtype",
-                "max_num_batched_tokens": "--max-num-batched-tokens",
-                "temperature": "--temperature", "max_tokens": "--max-tokens"})
+        error, {**OPTION_OF_KEY, "temperature": "--temperature", "max_tokens": "--max-tokens"})
     print(f"minivllm-chat: error: {text}", file=sys.stderr)
     return 1
 
