@@ -110,7 +110,7 @@ def test_bf16_model_takes_another_step_and_says_why(tiny_llama, monkeypatch):
 
 def test_unknown_step_kind_names_the_variable_and_the_value(tiny_llama, monkeypatch):
     monkeypatch.setenv(cpu_step.STEP_ENV, "fast")
-    with pytest.raises(ValueError, match="MINIVLLM_CPU_STEP='fast': expected one of native"):
+    with pytest.raises(ValueError, match="MINIVLLM_CPU_STEP='fast': must be one of native"):
         tiny_engine(tiny_llama)
 
 

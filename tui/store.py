@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from minivllm.envs import read
+
 from .conversation import ChatMessage, Conversation, Settings
 
 SESSION_SUFFIX = ".jsonl"
@@ -23,8 +25,9 @@ SESSION_SUFFIX = ".jsonl"
 
 def data_dir() -> Path:
     """`$MINIVLLM_DATA_DIR`, else `$XDG_DATA_HOME/minivllm`, else `~/.local/share/minivllm`."""
-    if os.environ.get("MINIVLLM_DATA_DIR"):
-        return Path(os.environ["MINIVLLM_DATA_DIR"])
+    configured = read("MINIVLLM_DATA_DIR")
+    if configured:
+        return Path(configured)
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(Path.home(), ".local", "share")
     return Path(base) / "minivllm"
 

@@ -47,16 +47,13 @@ from minivllm.kernels.rms_norm import rms_norm_ref
 from minivllm.kernels.rotary import apply_rotary_folded, folded_cos_sin_at
 from minivllm.kernels.silu_and_mul import silu_and_mul_ref
 
+from ..envs import read
 from ..layers import cpu_linear
 from ..layers.attention import AttentionMetadata
 
-# Which CPU decode step runs: "native" (the default: every layer in one C++ call,
-# NativeCPUDecodeStep), "compiled" (inductor, CPUDecodeStep) or "eager" (the model's own
-# forward). Where one is unavailable the next one runs.
+# Which CPU decode step runs: "native" (NativeCPUDecodeStep), "compiled" (CPUDecodeStep)
+# or "eager"; and whether inductor may compile at all (minivllm.envs declares both).
 STEP_ENV = "MINIVLLM_CPU_STEP"
-STEP_KINDS = ("native", "compiled", "eager")
-# Set to 0 to never compile with inductor (the test suite does: compiling costs seconds
-# per engine; tests/test_cpu_step.py compiles on purpose).
 COMPILE_ENV = "MINIVLLM_CPU_COMPILE"
 # NOTE: inductor's pattern matcher rewrites the attention into SDPA and fails on the dynamic
 # context length there (torch 2.13: "Attempting to broadcast a dimension of length s9 + 1");
@@ -197,7 +194,7 @@ def _linear_weights(linear: torch.nn.Module) -> tuple:
 
 def compile_unavailable_reason() -> str | None:
     """Why inductor cannot compile here (None: it can). It needs a C++ compiler."""
-    if os.environ.get(COMPILE_ENV, "1") == "0":
+    if read(COMPILE_ENV) == "0":
         return f"{COMPILE_ENV}=0"
     cxx = os.environ.get("CXX")
     if not any(shutil.which(c) for c in ((cxx,) if cxx else ("g++", "c++", "clang++"))):
@@ -423,9 +420,7 @@ def cpu_decode_step(
         return None
     if kv_cache.element_size() == 1:
         return None  # an fp8 cache: only the eager attention upcasts it (and applies scales)
-    kind = os.environ.get(STEP_ENV, "native")
-    if kind not in STEP_KINDS:
-        raise ValueError(f"{STEP_ENV}={kind!r}: expected one of {', '.join(STEP_KINDS)}")
+    kind = read(STEP_ENV)
     if kind == "eager":
         return None
     reasons = []
@@ -449,7 +444,7 @@ def cpu_decode_step(
             first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             reason = f"torch.compile failed: {type(e).__name__}: {first_line}"
     reasons.append(f"not compiled: {reason}")
-    if os.environ.get(COMPILE_ENV) != "0" or kind == "native":
+    if read(COMPILE_ENV) != "0" or kind == "native":
         message = "; ".join(reasons)
         warnings.warn(f"the CPU decode step runs eager ({message})", RuntimeWarning, stacklevel=2)
     return None

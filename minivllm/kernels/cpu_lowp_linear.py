@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..envs import read
+
 WEIGHT_DTYPES = {"bfloat16": torch.bfloat16, "int8": torch.int8}
 SOURCE = Path(__file__).with_name("cpu_lowp_linear.cpp")
 # Built with it, in one translation unit: the whole CPU decode step (cpu_decode_step.cpp,
@@ -123,7 +125,7 @@ def _compile(folder: Path) -> None:
             extra_ldflags=list(LDFLAGS),
             build_directory=str(folder),
             is_python_module=False,
-            verbose=os.environ.get("MINIVLLM_VERBOSE_BUILD") == "1",
+            verbose=read("MINIVLLM_VERBOSE_BUILD") == "1",
         )
     (folder / BUILT_MARKER).write_text(f"{torch.__version__}\n")
 
