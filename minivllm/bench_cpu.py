@@ -5,7 +5,7 @@ minivllm runs with `minivllm generate`'s CPU weights (`--cpu-weight-dtype`, defa
 the engine's compute dtype (fp32 then). Both
 engines run the same token-id prompts in the same process, interleaved round by round
 (minivllm, then transformers, for every figure), so a machine shared with other work slows
-both alike; each figure is the median over the rounds. Figures (issue 10):
+both alike; each figure is the median over the rounds. Figures:
 
 - start-up to first token: engine construction (weights read, packed, KV pool allocated)
   plus one 16-token prompt's first token; torch is already imported, the files are in the

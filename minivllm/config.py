@@ -40,11 +40,11 @@ CPU_DECODE_DTYPES = ("auto", "int8", "float32")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # `cpu_weight_dtype` of `minivllm generate`, `minivllm-chat` and `bench latency --device cpu`
 # (EngineConfig's default stays "auto": fp32 weights keep the exact parity with transformers).
-# Chosen by measurement on SmolLM2-135M (PERF_NOTES.md, issue 10): "compact" keeps a model
-# converted from a Q4_1 GGUF (the embedded SmolLM2) in its own Q4_1 / Q8_0 weights, exactly
-# (~2.8x fewer bytes a token than bf16), and takes bf16 weights elsewhere (~2x faster than
-# fp32, fp32's greedy tokens in 21 of 24 prompts); where the CPU multiplies bf16, the
-# compute dtype is bf16 already and this changes nothing.
+# "compact" keeps a model converted from a Q4_1 GGUF (the embedded SmolLM2) in its own
+# Q4_1 / Q8_0 weights, exactly, with fewer bytes a token to stream than bf16 (a CPU decode
+# step is bound by them), and takes bf16 weights elsewhere (faster than fp32 at nearly its
+# greedy tokens; PERF.md's CPU decisions); where the CPU multiplies bf16, the compute dtype
+# is bf16 already and this changes nothing.
 APP_CPU_WEIGHT_DTYPE = "compact"
 
 ENGINE_KEYS = {

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install like a user (STYLE.md 19): build the wheel, install it into a fresh virtualenv
+# Install like a user: build the wheel, install it into a fresh virtualenv
 # and run the entry points from outside the repository, so a module the wheel leaves out
 # fails here rather than on a user's machine (the test suite imports the editable copy).
 #   usage: bash scripts/wheel_check.sh [python]   (default: .venv/bin/python)

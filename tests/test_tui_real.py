@@ -182,7 +182,7 @@ class PacedPrefill:
 
 
 async def test_long_prompt_shows_prefill_progress(engine, tmp_path):
-    """Issue 13 item 8: a long paste is prefilled in chunks of the CPU step budget (so
+    """A long paste is prefilled in chunks of the CPU step budget (so
     other panes get a step every ~0.2 s); its title counts the prompt tokens computed,
     chunk by chunk."""
     import re

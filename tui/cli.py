@@ -22,13 +22,10 @@ from .conversation import Settings
 from .engine_client import EngineFactory
 
 # Step token budget on a CPU: a step computes at most this many tokens, so a long paste
-# in one pane is prefilled in chunks while the other panes keep streaming. Measured with
-# scripts/cpu_step_budget.py (SmolLM2-135M fp32, a 3,000-word paste beside a streaming
-# reply, 2-core AVX2 machine; PERF_NOTES.md): a step's CPU time was p50 0.59 s at 64
-# tokens, 1.52 s at 128, 2.59 s at 256 and 3.40 s at 512 on one busy core, i.e. about
-# 0.25-0.3 s of wall time at 64 on two idle cores. 64 is the budget nearest a fifth of a
-# second; the paste's own time to first token hardly changes (the same work in more
-# steps). The engine's default (1,024) made 3-4.6 s steps that froze every other pane.
+# in one pane is prefilled in chunks while the other panes keep streaming. On a 2-core
+# CPU, 64 tokens of SmolLM2 keep a step near a fifth of a second; the paste's own time to
+# its first token hardly changes (the same work in more steps), where the engine's default
+# budget made steps of seconds that froze every other pane.
 CPU_STEP_TOKENS = 64
 FAKE_OPTIONS: dict[str, Any] = {"thinking": True, "step_delay": 0.02, "load_delay": 1.0}
 
@@ -63,8 +60,6 @@ def build_parser() -> argparse.ArgumentParser:
                    "loading a model here")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="with --url: the server's API key")
-    # NOTE: off by default until the engine process is measured on a GPU with the app
-    # (PERF_NOTES.md, "The app at GPU speed"); then `auto` is the intended default.
     p.add_argument("--engine-process", default="auto", choices=["auto", "on", "off"],
                    help="run the engine in a child process, so the screen never holds the "
                    "engine up (one GIL per process); auto: on, except for a remote "
@@ -117,10 +112,8 @@ def _runs_on_cpu(device: str) -> bool:
 
 def use_engine_process(args: argparse.Namespace) -> bool:
     """`--engine-process`: auto is on for a local engine. NOTE: in one process the UI thread
-    and the engine share a GIL: on a GPU the UI took it at every device wait; on this 2-core
-    CPU host, with the native decode step, SmolLM2 with 4 panes streaming made 0.85 of
-    headless in one process and 0.94 with the engine in its own (PERF_NOTES.md, "The chat
-    app's cost")."""
+    and the engine share a GIL: on a GPU the UI took it at every device wait, and on a CPU
+    the app's rendering slowed the engine's steps too."""
     choice = getattr(args, "engine_process", "off")
     if getattr(args, "url", None) or choice == "off":
         return False

@@ -1,6 +1,6 @@
 """Conversations on disk: one append-only JSONL file per session, replayed on --resume.
 
-Durability rules (RELIABILITY.md, the chat app fault): a user message is written and
+Durability rules: a user message is written and
 fsynced before it is submitted; a reply's text is written as it streams (buffered, flushed
 to the OS about once a second) and fsynced when it finishes; replaying a file whose last
 line was torn by a crash skips that line; a reply with no end record was interrupted.

@@ -1,8 +1,8 @@
 """The CPU decode step without per-op Python: native (every decoder layer in one C++ call,
 the default) or compiled (torch.compile / inductor, the way vLLM's CPU backend runs).
 
-Eager, a SmolLM2 decode token issues ~1,100 torch ops from Python (~15 ms of a ~58 ms token
-on this machine, PERF_NOTES.md).
+Eager, a SmolLM2 decode token issues ~1,100 torch ops from Python, a large share of the
+token's time on a CPU.
 
 `NativeCPUDecodeStep` hands the whole step's layers to `minivllm_cpu::decode_layers`
 (kernels/cpu_decode_step.cpp): the norms, rotary, K/V store and grouped attention are plain
@@ -453,8 +453,8 @@ def cpu_decode_step(
 def transpose_wide_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """Store each weight with more outputs than inputs column-major ([in, out] in memory,
     the same [out, in] tensor to every caller); returns them. MKL's one-row product reads
-    such a weight 1.3-3x faster column-major on this AVX2 machine (qkv, gate_up, the LM
-    head: PERF_NOTES.md); prefill's products take either layout at the same speed."""
+    such a weight faster column-major on AVX2 (qkv, gate_up, the LM head); prefill's
+    products take either layout at the same speed."""
     done: list[torch.nn.Parameter] = []
     lowp = {
         id(m.weight) for m in model.modules() if getattr(m, "lowp", None) is not None

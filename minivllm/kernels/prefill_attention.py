@@ -74,7 +74,7 @@ def prefill_attention_ref(
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
         # NOTE: 4-D (a batch of one): on CPU, 3-D inputs take SDPA's unfused math path,
-        # ~3x slower at 512 tokens than the fused kernel 4-D inputs get (PERF_NOTES.md).
+        # several times slower at 512 tokens than the fused kernel 4-D inputs get.
         o = F.scaled_dot_product_attention(
             q[None, q_start:q_end].transpose(1, 2).to(dtype),  # [1, heads, q_len, head_dim]
             k[None].transpose(1, 2),
