@@ -107,7 +107,7 @@ def decode_layer(
     # from the [num_slots, num_kv_heads, head_dim] pool as [num_kv_heads, num_seqs,
     # max_prev, head_dim] is then plain matrices with head_dim contiguous, which the batched
     # products read as they are (sequence-first, inductor gathered K transposed, element by
-    # element: 3x slower at batch 8).
+    # element, several times slower at batch 8).
     k_context = k_cache.transpose(0, 1)[:, prev_slots]
     v_context = v_cache.transpose(0, 1)[:, prev_slots]
     # [num_kv_heads, num_seqs, group, head_dim]
@@ -146,8 +146,8 @@ def _mark_dynamic(x, residual, prev_slots, cos, sin, valid) -> None:
 
 
 def _skip_guards(skip: bool):
-    """Skip dynamo's guard checks on the compiled layer's calls (~0.1-0.2 ms each, 30 a step
-    on SmolLM2): after warm-up there is one graph and every call passes the same kinds of
+    """Skip dynamo's guard checks on the compiled layer's calls (one a layer, each a visible
+    share of a CPU step): after warm-up there is one graph and every call passes the same kinds of
     tensors (the weights, this pool, the step's index tensors), so nothing is left to check.
     """
     if skip:
@@ -309,11 +309,11 @@ class NativeCPUDecodeStep:
     final norm, three ops a step whatever the depth.
 
     Why not only the compiled step: with its per-op Python gone, a compiled SmolLM2 token
-    still spent ~8-10 ms outside the matrix products (inductor's code for the norm, rotary
+    still spent as long outside the matrix products (inductor's code for the norm, rotary
     and attention of 30 layers, dynamo's per-layer call, OpenMP fork/join per generated
-    kernel, the K/V copies): as much as the int8 weights' products themselves. The same
-    work written as plain loops over one token's few thousand floats costs well under a
-    millisecond, and nothing compiles at start-up. fp32 activations and KV cache only
+    kernel, the K/V copies) as in the int8 weights' products themselves. The same work
+    written as plain loops over one token's few thousand floats costs a small fraction of
+    that, and nothing compiles at start-up. fp32 activations and KV cache only
     (the compiled step serves a bf16 model); each linear runs MKL on an fp32 weight (the
     call `F.linear` makes) or the weight-only kernel on a bf16 / int8 copy, or on q4_1 /
     q8_0 weights with fp32 or (`cpu_decode_dtype`) int8 activations.
@@ -365,8 +365,8 @@ class NativeCPUDecodeStep:
 def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros whose pages the OS maps on first touch.
 
-    `torch.zeros` writes every byte up front: 0.6-5.8 s for the CPU's default 2 GiB pool on
-    this machine (the page faults of 2 GiB), and the whole pool resident from the start.
+    `torch.zeros` writes every byte up front: seconds for the CPU's default 2 GiB pool (the
+    page faults of 2 GiB), and the whole pool resident from the start.
     An anonymous mapping reads as zeros and costs memory only for the blocks in use.
     """
     nbytes = dtype.itemsize
