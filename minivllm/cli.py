@@ -117,7 +117,7 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
         "bench", help="PERF.md's workloads: throughput, latency, prefill, chat, coldstart"
     )
     if with_bench:  # the bench module imports the engine: not for `generate`
-        from .bench import add_arguments
+        from .bench.workloads import add_arguments
 
         add_arguments(b)
     return parser
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "generate":
             generate(args)
         else:
-            from .bench import main as bench_main
+            from .bench.workloads import main as bench_main
 
             bench_main(args)
     except USER_ERRORS as e:

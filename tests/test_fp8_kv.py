@@ -56,7 +56,7 @@ def test_kv_cache_dtype_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     from minivllm.tui.cli import build_parser as chat_parser
     from minivllm.tui.cli import engine_config as chat_config
 
-    import minivllm.bench as bench
+    from minivllm.bench import common, workloads
     from minivllm.server.cli import build_parser as serve_parser
     from minivllm.server.cli import engine_config as serve_config
 
@@ -73,9 +73,9 @@ def test_kv_cache_dtype_flags(monkeypatch: pytest.MonkeyPatch) -> None:
             seen.update(config)
 
     parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    monkeypatch.setattr(bench, "LLMEngine", Engine)
-    bench.build_engine(parser.parse_args(["throughput", "--kv-cache-dtype", "fp8_e4m3"]))
+    workloads.add_arguments(parser)
+    monkeypatch.setattr(common, "LLMEngine", Engine)
+    common.build_engine(parser.parse_args(["throughput", "--kv-cache-dtype", "fp8_e4m3"]))
     assert seen["kv_cache_dtype"] == "fp8_e4m3"
     proc = subprocess.run([sys.executable, "-m", "minivllm.cli", "generate", "--kv-cache-dtype",
                            "fp4"], capture_output=True, text=True, timeout=120)

@@ -482,7 +482,7 @@ async def test_streaming_reply_is_plain_text_then_markdown_once(started):
 
 
 def test_engine_cli_does_not_import_the_app():
-    code = ("import sys, minivllm.cli, minivllm.bench\n"
+    code = ("import sys, minivllm.cli, minivllm.bench.workloads\n"
             "bad = [m for m in sys.modules if m.startswith(('minivllm.tui', 'textual'))]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300, cwd="/")
