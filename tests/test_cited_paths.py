@@ -45,4 +45,4 @@ def test_every_cited_file_exists():
             cited = match.group(1)
             if cited not in NOT_FILES and not _exists(cited, path, tracked):
                 missing.append(f"{name}: {cited}")
-    assert missing == []
+    assert not missing, "\n".join(missing)

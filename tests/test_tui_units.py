@@ -389,7 +389,7 @@ def test_export_markdown():
 
 def test_bench_tokenizer_keeps_ids_in_the_vocabulary_and_decodes_every_id():
     """The GPU bench runs a dummy model without tokenizer files through the app."""
-    from minivllm.tui.bench import BenchTokenizer
+    from minivllm.tui.bench_tokenizer import BenchTokenizer
     from minivllm.tui.engine_client import render_prompt
 
     tok = BenchTokenizer(vocab_size=1000)

@@ -20,13 +20,8 @@ from minivllm.engine_args import EngineArgs
 
 from .conversation import Settings
 from .engine_client import EngineFactory
+from .engine_defaults import CPU_STEP_TOKENS, runs_on_cpu
 
-# Step token budget on a CPU: a step computes at most this many tokens, so a long paste
-# in one pane is prefilled in chunks while the other panes keep streaming. On a 2-core
-# CPU, 64 tokens of SmolLM2 keep a step near a fifth of a second; the paste's own time to
-# its first token hardly changes (the same work in more steps), where the engine's default
-# budget made steps of seconds that froze every other pane.
-CPU_STEP_TOKENS = 64
 FAKE_OPTIONS: dict[str, Any] = {"thinking": True, "step_delay": 0.02, "load_delay": 1.0}
 
 
@@ -94,20 +89,10 @@ def checked_config(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, 
     from minivllm.cli import check_engine_config
 
     checked = check_engine_config(config)
-    if args.max_num_batched_tokens is None and _runs_on_cpu(checked.device):
+    if args.max_num_batched_tokens is None and runs_on_cpu(checked.device):
         # Not above max_model_length: the engine needs a step to hold one sequence's chunk.
         config["max_num_batched_tokens"] = min(CPU_STEP_TOKENS, checked.max_len)
     return config, chat_sampling_defaults(checked)
-
-
-def _runs_on_cpu(device: str) -> bool:
-    if device == "cpu":
-        return True
-    if device == "cuda":
-        return False
-    import torch
-
-    return not torch.cuda.is_available()
 
 
 def use_engine_process(args: argparse.Namespace) -> bool:

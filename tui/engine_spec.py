@@ -58,7 +58,7 @@ def build_engine(spec: EngineSpec, on_progress: ProgressFn) -> Any:
         else:
             engine = LLMEngine(spec.config)
     if spec.bench_tokenizer:
-        from .bench import ensure_tokenizer
+        from .bench_tokenizer import ensure_tokenizer
 
         ensure_tokenizer(engine)
     return engine

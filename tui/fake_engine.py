@@ -107,7 +107,6 @@ class _Seq:
     params: SamplingParams
     out_ids: list[int] = field(default_factory=list)
     prefilled: bool = False
-    pending_ids: list[int] = field(default_factory=list)
 
 
 Reply = Callable[[str], str] | str | list[str] | None

@@ -36,7 +36,6 @@ import contextlib
 import mmap
 import os
 import shutil
-import time
 import warnings
 from collections.abc import Callable
 
@@ -219,7 +218,6 @@ class CPUDecodeStep:
         self.weights = [layer_weights(layer) for layer in m.layers]
         self.cos_sin_cache = m.layers[0].self_attn.rotary_emb.cos_sin_cache
         self.shape, self.scale, self.eps, self.qk_eps = layer_constants(m.layers[0])
-        self.compile_seconds = 0.0
         self.skip_guards = True  # see _skip_guards
         self.layer = torch.compile(decode_layer, fullgraph=True, options=COMPILE_OPTIONS)
 
@@ -296,11 +294,9 @@ class CPUDecodeStep:
     def warm_up(self) -> None:
         """Compile the graph on dummy inputs (the cache is only read). Raises what inductor
         raises where it cannot compile."""
-        start = time.perf_counter()
         ids = torch.zeros(3, dtype=torch.long)
         prev = torch.zeros(3, 5, dtype=torch.long)
         self.forward(ids, ids, prev, torch.full((3,), 6, dtype=torch.long), mark_dynamic=True)
-        self.compile_seconds = time.perf_counter() - start
 
 
 class NativeCPUDecodeStep:

@@ -37,7 +37,6 @@ import torch.nn.functional as F
 
 from ..envs import read
 
-WEIGHT_DTYPES = {"bfloat16": torch.bfloat16, "int8": torch.int8}
 SOURCE = Path(__file__).with_name("cpu_lowp_linear.cpp")
 # Built with it, in one translation unit: the whole CPU decode step (cpu_decode_step.cpp,
 # engine/cpu_step.py's NativeCPUDecodeStep), which calls this kernel for its products.

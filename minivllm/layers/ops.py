@@ -150,13 +150,6 @@ def select_kernels(device: torch.device) -> Kernels:
     return cpu_kernels() if device.type == "cpu" else TORCH_KERNELS
 
 
-def uses_triton(device: torch.device) -> bool:
-    """Whether kernels on `device` would be the Triton ones (for callers outside a model)."""
-    from minivllm.kernels.dispatch import use_triton
-
-    return use_triton(device)
-
-
 def bind_kernels(model: nn.Module, kernels: Kernels) -> None:
     """Point every layer of `model` that launches kernels at `kernels`."""
     for module in model.modules():
