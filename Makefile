@@ -20,8 +20,7 @@ chat: install
 
 # The wheel check runs whatever pytest reported (a failed test must not hide a broken
 # wheel); the target fails if either failed.
-test: install
-	$(BIN)/ruff check .
+test: install lint
 	pytest_status=0; $(BIN)/pytest -q || pytest_status=$$?; \
 	$(WHEEL_CHECK) && exit $$pytest_status
 
@@ -30,8 +29,12 @@ WHEEL_CHECK = bash scripts/wheel_check.sh $(BIN)/python
 wheel-check: install
 	$(WHEEL_CHECK)
 
+# Style, the import contracts (pyproject's [tool.importlinter]: the engine never imports a
+# face, kernels never import the engine, no cycles) and dead code (vulture).
 lint:
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+	$(BIN)/vulture
 
 gpu-check:
 	bash scripts/gpu_check.sh

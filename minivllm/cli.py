@@ -16,30 +16,14 @@ from .chat_defaults import (
     SMALL_MODEL_REPETITION_PENALTY,
     chat_sampling_defaults,
 )
-from .config import (
-    APP_CPU_WEIGHT_DTYPE,
-    CPU_DECODE_DTYPES,
-    CPU_PREFILL_DTYPES,
-    CPU_WEIGHT_DTYPES,
-    KV_CACHE_DTYPES,
-)
+from .config import APP_CPU_WEIGHT_DTYPE
+from .engine_args import EngineArgs, option_of_key
 from .progress import print_progress
 
-DEFAULT_CHAT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
 # Config key -> the command-line option that sets it, for error messages.
-OPTION_OF_KEY = {
-    "model_name_or_path": "--model",
-    "max_model_length": "--max-model-length",
-    "world_size": "--world-size",
-    "device": "--device",
-    "load_format": "--load-format",
-    "dtype": "--dtype",
-    "cpu_weight_dtype": "--cpu-weight-dtype",
-    "cpu_prefill_dtype": "--cpu-prefill-dtype",
-    "cpu_decode_dtype": "--cpu-decode-dtype",
-    "kv_cache_dtype": "--kv-cache-dtype",
-}
+OPTION_OF_KEY = option_of_key()
+# `minivllm generate`'s engine defaults where they are not the engine's.
+GENERATE_DEFAULTS = {"max_model_length": 4096, "cpu_weight_dtype": APP_CPU_WEIGHT_DTYPE}
 # What loading can raise for a user's mistake (bad values, missing or broken files).
 USER_ERRORS = (ValueError, TypeError, OSError)
 
@@ -65,7 +49,7 @@ def check_engine_config(config: dict[str, Any]) -> Any:
 
 def describe_error(exc: BaseException, options: dict[str, str] | None = None) -> str:
     """One line for a user: config keys in the message become the options that set them
-    (`max_model_length=999999999 is ...` -> `--max-model-length=999999999 is ...`)."""
+    (`max_model_length=999999999 is ...` -> `--max-model-len=999999999 is ...`)."""
     text = str(exc).strip() or type(exc).__name__
     for key, option in (options or OPTION_OF_KEY).items():
         text = re.sub(rf"(?<![\w.-])(?:[A-Za-z]\w*\.)?{key}=", f"{option}=", text)
@@ -75,15 +59,7 @@ def describe_error(exc: BaseException, options: dict[str, str] | None = None) ->
 def generate(args: argparse.Namespace) -> None:
     from . import LLMEngine, SamplingParams
 
-    config = {
-        "model_name_or_path": args.model,
-        "device": args.device,
-        "max_model_length": args.max_model_length,
-        "cpu_weight_dtype": args.cpu_weight_dtype,
-        "cpu_prefill_dtype": args.cpu_prefill_dtype,
-        "cpu_decode_dtype": args.cpu_decode_dtype,
-        "kv_cache_dtype": args.kv_cache_dtype,
-    }
+    config = EngineArgs.from_cli_args(args).engine_config()
     checked = check_engine_config(config)
     # A chat gets the model's default sampling (`chat_defaults`); a plain completion is
     # greedy. Options given win either way.
@@ -118,6 +94,35 @@ def generate(args: argparse.Namespace) -> None:
         llm.exit()
 
 
+def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
+    """`generate` and `bench` (whose options are added only `with_bench`)."""
+    parser = argparse.ArgumentParser(prog="minivllm", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete prompts (streamed to stdout)")
+    g.add_argument("--prompt", action="append", help="repeatable; default: lines of stdin")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    chat = "with --chat the model's default (its generation_config.json)"
+    g.add_argument("--temperature", type=float, default=None, help=f"default: 0, greedy; {chat}")
+    g.add_argument("--top-p", type=float, default=None, help=f"default: 1; {chat}")
+    g.add_argument("--top-k", type=int, default=None, help=f"default: -1, off; {chat}")
+    g.add_argument("--repetition-penalty", type=float, default=None,
+                   help=f"default: 1, off; {chat}, else {SMALL_MODEL_REPETITION_PENALTY:g} "
+                   f"for a model under {SMALL_MODEL_PARAMS // 10**6:,}M parameters")
+    # `--seed` (an engine option) also seeds each prompt's sampling.
+    EngineArgs.add_cli_args(g.add_argument_group("engine"), defaults=GENERATE_DEFAULTS)
+
+    b = sub.add_parser(
+        "bench", help="PERF.md's workloads: throughput, latency, prefill, chat, coldstart"
+    )
+    if with_bench:  # the bench module imports the engine: not for `generate`
+        from .bench.workloads import add_arguments
+
+        add_arguments(b)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # the HTTP server, with vLLM's flag names
@@ -128,66 +133,13 @@ def main(argv: list[str] | None = None) -> None:
         from .server.bench import main as bench_serve
 
         sys.exit(bench_serve(argv[2:]))
-    parser = argparse.ArgumentParser(prog="minivllm", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    g = sub.add_parser("generate", help="complete prompts (streamed to stdout)")
-    g.add_argument("--model", default=DEFAULT_CHAT_MODEL)
-    g.add_argument("--prompt", action="append", help="repeatable; default: lines of stdin")
-    g.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    g.add_argument("--max-tokens", type=int, default=128)
-    chat = "with --chat the model's default (its generation_config.json)"
-    g.add_argument("--temperature", type=float, default=None, help=f"default: 0, greedy; {chat}")
-    g.add_argument("--top-p", type=float, default=None, help=f"default: 1; {chat}")
-    g.add_argument("--top-k", type=int, default=None, help=f"default: -1, off; {chat}")
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--repetition-penalty", type=float, default=None,
-                   help=f"default: 1, off; {chat}, else {SMALL_MODEL_REPETITION_PENALTY:g} "
-                   f"for a model under {SMALL_MODEL_PARAMS // 10**6:,}M parameters")
-    g.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    g.add_argument("--max-model-length", type=int, default=4096)
-    g.add_argument(
-        "--cpu-weight-dtype",
-        default=APP_CPU_WEIGHT_DTYPE,
-        metavar="{" + ",".join(CPU_WEIGHT_DTYPES) + "}",
-        help="CPU linear weights, weight-only formats with fp32 compute (default "
-        f"{APP_CPU_WEIGHT_DTYPE}: a GGUF model's own Q4_1 / Q8_0 where they hold its weights "
-        "exactly, else bfloat16; auto: the compute dtype)",
-    )
-    g.add_argument(
-        "--cpu-prefill-dtype",
-        default="auto",
-        choices=CPU_PREFILL_DTYPES,
-        help="a prefill's products (on packed copies of the weights) and attention with a "
-        "CPU weight format (default auto: bfloat16 where the CPU multiplies bf16, AMX or "
-        "AVX-512 BF16, else fp32 copies; float32: no copies, the weight-only kernel)",
-    )
-    g.add_argument(
-        "--cpu-decode-dtype",
-        default="auto",
-        choices=CPU_DECODE_DTYPES,
-        help="activations of the products with q4_1 / q8_0 CPU weights (default auto: int8 "
-        "per group of 32, llama.cpp's arithmetic, where the CPU has AVX512-VNNI, else "
-        "float32)",
-    )
-    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="KV cache storage (default auto: the model's dtype; fp8: e4m3, "
-                   "twice the blocks)")
-
-    b = sub.add_parser(
-        "bench", help="PERF.md's workloads: throughput, latency, prefill, chat, coldstart"
-    )
-    if argv[:1] == ["bench"]:  # the bench module imports the engine: not for `generate`
-        from .bench import add_arguments
-
-        add_arguments(b)
-
+    parser = build_parser(with_bench=argv[:1] == ["bench"])
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             generate(args)
         else:
-            from .bench import main as bench_main
+            from .bench.workloads import main as bench_main
 
             bench_main(args)
     except USER_ERRORS as e:

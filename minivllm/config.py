@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,11 +40,11 @@ CPU_DECODE_DTYPES = ("auto", "int8", "float32")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # `cpu_weight_dtype` of `minivllm generate`, `minivllm-chat` and `bench latency --device cpu`
 # (EngineConfig's default stays "auto": fp32 weights keep the exact parity with transformers).
-# Chosen by measurement on SmolLM2-135M (PERF_NOTES.md, issue 10): "compact" keeps a model
-# converted from a Q4_1 GGUF (the embedded SmolLM2) in its own Q4_1 / Q8_0 weights, exactly
-# (~2.8x fewer bytes a token than bf16), and takes bf16 weights elsewhere (~2x faster than
-# fp32, fp32's greedy tokens in 21 of 24 prompts); where the CPU multiplies bf16, the
-# compute dtype is bf16 already and this changes nothing.
+# "compact" keeps a model converted from a Q4_1 GGUF (the embedded SmolLM2) in its own
+# Q4_1 / Q8_0 weights, exactly, with fewer bytes a token to stream than bf16 (a CPU decode
+# step is bound by them), and takes bf16 weights elsewhere (faster than fp32 at nearly its
+# greedy tokens; PERF.md's CPU decisions); where the CPU multiplies bf16, the compute dtype
+# is bf16 already and this changes nothing.
 APP_CPU_WEIGHT_DTYPE = "compact"
 
 ENGINE_KEYS = {
@@ -56,7 +57,6 @@ ENGINE_KEYS = {
     "eos",
     "enforce_eager",
     "gpu_memory_utilization",
-    "max_num_batch_tokens",
     "max_model_length",
     "device",
     "dtype",
@@ -70,6 +70,9 @@ ENGINE_KEYS = {
     "async_scheduling",
     "kv_cache_dtype",
 }
+# Older key -> its current name (vLLM's), still accepted with a deprecation warning.
+# `max_num_batch_tokens` sized the warm-up pass alone; that pass is now one step's budget.
+RENAMED_KEYS = {"max_num_batch_tokens": "max_num_batched_tokens"}
 
 
 @dataclass(frozen=True)
@@ -250,7 +253,6 @@ class EngineConfig:
     eos: tuple[int, ...] | None = None
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
-    max_num_batch_tokens: int | None = None
     max_model_length: int | None = None
     device: str = "auto"
     dtype: str = "auto"
@@ -293,8 +295,6 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization={g!r}: must be in (0, 1]")
         if self.max_cached_blocks is not None:
             _check_int("max_cached_blocks", self.max_cached_blocks, 1)
-        if self.max_num_batch_tokens is not None:
-            _check_int("max_num_batch_tokens", self.max_num_batch_tokens, 1)
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device={self.device!r}: must be 'auto', 'cuda' or 'cpu'")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -371,14 +371,11 @@ class EngineConfig:
     def eos_token_ids(self) -> tuple[int, ...]:
         return self.eos if self.eos is not None else self.model.eos_token_ids
 
-    @property
-    def warmup_tokens(self) -> int:
-        return self.max_num_batch_tokens or self.max_num_batched_tokens
-
     # -- building from the seed's dict -------------------------------------------------
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
+        d = _renamed_keys(d)
         unknown = sorted(set(d) - ENGINE_KEYS - set(ARCH_KEYS))
         if unknown:
             raise ValueError(
@@ -420,6 +417,21 @@ class EngineConfig:
             model_path=str(model_path) if model_path else None,
             **engine,
         )
+
+
+def _renamed_keys(d: dict[str, Any]) -> dict[str, Any]:
+    """The dict with each older key under its current name, and a note for each."""
+    old = [k for k in RENAMED_KEYS if k in d]
+    if not old:
+        return d
+    d = dict(d)
+    for key in old:
+        new = RENAMED_KEYS[key]
+        warnings.warn(f"config key {key!r} is deprecated; use {new!r}", FutureWarning,
+                      stacklevel=3)
+        value = d.pop(key)
+        d.setdefault(new, value)
+    return d
 
 
 def _dummy_model_config(name: str, given: dict[str, Any]) -> ModelConfig:

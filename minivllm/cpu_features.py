@@ -1,8 +1,8 @@
 """What this CPU computes fast, read once when an engine starts (the default dtype follows).
 
 bf16 is only a win where the hardware multiplies bf16 (AVX-512 BF16 or AMX) and torch runs
-its AVX-512 kernels; elsewhere bf16 matmuls are emulated and slower than fp32 (measured on
-an AVX2-only EPYC: all of SmolLM2's linears for one token take ~5x longer in bf16).
+its AVX-512 kernels; elsewhere bf16 matmuls are emulated and several times slower than
+fp32.
 """
 
 from __future__ import annotations

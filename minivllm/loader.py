@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .envs import read
+
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
@@ -387,10 +389,10 @@ def _embedded_smollm2_gguf() -> tuple[Path | None, str]:
 
 def gguf_cache_dir() -> Path:
     """Where converted GGUF checkpoints live: $MINIVLLM_CACHE, else the XDG cache."""
-    env = os.environ
-    if env.get("MINIVLLM_CACHE"):
-        return Path(env["MINIVLLM_CACHE"]).expanduser()
-    xdg = env.get("XDG_CACHE_HOME")
+    configured = read("MINIVLLM_CACHE")
+    if configured:
+        return Path(configured).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "minivllm"
 

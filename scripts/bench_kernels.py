@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 import triton.testing
+
 from minivllm.kernels.decode_attention import _tile_config as decode_tiles
 from minivllm.kernels.decode_attention import (
     choose_num_splits,
@@ -110,7 +111,7 @@ def prefill_case(seq_len: int, q_len: int, block_size: int, **kw) -> tuple[float
     return ms, 4 * pairs * NUM_HEADS * HEAD_DIM / (ms * 1e-3) / 1e12
 
 
-# -- few-row GEMV, fused decode ops, batch-1 long-context decode (issue 11) ----------------
+# -- few-row GEMV, fused decode ops, batch-1 long-context decode ---------------------------
 
 # (model, hidden, heads, kv_heads, head_dim, intermediate, vocab)
 def gemv_variants(m: int, n: int, k: int) -> list[dict]:

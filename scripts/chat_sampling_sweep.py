@@ -15,8 +15,9 @@ from collections import Counter
 
 from minivllm import LLMEngine, SamplingParams
 from minivllm.chat_defaults import chat_sampling_defaults
-from minivllm.cli import DEFAULT_CHAT_MODEL, check_engine_config
+from minivllm.cli import check_engine_config
 from minivllm.config import APP_CPU_WEIGHT_DTYPE
+from minivllm.engine_args import DEFAULT_MODEL as DEFAULT_CHAT_MODEL
 
 # The prompts the README and its screenshot show, and the one that looped at T=0.7.
 PROMPTS = [

@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def bench_args(args: argparse.Namespace, kv: str, *extra: str) -> argparse.Namespace:
     """`minivllm bench throughput`'s arguments with this KV dtype."""
-    from minivllm.bench import add_arguments
+    from minivllm.bench.workloads import add_arguments
 
     p = argparse.ArgumentParser()
     add_arguments(p)
@@ -48,14 +48,15 @@ def bench_args(args: argparse.Namespace, kv: str, *extra: str) -> argparse.Names
 
 def measure(args: argparse.Namespace, kv: str) -> dict[str, float]:
     from minivllm import SamplingParams
-    from minivllm.bench import bench_throughput, build_engine, timed_run
+    from minivllm.bench.common import build_engine
+    from minivllm.bench.workloads import bench_throughput, timed_run
 
     out: dict[str, float] = {}
     if not args.skip_throughput:
         out["throughput"] = bench_throughput(bench_args(args, kv))[0].value
     length = args.long + args.new_tokens + 16
-    llm = build_engine(bench_args(args, kv, "--max-model-length", str(length),
-                                  "--max-num-sequences", "8"))
+    llm = build_engine(bench_args(args, kv, "--max-model-len", str(length),
+                                  "--max-num-seqs", "8"))
     try:
         out["blocks"] = llm.runner.num_blocks
         out["block_size"] = llm.config.block_size

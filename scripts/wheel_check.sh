@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install like a user (STYLE.md 19): build the wheel, install it into a fresh virtualenv
+# Install like a user: build the wheel, install it into a fresh virtualenv
 # and run the entry points from outside the repository, so a module the wheel leaves out
 # fails here rather than on a user's machine (the test suite imports the editable copy).
 #   usage: bash scripts/wheel_check.sh [python]   (default: .venv/bin/python)
@@ -48,7 +48,7 @@ bin="$tmp/venv/bin"
 "$bin/minivllm-chat" --help > /dev/null
 echo "minivllm-chat --help: ok"
 reply=$(echo "What is the capital of France?" | "$bin/minivllm-chat" --plain --device cpu \
-    --max-model-length 512 --temperature 0 --max-tokens 12 2> "$tmp/stderr") || {
+    --max-model-len 512 --temperature 0 --max-tokens 12 2> "$tmp/stderr") || {
     cat "$tmp/stderr" >&2; exit 1; }
 case "$reply" in
     *Paris*) echo "minivllm-chat --plain: ok ($reply)" ;;

@@ -10,8 +10,8 @@ from conftest import write_tiny_checkpoint
 
 from minivllm.cli import main
 
-SMALL = ["--device", "cpu", "--max-model-length", "512", "--max-num-batched-tokens", "128",
-         "--block-size", "16", "--max-num-sequences", "8"]
+SMALL = ["--device", "cpu", "--max-model-len", "512", "--max-num-batched-tokens", "128",
+         "--block-size", "16", "--max-num-seqs", "8"]
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import CHAT, assert_greedy_chat_follows
-from minivllm.kernels import cpu_lowp_linear as kernel
 
 from minivllm import EngineConfig
 from minivllm.cpu_features import has_fast_bf16
+from minivllm.kernels import cpu_lowp_linear as kernel
 from minivllm.layers import cpu_linear
 
 

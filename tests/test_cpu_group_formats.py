@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_product_matches_reference, tiny_engine, write_tiny_checkpoint
-from minivllm.kernels import cpu_lowp_linear as kernel
 
 from minivllm import SamplingParams
 from minivllm.engine.cpu_step import NativeCPUDecodeStep
+from minivllm.kernels import cpu_lowp_linear as kernel
 from minivllm.layers import cpu_linear
 
 pytestmark = pytest.mark.skipif(

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CHAT, assert_greedy_chat_follows
-from minivllm.kernels import cpu_lowp_linear as kernel
 
 from minivllm import EngineConfig
+from minivllm.kernels import cpu_lowp_linear as kernel
 from minivllm.layers import cpu_linear
 
 needs_vnni = pytest.mark.skipif(

@@ -12,9 +12,9 @@ from conftest import (
     assert_product_matches_reference,
     tiny_engine,
 )
-from minivllm.kernels import cpu_lowp_linear as kernel
 
 from minivllm import EngineConfig, SamplingParams
+from minivllm.kernels import cpu_lowp_linear as kernel
 from minivllm.layers import cpu_linear
 
 pytestmark = pytest.mark.skipif(

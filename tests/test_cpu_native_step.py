@@ -9,12 +9,12 @@ import pytest
 import torch
 import transformers
 from conftest import hf_greedy, tiny_engine
-from minivllm.kernels import cpu_lowp_linear
-from minivllm.kernels.decode_attention import context_slots
 
 from minivllm import SamplingParams
 from minivllm.engine import cpu_step
 from minivllm.engine.cpu_step import CPUDecodeStep, NativeCPUDecodeStep, decode_layer
+from minivllm.kernels import cpu_lowp_linear
+from minivllm.kernels.decode_attention import context_slots
 
 pytestmark = pytest.mark.skipif(
     cpu_lowp_linear.unavailable_reason() is not None,
@@ -110,7 +110,7 @@ def test_bf16_model_takes_another_step_and_says_why(tiny_llama, monkeypatch):
 
 def test_unknown_step_kind_names_the_variable_and_the_value(tiny_llama, monkeypatch):
     monkeypatch.setenv(cpu_step.STEP_ENV, "fast")
-    with pytest.raises(ValueError, match="MINIVLLM_CPU_STEP='fast': expected one of native"):
+    with pytest.raises(ValueError, match="MINIVLLM_CPU_STEP='fast': must be one of native"):
         tiny_engine(tiny_llama)
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
+from minivllm import cpu_features
+from minivllm.engine.llm_engine import _resolve_dtype
 from minivllm.kernels.decode_attention import context_slots, decode_attention_at_slots
 from minivllm.kernels.prefill_attention import gather_kv
 from minivllm.kernels.rotary import (
@@ -13,9 +16,6 @@ from minivllm.kernels.rotary import (
     cos_sin_at,
     folded_cos_sin_at,
 )
-
-from minivllm import cpu_features
-from minivllm.engine.llm_engine import _resolve_dtype
 from minivllm.layers import cpu_linear
 
 CPUINFO_SPR = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512bw avx512_bf16 amx_bf16\n"

@@ -121,7 +121,7 @@ def test_without_the_default_model_one_line_gives_the_command(monkeypatch, capsy
 @pytest.mark.slow
 def test_bench_latency_on_cpu_reports_as_it_goes(tmp_path, smollm2_path, monkeypatch, capsys):
     """Progress and each round's figures reach stderr before the final table."""
-    from minivllm import bench
+    from minivllm.bench import workloads as bench
     from minivllm.cli import main
 
     path = write_tiny_checkpoint(tmp_path, "llama")

@@ -14,6 +14,8 @@ import sys
 import pytest
 import torch
 from conftest import run_kernel_checks, tiny_engine
+
+from minivllm import EngineConfig, SamplingParams
 from minivllm.kernels.store_kvcache import (
     FP8_KV_DTYPE,
     FP8_MAX,
@@ -21,8 +23,6 @@ from minivllm.kernels.store_kvcache import (
     quantize_kv,
     store_kvcache_ref,
 )
-
-from minivllm import EngineConfig, SamplingParams
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 # e4m3 keeps 3 mantissa bits: a normal value rounds within 2**-4 of itself (relative);
@@ -56,7 +56,7 @@ def test_kv_cache_dtype_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     from minivllm.tui.cli import build_parser as chat_parser
     from minivllm.tui.cli import engine_config as chat_config
 
-    import minivllm.bench as bench
+    from minivllm.bench import common, workloads
     from minivllm.server.cli import build_parser as serve_parser
     from minivllm.server.cli import engine_config as serve_config
 
@@ -73,9 +73,9 @@ def test_kv_cache_dtype_flags(monkeypatch: pytest.MonkeyPatch) -> None:
             seen.update(config)
 
     parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    monkeypatch.setattr(bench, "LLMEngine", Engine)
-    bench.build_engine(parser.parse_args(["throughput", "--kv-cache-dtype", "fp8_e4m3"]))
+    workloads.add_arguments(parser)
+    monkeypatch.setattr(common, "LLMEngine", Engine)
+    common.build_engine(parser.parse_args(["throughput", "--kv-cache-dtype", "fp8_e4m3"]))
     assert seen["kv_cache_dtype"] == "fp8_e4m3"
     proc = subprocess.run([sys.executable, "-m", "minivllm.cli", "generate", "--kv-cache-dtype",
                            "fp4"], capture_output=True, text=True, timeout=120)
@@ -91,7 +91,7 @@ def test_gpu_script_imports_and_parses() -> None:
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     args = script.parse_args(["--long", "4096", "--num-seqs", "64"])
-    bench = script.bench_args(args, "fp8", "--max-model-length", "4300")
+    bench = script.bench_args(args, "fp8", "--max-model-len", "4300")
     assert (bench.kv_cache_dtype, bench.num_seqs, bench.max_model_length) == ("fp8", 64, 4300)
     assert bench.model == "Qwen/Qwen3-0.6B"
     if not torch.cuda.is_available():
@@ -266,11 +266,12 @@ def check_interpreted() -> None:
 def check_compile_sm90() -> None:
     """The fp8 variants compile for an H100 (Triton's passes and ptxas, no GPU)."""
     sys.path.insert(0, os.path.dirname(__file__))
+    from test_kernels import _compile_sm90
+
     from minivllm.kernels.decode_attention import _decode_attention_kernel
     from minivllm.kernels.prefill_attention import _prefill_kernel
     from minivllm.kernels.qkv_rotary_store import _qkv_rotary_store_kernel
     from minivllm.kernels.store_kvcache import _store_kvcache_kernel
-    from test_kernels import _compile_sm90
 
     fp8 = dict(k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv")
     scalars = dict(k_scale="fp32", v_scale="fp32", eps="fp32", qk_scale="fp32")

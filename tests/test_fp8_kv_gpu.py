@@ -10,10 +10,10 @@ import itertools
 import pytest
 import torch
 from conftest import dummy_engine
-from minivllm.kernels.store_kvcache import FP8_KV_DTYPE, dequantize_kv, quantize_kv
-from minivllm.kernels.testing import cos_sin_table, paged_kv, qk_norm_weights, rel_err
 
 from minivllm import SamplingParams
+from minivllm.kernels.store_kvcache import FP8_KV_DTYPE, dequantize_kv, quantize_kv
+from minivllm.kernels.testing import cos_sin_table, paged_kv, qk_norm_weights, rel_err
 
 pytestmark = pytest.mark.gpu
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_engine
-from minivllm.kernels import tuning
 from test_gpu_engine import prompts, qwen3_06b, run  # noqa: F401 (fixture)
 
 from minivllm import SamplingParams
+from minivllm.kernels import tuning
 
 SWITCHES = {
     "gemv_k4096": {"MINIVLLM_GEMV_MAX_K": "4096"},

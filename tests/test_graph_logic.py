@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_engine
-from minivllm.kernels import cpu_lowp_linear
 
 from minivllm import SamplingParams
 from minivllm.engine.cuda_graph import (
@@ -22,6 +21,7 @@ from minivllm.engine.cuda_graph import (
     seq_slots,
     token_buckets,
 )
+from minivllm.kernels import cpu_lowp_linear
 from minivllm.layers import attention as attention_module
 from minivllm.layers.attention import (
     Attention,

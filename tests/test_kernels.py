@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 from conftest import run_kernel_checks
+
 from minivllm.kernels.testing import cos_sin_table, qk_norm_weights
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None

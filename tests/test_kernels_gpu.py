@@ -11,6 +11,7 @@ import itertools
 
 import pytest
 import torch
+
 from minivllm.kernels.testing import DECODE_MODELS as MODELS
 from minivllm.kernels.testing import cos_sin_table, projections, qk_norm_weights
 
@@ -225,7 +226,7 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     _assert_close(f"silu_and_mul {dtype}", silu_and_mul(x), silu_and_mul_ref(x), TOL[dtype])
 
 
-# -- fused decode-path kernels (issue 11) ---------------------------------------------------
+# -- fused decode-path kernels ------------------------------------------------------------
 
 # (name, hidden, heads, kv_heads, head_dim, intermediate, vocab)
 @pytest.mark.parametrize("model", MODELS, ids=[m[0] for m in MODELS])

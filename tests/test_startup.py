@@ -302,9 +302,9 @@ def test_prefill_copies_are_packed_at_first_use() -> None:
     """`add_wide_copies` packs nothing at start-up; a prefill's first product packs the
     copy, and its rows equal those of a copy packed up front."""
     torch = pytest.importorskip("torch")
-    from minivllm.kernels import cpu_lowp_linear as kernel
     from torch import nn
 
+    from minivllm.kernels import cpu_lowp_linear as kernel
     from minivllm.layers import cpu_linear
 
     if kernel.unavailable_reason() is not None:

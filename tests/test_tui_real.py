@@ -135,11 +135,10 @@ def test_plain_mode_through_a_pipe_on_the_real_model(tmp_path, engine):
     env = {**os.environ, "MINIVLLM_DATA_DIR": str(tmp_path)}
     proc = subprocess.run(
         [sys.executable, "-m", "minivllm.tui.cli", "--plain", "--device", "cpu",
-         "--max-model-length", "512", "--temperature", "0", "--max-tokens", "16"],
+         "--max-model-len", "512", "--temperature", "0", "--max-tokens", "16"],
         input="What is the capital of France?\n/stats\n", capture_output=True, text=True,
         env=env, timeout=600,
-        # As a user runs it: from outside the clone, whose `kernels` folder would shadow
-        # the `kernels` package transformers imports (`python -m` puts the cwd first).
+        # As a user runs it: from outside the clone.
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -183,7 +182,7 @@ class PacedPrefill:
 
 
 async def test_long_prompt_shows_prefill_progress(engine, tmp_path):
-    """Issue 13 item 8: a long paste is prefilled in chunks of the CPU step budget (so
+    """A long paste is prefilled in chunks of the CPU step budget (so
     other panes get a step every ~0.2 s); its title counts the prompt tokens computed,
     chunk by chunk."""
     import re

@@ -1,9 +1,9 @@
-"""minivllm-chat's speed work (issue 13, GPU): the engine in a child process
+"""minivllm-chat's speed work (GPU): the engine in a child process
 (`minivllm.frontend.EngineProcessClient` with what the app adds: its tokenizer, prefill
 progress, a log file; built from `tui/engine_spec.py`), the GIL switch
 interval while an in-process engine runs, deferred growth of streaming blocks, and the
 bench's GPU-like stand-in. No timings are asserted: speed is measured by
-`minivllm-chat --bench` (PERF_NOTES.md)."""
+`minivllm-chat --bench` (PERF.md)."""
 
 from __future__ import annotations
 

@@ -256,7 +256,7 @@ def test_session_files_are_private(tmp_path):
 
 
 def test_session_file_is_created_at_the_first_message(tmp_path):
-    """Issue 13 item 3: a start that never chats leaves no file; --resume then takes the
+    """A start that never chats leaves no file; --resume then takes the
     newest session with messages."""
     older = SessionStore(new_session_path(tmp_path).with_name("20240101-000000-1.jsonl"))
     older.session("m")
@@ -296,7 +296,7 @@ def test_sessions_listing_and_resume_by_id(tmp_path):
 
 
 def test_records_with_bad_values_are_skipped_with_a_count(tmp_path):
-    """Issue 13 item 7: valid JSON, bad values: skipped, the rest loads."""
+    """Valid JSON, bad values: skipped, the rest loads."""
     path = tmp_path / "s.jsonl"
     recs = [
         {"type": "pane", "pane": 1, "settings": Settings(temperature=0.0).to_dict()},
@@ -323,7 +323,7 @@ def test_records_with_bad_values_are_skipped_with_a_count(tmp_path):
 
 
 def test_unwritable_data_dir_keeps_going_in_memory(tmp_path):
-    """Issue 13 item 6: the store never raises; it reports once and stops writing. (The
+    """The store never raises; it reports once and stops writing. (The
     data dir is under a file: unwritable even for root, who ignores permissions.)"""
     errors = []
     blocker = tmp_path / "not-a-dir"
@@ -389,7 +389,7 @@ def test_export_markdown():
 
 def test_bench_tokenizer_keeps_ids_in_the_vocabulary_and_decodes_every_id():
     """The GPU bench runs a dummy model without tokenizer files through the app."""
-    from minivllm.tui.bench import BenchTokenizer
+    from minivllm.tui.bench_tokenizer import BenchTokenizer
     from minivllm.tui.engine_client import render_prompt
 
     tok = BenchTokenizer(vocab_size=1000)

@@ -32,79 +32,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import signal
 import statistics
 import sys
 import threading
 import time
 import traceback
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
+from minivllm.config import APP_CPU_WEIGHT_DTYPE
+from minivllm.engine_args import EngineArgs
 from minivllm.sampling_params import SamplingParams
 
+from .bench_tokenizer import BenchTokenizer
 from .conversation import Settings
 from .engine_client import render_prompt
+from .engine_defaults import CPU_STEP_TOKENS, runs_on_cpu
 
 TOPICS = ["a lighthouse keeper", "a robot learning to paint", "a city under the sea",
           "a dragon who collects books", "a time-travelling cat", "the first Mars colony",
           "a haunted library", "a chess tournament"]
 WARMUP_TOKENS = 8
-
-# What a dummy model's ids decode to: words, punctuation and Markdown (paragraphs, lists,
-# emphasis, code), so the app renders roughly what a real reply costs it.
-_BENCH_PIECES = (
-    [f" {w}" for w in (
-        "the a of and to in is was that it for on with as his her they at be this from "
-        "keeper light sea ship night storm lamp tower waves stone old young lonely bright "
-        "dark cold warm slowly quietly every long story began when would could never always"
-    ).split()]
-    + [".", ",", ";", ":", "!", "?", "\n\n", "\n- ", "\n1. ", " **", "** ", " `", "` ",
-       "\n## ", " _", "_ ", "\n```python\n", "\n```\n", " (", ")", " 42", " 3.14"]
-)
-_PIECE_RE = re.compile(r"\s*\w+|\s*[^\w\s]|\s+")
-
-
-class BenchTokenizer:
-    """Text <-> ids for a model without a tokenizer (random weights): id i decodes to
-    `_BENCH_PIECES[i % len]`; text encodes piece by piece to ids below `vocab_size`.
-    Only for measuring the app: the text means nothing."""
-
-    chat_template = "{# bench stand-in #}"  # no `enable_thinking`: no thinking switch
-    bos_token_id = None
-    eos_token = None
-
-    def __init__(self, vocab_size: int) -> None:
-        self.vocab_size = vocab_size
-        self._index = {p: i for i, p in enumerate(_BENCH_PIECES)}
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [self._index.get(p, zlib.crc32(p.encode()) % self.vocab_size)
-                for p in _PIECE_RE.findall(text)]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True,
-               clean_up_tokenization_spaces: bool = False) -> str:
-        return "".join(_BENCH_PIECES[i % len(_BENCH_PIECES)] for i in ids)
-
-    def apply_chat_template(self, messages: list[dict[str, str]],
-                            add_generation_prompt: bool = False, tokenize: bool = False,
-                            **_: Any) -> str | list[int]:
-        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
-        if add_generation_prompt:
-            text += "<|assistant|>\n"
-        return self.encode(text) if tokenize else text
-
-
-def ensure_tokenizer(engine: Any) -> bool:
-    """Give a tokenizer-less engine a `BenchTokenizer`; returns whether it did."""
-    if engine.tokenizer is not None:
-        return False
-    engine.tokenizer = BenchTokenizer(engine.config.model.vocab_size)
-    engine.output_processor.tokenizer = engine.tokenizer  # detokenizes new requests
-    return True
-
 
 def prompts(n: int) -> list[str]:
     return [f"Write a long story about {TOPICS[i % len(TOPICS)]}." for i in range(n)]
@@ -114,16 +63,8 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
     """The engine `minivllm-chat` would build: its CPU weights and, on a CPU, its step
     budget (without them the bench measured a bf16 engine on AVX-512 BF16 CPUs, 4x slower
     than the app's)."""
-    from minivllm.config import APP_CPU_WEIGHT_DTYPE
-
-    from .cli import CPU_STEP_TOKENS, _runs_on_cpu
-
-    config = {"model_name_or_path": args.model, "device": args.device,
-              "load_format": args.load_format, "max_model_length": 2048,
-              "cpu_weight_dtype": APP_CPU_WEIGHT_DTYPE}
-    if args.max_num_batched_tokens:
-        config["max_num_batched_tokens"] = args.max_num_batched_tokens
-    elif _runs_on_cpu(args.device):
+    config = EngineArgs.from_cli_args(args).engine_config()
+    if args.max_num_batched_tokens is None and runs_on_cpu(args.device):
         config["max_num_batched_tokens"] = CPU_STEP_TOKENS
     return config
 
@@ -278,18 +219,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "--engine-process` does: on (every round), both (app rounds in-process "
                    "and with the engine process, interleaved; two engines, so not on one "
                    "GPU); default off")
-    p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
     p.add_argument("--panes", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2, help="app rounds (headless: one more)")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: torch's; 1 is steadier on a shared machine)")
     p.add_argument("--round-timeout", type=float, default=300.0, metavar="S",
                    help="a round that takes longer fails, printing where every thread is "
                    "(default 300)")
+    # The engine `minivllm-chat` builds, with a context that holds the bench's replies.
+    EngineArgs.add_cli_args(
+        p.add_argument_group("engine"),
+        defaults={"device": "auto", "max_model_length": 2048,
+                  "cpu_weight_dtype": APP_CPU_WEIGHT_DTYPE},
+        help_defaults={"max_num_batched_tokens": f"{CPU_STEP_TOKENS} on a CPU, else the "
+                       "engine's"},
+    )
     return p
 
 

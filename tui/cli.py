@@ -15,21 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from minivllm.chat_defaults import SMALL_MODEL_PARAMS, SMALL_MODEL_REPETITION_PENALTY
-from minivllm.config import APP_CPU_WEIGHT_DTYPE, CPU_WEIGHT_DTYPES
+from minivllm.config import APP_CPU_WEIGHT_DTYPE
+from minivllm.engine_args import EngineArgs
 
 from .conversation import Settings
 from .engine_client import EngineFactory
+from .engine_defaults import CPU_STEP_TOKENS, runs_on_cpu
 
-DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-# Step token budget on a CPU: a step computes at most this many tokens, so a long paste
-# in one pane is prefilled in chunks while the other panes keep streaming. Measured with
-# scripts/cpu_step_budget.py (SmolLM2-135M fp32, a 3,000-word paste beside a streaming
-# reply, 2-core AVX2 machine; PERF_NOTES.md): a step's CPU time was p50 0.59 s at 64
-# tokens, 1.52 s at 128, 2.59 s at 256 and 3.40 s at 512 on one busy core, i.e. about
-# 0.25-0.3 s of wall time at 64 on two idle cores. 64 is the budget nearest a fifth of a
-# second; the paste's own time to first token hardly changes (the same work in more
-# steps). The engine's default (1,024) made 3-4.6 s steps that froze every other pane.
-CPU_STEP_TOKENS = 64
 FAKE_OPTIONS: dict[str, Any] = {"thinking": True, "step_delay": 0.02, "load_delay": 1.0}
 
 
@@ -39,23 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Chat with a local model in several conversations side by side, "
         "with a live view of the engine (KV blocks, running/waiting requests, throughput).",
     )
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"model folder, .gguf file or Hub name (default: {DEFAULT_MODEL})")
     p.add_argument("--conversations", type=int, default=2, metavar="N",
                    help="panes side by side at start (default: 2)")
-    p.add_argument("--world-size", type=int, default=1, metavar="N",
-                   help="tensor-parallel ranks (default: 1)")
-    p.add_argument("--max-model-length", type=int, default=None, metavar="L",
-                   help="cap on prompt + reply tokens per conversation")
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
-                   help="where the engine runs (default: auto)")
-    p.add_argument("--cpu-weight-dtype", default=APP_CPU_WEIGHT_DTYPE,
-                   metavar="{" + ",".join(CPU_WEIGHT_DTYPES) + "}",
-                   help="CPU linear weights, weight-only formats with fp32 compute "
-                   f"(default: {APP_CPU_WEIGHT_DTYPE}: a GGUF model's own Q4_1 / Q8_0 where "
-                   "they hold its weights exactly, else bfloat16; auto: the compute dtype)")
-    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "fp8", "fp8_e4m3"],
-                   help="KV cache storage (default: auto, the model's dtype; fp8: e4m3)")
     p.add_argument("--system", default="", metavar="TEXT", help="system prompt for every pane")
     p.add_argument("--temperature", type=float, default=None,
                    help="sampling temperature (0 is greedy; default: the model's "
@@ -65,16 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="above 1 discourages repeating tokens (default: the model's, else "
                    f"{SMALL_MODEL_REPETITION_PENALTY:g} below {SMALL_MODEL_PARAMS // 10**6:,}M "
                    "parameters, else 1)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
-                   help=f"tokens one engine step computes (default: the engine's; "
-                   f"{CPU_STEP_TOKENS} on a CPU, so steps stay short)")
     p.add_argument("--resume", nargs="?", const="", default=None, metavar="ID",
                    help="restore the newest session with messages, or session ID")
     p.add_argument("--sessions", action="store_true",
                    help="list saved sessions (id, date, panes, first words) and exit")
-    p.add_argument("--bench", action="store_true",
-                   help="measure the app's cost: generation tok/s with N panes streaming vs "
-                   "headless (options: minivllm-chat --bench --help)")
     p.add_argument("--plain", action="store_true",
                    help="line-oriented REPL instead of the full-screen app")
     p.add_argument("--keymap", type=Path, default=None, metavar="FILE",
@@ -84,30 +55,22 @@ def build_parser() -> argparse.ArgumentParser:
                    "loading a model here")
     p.add_argument("--api-key", default=None, metavar="KEY",
                    help="with --url: the server's API key")
-    # NOTE: off by default until the engine process is measured on a GPU with the app
-    # (PERF_NOTES.md, "The app at GPU speed"); then `auto` is the intended default.
     p.add_argument("--engine-process", default="auto", choices=["auto", "on", "off"],
                    help="run the engine in a child process, so the screen never holds the "
                    "engine up (one GIL per process); auto: on, except for a remote "
                    "server (--url) and the scripted test engine (default: auto)")
     p.add_argument("--fake", action="store_true", help=argparse.SUPPRESS)  # scripted engine
+    EngineArgs.add_cli_args(
+        p.add_argument_group("engine"),
+        defaults={"cpu_weight_dtype": APP_CPU_WEIGHT_DTYPE},
+        help_defaults={"max_num_batched_tokens": f"{CPU_STEP_TOKENS} on a CPU, so steps stay "
+                       "short; else the engine's"},
+    )
     return p
 
 
 def engine_config(args: argparse.Namespace) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "model_name_or_path": args.model,
-        "world_size": args.world_size,
-        "device": args.device,
-        "cpu_weight_dtype": getattr(args, "cpu_weight_dtype", APP_CPU_WEIGHT_DTYPE),
-    }
-    if args.max_model_length is not None:
-        config["max_model_length"] = args.max_model_length
-    if args.max_num_batched_tokens is not None:
-        config["max_num_batched_tokens"] = args.max_num_batched_tokens
-    if getattr(args, "kv_cache_dtype", None) is not None:
-        config["kv_cache_dtype"] = args.kv_cache_dtype
-    return config
+    return EngineArgs.from_cli_args(args).engine_config()
 
 
 def check_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -126,28 +89,16 @@ def checked_config(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, 
     from minivllm.cli import check_engine_config
 
     checked = check_engine_config(config)
-    if args.max_num_batched_tokens is None and _runs_on_cpu(checked.device):
+    if args.max_num_batched_tokens is None and runs_on_cpu(checked.device):
         # Not above max_model_length: the engine needs a step to hold one sequence's chunk.
         config["max_num_batched_tokens"] = min(CPU_STEP_TOKENS, checked.max_len)
     return config, chat_sampling_defaults(checked)
 
 
-def _runs_on_cpu(device: str) -> bool:
-    if device == "cpu":
-        return True
-    if device == "cuda":
-        return False
-    import torch
-
-    return not torch.cuda.is_available()
-
-
 def use_engine_process(args: argparse.Namespace) -> bool:
     """`--engine-process`: auto is on for a local engine. NOTE: in one process the UI thread
-    and the engine share a GIL: on a GPU the UI took it at every device wait; on this 2-core
-    CPU host, with the native decode step, SmolLM2 with 4 panes streaming made 0.85 of
-    headless in one process and 0.94 with the engine in its own (PERF_NOTES.md, "The chat
-    app's cost")."""
+    and the engine share a GIL: on a GPU the UI took it at every device wait, and on a CPU
+    the app's rendering slowed the engine's steps too."""
     choice = getattr(args, "engine_process", "off")
     if getattr(args, "url", None) or choice == "off":
         return False
@@ -244,14 +195,10 @@ def list_sessions_text() -> str:
 
 
 def fail(error: BaseException | str) -> int:
-    from minivllm.cli import describe_error
+    from minivllm.cli import OPTION_OF_KEY, describe_error
 
     text = error if isinstance(error, str) else describe_error(
-        error, {"model_name_or_path": "--model", "max_model_length": "--max-model-length",
-                "world_size": "--world-size", "device": "--device",
-                "cpu_weight_dtype": "--cpu-weight-dtype",
-                "max_num_batched_tokens": "--max-num-batched-tokens",
-                "temperature": "--temperature", "max_tokens": "--max-tokens"})
+        error, {**OPTION_OF_KEY, "temperature": "--temperature", "max_tokens": "--max-tokens"})
     print(f"minivllm-chat: error: {text}", file=sys.stderr)
     return 1
 

@@ -1,9 +1,9 @@
 """What the app's engine process builds: an `EngineSpec` (picklable) and `build_engine`,
 for `minivllm.frontend.EngineProcessClient` (`minivllm-chat --engine-process`, the bench).
 
-Why a process (PERF_NOTES.md, "The chat app's cost"): on a GPU the engine's step is ~1 ms,
-mostly a device wait with the GIL released, and in one process the UI thread took the GIL
-at every wait; rendering four fast streams kept the engine at a quarter of its rate.
+Why a process: on a GPU the engine's step is about a millisecond, mostly a device wait with
+the GIL released, and in one process the UI thread took the GIL at every wait; rendering
+four fast streams kept the engine far below its rate.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def build_engine(spec: EngineSpec, on_progress: ProgressFn) -> Any:
         else:
             engine = LLMEngine(spec.config)
     if spec.bench_tokenizer:
-        from .bench import ensure_tokenizer
+        from .bench_tokenizer import ensure_tokenizer
 
         ensure_tokenizer(engine)
     return engine

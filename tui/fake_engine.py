@@ -107,7 +107,6 @@ class _Seq:
     params: SamplingParams
     out_ids: list[int] = field(default_factory=list)
     prefilled: bool = False
-    pending_ids: list[int] = field(default_factory=list)
 
 
 Reply = Callable[[str], str] | str | list[str] | None
@@ -419,8 +418,8 @@ class GpuLikeEngine(FakeEngine):
 
     Each step holds the GIL for `host_s` (pure-Python work: scheduling, inputs, detokenizing)
     and then waits `device_s` with the GIL released (what a CUDA sync does), producing one
-    token for each running request. The defaults (0.3 ms + 1.0 ms, 4 requests) make about
-    3,000 tok/s, as Qwen3-0.6B on an H200 does with 4 panes. Replies are Markdown-ish prose
+    token for each running request. The defaults are the step of Qwen3-0.6B on an H200
+    with 4 panes streaming. Replies are Markdown-ish prose
     (`gpu_like_reply`). Only for benchmarks: its timing is what it is for.
     """
 

@@ -1,6 +1,6 @@
 """Conversations on disk: one append-only JSONL file per session, replayed on --resume.
 
-Durability rules (RELIABILITY.md, the chat app fault): a user message is written and
+Durability rules: a user message is written and
 fsynced before it is submitted; a reply's text is written as it streams (buffered, flushed
 to the OS about once a second) and fsynced when it finishes; replaying a file whose last
 line was torn by a crash skips that line; a reply with no end record was interrupted.
@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from minivllm.envs import read
+
 from .conversation import ChatMessage, Conversation, Settings
 
 SESSION_SUFFIX = ".jsonl"
@@ -23,8 +25,9 @@ SESSION_SUFFIX = ".jsonl"
 
 def data_dir() -> Path:
     """`$MINIVLLM_DATA_DIR`, else `$XDG_DATA_HOME/minivllm`, else `~/.local/share/minivllm`."""
-    if os.environ.get("MINIVLLM_DATA_DIR"):
-        return Path(os.environ["MINIVLLM_DATA_DIR"])
+    configured = read("MINIVLLM_DATA_DIR")
+    if configured:
+        return Path(configured)
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(Path.home(), ".local", "share")
     return Path(base) / "minivllm"
 

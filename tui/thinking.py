@@ -35,7 +35,6 @@ class ThinkParser:
 
     def __init__(self, in_think: bool = False) -> None:
         self.state: Literal["start", "think", "answer"] = "think" if in_think else "start"
-        self.saw_think = in_think
         self._hold = ""
 
     @property
@@ -50,7 +49,7 @@ class ThinkParser:
             if self.state == "start":
                 stripped = buf.lstrip()
                 if stripped.startswith(OPEN_TAG):
-                    self.state, self.saw_think = "think", True
+                    self.state = "think"
                     buf = stripped[len(OPEN_TAG):]
                 elif OPEN_TAG.startswith(stripped):  # whitespace and maybe part of the tag
                     self._hold = buf

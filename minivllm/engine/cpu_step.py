@@ -1,8 +1,8 @@
 """The CPU decode step without per-op Python: native (every decoder layer in one C++ call,
 the default) or compiled (torch.compile / inductor, the way vLLM's CPU backend runs).
 
-Eager, a SmolLM2 decode token issues ~1,100 torch ops from Python (~15 ms of a ~58 ms token
-on this machine, PERF_NOTES.md).
+Eager, a SmolLM2 decode token issues ~1,100 torch ops from Python, a large share of the
+token's time on a CPU.
 
 `NativeCPUDecodeStep` hands the whole step's layers to `minivllm_cpu::decode_layers`
 (kernels/cpu_decode_step.cpp): the norms, rotary, K/V store and grouped attention are plain
@@ -36,7 +36,6 @@ import contextlib
 import mmap
 import os
 import shutil
-import time
 import warnings
 from collections.abc import Callable
 
@@ -47,16 +46,13 @@ from minivllm.kernels.rms_norm import rms_norm_ref
 from minivllm.kernels.rotary import apply_rotary_folded, folded_cos_sin_at
 from minivllm.kernels.silu_and_mul import silu_and_mul_ref
 
+from ..envs import read
 from ..layers import cpu_linear
 from ..layers.attention import AttentionMetadata
 
-# Which CPU decode step runs: "native" (the default: every layer in one C++ call,
-# NativeCPUDecodeStep), "compiled" (inductor, CPUDecodeStep) or "eager" (the model's own
-# forward). Where one is unavailable the next one runs.
+# Which CPU decode step runs: "native" (NativeCPUDecodeStep), "compiled" (CPUDecodeStep)
+# or "eager"; and whether inductor may compile at all (minivllm.envs declares both).
 STEP_ENV = "MINIVLLM_CPU_STEP"
-STEP_KINDS = ("native", "compiled", "eager")
-# Set to 0 to never compile with inductor (the test suite does: compiling costs seconds
-# per engine; tests/test_cpu_step.py compiles on purpose).
 COMPILE_ENV = "MINIVLLM_CPU_COMPILE"
 # NOTE: inductor's pattern matcher rewrites the attention into SDPA and fails on the dynamic
 # context length there (torch 2.13: "Attempting to broadcast a dimension of length s9 + 1");
@@ -110,7 +106,7 @@ def decode_layer(
     # from the [num_slots, num_kv_heads, head_dim] pool as [num_kv_heads, num_seqs,
     # max_prev, head_dim] is then plain matrices with head_dim contiguous, which the batched
     # products read as they are (sequence-first, inductor gathered K transposed, element by
-    # element: 3x slower at batch 8).
+    # element, several times slower at batch 8).
     k_context = k_cache.transpose(0, 1)[:, prev_slots]
     v_context = v_cache.transpose(0, 1)[:, prev_slots]
     # [num_kv_heads, num_seqs, group, head_dim]
@@ -149,8 +145,8 @@ def _mark_dynamic(x, residual, prev_slots, cos, sin, valid) -> None:
 
 
 def _skip_guards(skip: bool):
-    """Skip dynamo's guard checks on the compiled layer's calls (~0.1-0.2 ms each, 30 a step
-    on SmolLM2): after warm-up there is one graph and every call passes the same kinds of
+    """Skip dynamo's guard checks on the compiled layer's calls (one a layer, each a visible
+    share of a CPU step): after warm-up there is one graph and every call passes the same kinds of
     tensors (the weights, this pool, the step's index tensors), so nothing is left to check.
     """
     if skip:
@@ -197,7 +193,7 @@ def _linear_weights(linear: torch.nn.Module) -> tuple:
 
 def compile_unavailable_reason() -> str | None:
     """Why inductor cannot compile here (None: it can). It needs a C++ compiler."""
-    if os.environ.get(COMPILE_ENV, "1") == "0":
+    if read(COMPILE_ENV) == "0":
         return f"{COMPILE_ENV}=0"
     cxx = os.environ.get("CXX")
     if not any(shutil.which(c) for c in ((cxx,) if cxx else ("g++", "c++", "clang++"))):
@@ -222,7 +218,6 @@ class CPUDecodeStep:
         self.weights = [layer_weights(layer) for layer in m.layers]
         self.cos_sin_cache = m.layers[0].self_attn.rotary_emb.cos_sin_cache
         self.shape, self.scale, self.eps, self.qk_eps = layer_constants(m.layers[0])
-        self.compile_seconds = 0.0
         self.skip_guards = True  # see _skip_guards
         self.layer = torch.compile(decode_layer, fullgraph=True, options=COMPILE_OPTIONS)
 
@@ -299,11 +294,9 @@ class CPUDecodeStep:
     def warm_up(self) -> None:
         """Compile the graph on dummy inputs (the cache is only read). Raises what inductor
         raises where it cannot compile."""
-        start = time.perf_counter()
         ids = torch.zeros(3, dtype=torch.long)
         prev = torch.zeros(3, 5, dtype=torch.long)
         self.forward(ids, ids, prev, torch.full((3,), 6, dtype=torch.long), mark_dynamic=True)
-        self.compile_seconds = time.perf_counter() - start
 
 
 class NativeCPUDecodeStep:
@@ -312,11 +305,11 @@ class NativeCPUDecodeStep:
     final norm, three ops a step whatever the depth.
 
     Why not only the compiled step: with its per-op Python gone, a compiled SmolLM2 token
-    still spent ~8-10 ms outside the matrix products (inductor's code for the norm, rotary
+    still spent as long outside the matrix products (inductor's code for the norm, rotary
     and attention of 30 layers, dynamo's per-layer call, OpenMP fork/join per generated
-    kernel, the K/V copies): as much as the int8 weights' products themselves. The same
-    work written as plain loops over one token's few thousand floats costs well under a
-    millisecond, and nothing compiles at start-up. fp32 activations and KV cache only
+    kernel, the K/V copies) as in the int8 weights' products themselves. The same work
+    written as plain loops over one token's few thousand floats costs a small fraction of
+    that, and nothing compiles at start-up. fp32 activations and KV cache only
     (the compiled step serves a bf16 model); each linear runs MKL on an fp32 weight (the
     call `F.linear` makes) or the weight-only kernel on a bf16 / int8 copy, or on q4_1 /
     q8_0 weights with fp32 or (`cpu_decode_dtype`) int8 activations.
@@ -368,8 +361,8 @@ class NativeCPUDecodeStep:
 def lazily_zeroed(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros whose pages the OS maps on first touch.
 
-    `torch.zeros` writes every byte up front: 0.6-5.8 s for the CPU's default 2 GiB pool on
-    this machine (the page faults of 2 GiB), and the whole pool resident from the start.
+    `torch.zeros` writes every byte up front: seconds for the CPU's default 2 GiB pool (the
+    page faults of 2 GiB), and the whole pool resident from the start.
     An anonymous mapping reads as zeros and costs memory only for the blocks in use.
     """
     nbytes = dtype.itemsize
@@ -423,9 +416,7 @@ def cpu_decode_step(
         return None
     if kv_cache.element_size() == 1:
         return None  # an fp8 cache: only the eager attention upcasts it (and applies scales)
-    kind = os.environ.get(STEP_ENV, "native")
-    if kind not in STEP_KINDS:
-        raise ValueError(f"{STEP_ENV}={kind!r}: expected one of {', '.join(STEP_KINDS)}")
+    kind = read(STEP_ENV)
     if kind == "eager":
         return None
     reasons = []
@@ -449,7 +440,7 @@ def cpu_decode_step(
             first_line = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             reason = f"torch.compile failed: {type(e).__name__}: {first_line}"
     reasons.append(f"not compiled: {reason}")
-    if os.environ.get(COMPILE_ENV) != "0" or kind == "native":
+    if read(COMPILE_ENV) != "0" or kind == "native":
         message = "; ".join(reasons)
         warnings.warn(f"the CPU decode step runs eager ({message})", RuntimeWarning, stacklevel=2)
     return None
@@ -458,8 +449,8 @@ def cpu_decode_step(
 def transpose_wide_weights(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """Store each weight with more outputs than inputs column-major ([in, out] in memory,
     the same [out, in] tensor to every caller); returns them. MKL's one-row product reads
-    such a weight 1.3-3x faster column-major on this AVX2 machine (qkv, gate_up, the LM
-    head: PERF_NOTES.md); prefill's products take either layout at the same speed."""
+    such a weight faster column-major on AVX2 (qkv, gate_up, the LM head); prefill's
+    products take either layout at the same speed."""
     done: list[torch.nn.Parameter] = []
     lowp = {
         id(m.weight) for m in model.modules() if getattr(m, "lowp", None) is not None

@@ -667,9 +667,9 @@ def _resolve_dtype(
     dtype: str, device: torch.device, cpu_weight_dtype: str = "auto"
 ) -> torch.dtype:
     """"auto": bf16 on GPUs. On a CPU: fp32 where a weight format is asked for (the
-    weight-only kernels and the native decode step multiply fp32 activations: on an AVX-512
-    BF16 CPU, SmolLM2 with its Q4_1 weights decodes 4x faster so than in bf16,
-    PERF_NOTES.md), else bf16 where the CPU multiplies bf16 (AVX-512 BF16, AMX), else
+    weight-only kernels and the native decode step multiply fp32 activations: even on an
+    AVX-512 BF16 CPU, SmolLM2 with its Q4_1 weights decodes several times faster so than in
+    bf16), else bf16 where the CPU multiplies bf16 (AVX-512 BF16, AMX), else
     fp32."""
     if dtype == "auto":
         if device.type == "cuda":

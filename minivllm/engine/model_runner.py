@@ -259,8 +259,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """One forward pass over `max_num_batch_tokens` tokens without a cache."""
-        num_tokens = self.config.warmup_tokens
+        """One forward pass over `max_num_batched_tokens` tokens without a cache."""
+        num_tokens = self.config.max_num_batched_tokens
         max_len = self.config.max_len
         num_seqs = min(self.config.max_num_sequences, max(1, num_tokens // max(1, max_len)))
         lens = [num_tokens // num_seqs] * num_seqs

@@ -248,8 +248,8 @@ class EngineFrontend:
     calls, `start()` waiting for it and raising what it raised: on the CPU an engine
     steps at full speed only on the thread that built it (each thread that runs OpenMP
     work keeps its own pool, and with more pool threads than cores libgomp stops spinning
-    between the kernels' short parallel regions: a SmolLM2 batch-4 step took 9.4 ms on
-    the building thread and 20.8 ms on another).
+    between the kernels' short parallel regions: a step on another thread took about twice
+    as long).
     `owns_engine` decides whether `close()` calls `engine.exit()` (default: when the
     front end built it). `on_iteration`, if given, runs on the engine thread after each
     turn of the loop (after a step's outputs went out): a caller that buffers outputs

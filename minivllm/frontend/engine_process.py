@@ -3,8 +3,8 @@
 Why a process: Python runs one thread at a time per process (the GIL). With the engine
 thread in the server's process, every token's HTTP work (outputs to the event loop, SSE
 chunks, socket writes) competes with the engine's own Python, and the engine, which
-gives the GIL up at every device sync, waits up to a switch interval (5 ms) to get it
-back. At 32 streams on an H200 that held the server to ~44% of the engine's rate.
+gives the GIL up at every device sync, waits up to a switch interval to get it back: at
+many streams on a GPU that held the server well below the engine's rate.
 In its own process the engine runs as fast as in-process; the server's work runs on
 another core and falls behind gracefully (outputs of one request merge into one chunk).
 
@@ -42,9 +42,9 @@ EngineFactory = Callable[[ProgressFn], Any]
 # NOTE: the GIL switch interval of both processes. A thread that gives the GIL up for a
 # system call (a socket read, a device sync) and wants it back waits until the holder
 # releases it or the interval passes (5 ms by default). Here the holder is busy for long
-# stretches (the engine stepping; the event loop writing chunks), so with 5 ms each
+# stretches (the engine stepping; the event loop writing chunks), so with the default each
 # request handed to the engine and each step's outputs handed to the event loop waited
-# milliseconds: 32 requests sent at once took 100+ ms to all start.
+# milliseconds, and a burst of requests started late.
 SWITCH_INTERVAL_S = 0.0005
 
 # The exception types a failed start is raised as in the parent (others: RuntimeError).
@@ -75,7 +75,7 @@ class EngineProcessClient:
         # Commands go out through a writer thread, which sends all that queued up as one
         # message: a burst of requests costs the engine process one read, not one each
         # (each read gives the GIL up, and getting it back from the busy engine thread
-        # takes up to a switch interval: 32 requests at once started 30 ms late).
+        # takes up to a switch interval).
         self._outq: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._writer_failed = False
@@ -117,9 +117,9 @@ class EngineProcessClient:
         if self._process is not None:
             raise RuntimeError("EngineProcessClient.start() was already called")
         ours, theirs = socket.socketpair()
-        # -P (3.11+): not the working folder first on sys.path. Run from a clone's root,
-        # it would make the clone's `kernels/` shadow the installed `kernels` package
-        # that transformers imports. The working folder itself is kept (relative paths).
+        # -P (3.11+): not the working folder first on sys.path, so the child imports the
+        # installed packages whatever folders the working folder holds. The working folder
+        # itself is kept (relative paths).
         safe = ["-P"] if sys.version_info >= (3, 11) else []
         cmd = [sys.executable, *safe, "-c", "from minivllm.frontend.engine_process import "
                "child_entry; child_entry()", str(theirs.fileno())]

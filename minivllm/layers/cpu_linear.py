@@ -36,10 +36,9 @@ class WideRows:
     """Which rows of an eager CPU step take the linears' bf16 copies: those of its prefill
     chunks (sequences with more than one query this step). A decode row keeps the
     weight-only kernel's fp32 sums whatever shares its step, so a reply's tokens do not
-    depend on another request's prefill beside it. (Per rows, all 30 layers' linears of
-    SmolLM2, q4_1 kernel vs oneDNN bf16 on AMX, 2 threads: 8 rows 9.4 vs 15.1 ms, 16 rows
-    17.6 vs 13.4, 512 rows 515 vs 85: a prefill of a few tokens loses a few ms to bf16, and
-    keeps the precision of a longer one.)"""
+    depend on another request's prefill beside it. (The bf16 copies win from about 16 rows
+    on; a prefill of a few tokens loses a little to them, and keeps the precision of a
+    longer one.)"""
 
     every: bool  # every row; else the two index tensors
     wide: torch.Tensor | None = None

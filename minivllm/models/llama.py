@@ -6,6 +6,7 @@ Qwen3 is the same network plus an RMSNorm on each head of q and k (see qwen3.py)
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -13,7 +14,6 @@ from torch import nn
 from minivllm.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from minivllm.kernels.gemv import gemv_wins
 
-from ..config import ModelConfig
 from ..distributed import get_tp_size
 from ..layers import ops
 from ..layers.activation import SiluAndMul
@@ -22,6 +22,9 @@ from ..layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig
 
 
 class DecoderAttention(nn.Module):

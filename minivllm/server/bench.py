@@ -275,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-processes", type=int, default=None, metavar="K",
                    help="processes the HTTP clients are spread over (default: one per 16 "
                    "clients, at most half the CPUs)")
-    add_engine_arguments(p)
+    add_engine_arguments(p, show_stand_in=True)
     return p
 
 

@@ -16,66 +16,27 @@ from typing import Any
 
 import uvicorn
 
-DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+from ..engine_args import EngineArgs
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """Every engine config key as a flag, with vLLM's flag name where the meaning is the
-    same. Unset flags keep the engine's defaults."""
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"folder, .gguf file or Hub name (default: {DEFAULT_MODEL})")
-    p.add_argument("--max-model-len", type=int, dest="max_model_length",
-                   help="cap on prompt + completion tokens (default: the model's)")
-    p.add_argument("--max-num-seqs", type=int, dest="max_num_sequences",
-                   help="sequences in one step (default: 16)")
-    p.add_argument("--max-num-batched-tokens", type=int,
-                   help="tokens in one step (default: 1024)")
-    p.add_argument("--block-size", type=int, help="tokens per KV block (default: 256)")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, dest="world_size",
-                   help="tensor-parallel ranks (default: 1)")
-    p.add_argument("--gpu-memory-utilization", type=float,
-                   help="share of free GPU memory for the KV pool (default: 0.9)")
-    p.add_argument("--num-gpu-blocks-override", type=int, dest="max_cached_blocks",
-                   help="KV pool size in blocks (CPU: the pool; default: sized)")
-    p.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="no CUDA graphs")
-    p.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"],
-                   help="weights and activations (default: auto)")
-    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"],
-                   help="KV cache storage (default: auto, the model's dtype; fp8: e4m3)")
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], help="default: auto")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=None, help="share KV blocks of common prefixes (default: on)")
-    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
-                   default=None, help="split long prompts across steps (default: on)")
-    p.add_argument("--load-format", choices=["auto", "dummy"],
-                   help="dummy: random weights of the model's architecture")
-    p.add_argument("--seed", type=int, help="seeds unseeded sampling")
-    p.add_argument("--eos-token-id", type=int, action="append", dest="eos",
-                   help="end-of-sequence id (repeatable; default: the model's)")
-    p.add_argument("--max-num-batch-tokens", type=int,
-                   help="warm-up batch for memory profiling (default: --max-num-batched-tokens)")
+def add_engine_arguments(p: argparse.ArgumentParser, *, show_stand_in: bool = False) -> None:
+    """Every engine option as a flag (`EngineArgs`; unset flags keep the engine's
+    defaults), and the benchmarks' model-less stand-in, shown only in `bench serve`'s help."""
+    EngineArgs.add_cli_args(p.add_argument_group("engine"))
+
+    def shown(text: str) -> str:
+        return text if show_stand_in else argparse.SUPPRESS
+
     p.add_argument("--stand-in-ms", type=float, nargs=2, metavar=("HOST", "DEVICE"),
-                   help="benchmarks only: no model; each step costs HOST ms of Python and "
-                   "DEVICE ms of GIL-free waiting (e.g. 0.3 1.4 is an H200's decode step)")
+                   help=shown("no model; each step costs HOST ms of Python and DEVICE ms of "
+                              "GIL-free waiting (e.g. 0.3 1.4 is an H200's decode step)"))
     p.add_argument("--stand-in-load-s", type=float, default=0.0, metavar="SECONDS",
-                   help="with --stand-in-ms: the engine takes this long to load, as weights "
-                   "do (to try readiness probes and routers)")
-
-
-ENGINE_KEYS = ("max_model_length", "max_num_sequences", "max_num_batched_tokens", "block_size",
-               "world_size", "gpu_memory_utilization", "max_cached_blocks", "enforce_eager",
-               "dtype", "device", "enable_prefix_caching", "enable_chunked_prefill",
-               "load_format", "seed", "eos", "max_num_batch_tokens", "kv_cache_dtype")
+                   help=shown("with --stand-in-ms: the engine takes this long to load, as "
+                              "weights do (to try readiness probes and routers)"))
 
 
 def engine_config(args: argparse.Namespace) -> dict[str, Any]:
-    config: dict[str, Any] = {"model_name_or_path": args.model}
-    for key in ENGINE_KEYS:
-        value = getattr(args, key, None)
-        if value is not None:
-            config[key] = tuple(value) if key == "eos" else value
-    return config
+    return EngineArgs.from_cli_args(args).engine_config()
 
 
 def build_engine(args: argparse.Namespace, on_progress: Any = None) -> Any:

@@ -150,7 +150,6 @@ class RequestTimer:
         self.start: float | None = None
         self.last: float | None = None
         self.ttft: float | None = None  # seconds from submission to the first token
-        self.num_generated = 0
 
     def begin(self, at: float) -> None:
         self.start = at
@@ -171,7 +170,6 @@ class RequestTimer:
             for _ in range(num_new_tokens):
                 observe(gap)
         self.last = at
-        self.num_generated += num_new_tokens
 
     def finish(self, at: float, reason: str | None) -> None:
         if self.start is None:

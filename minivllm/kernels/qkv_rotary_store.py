@@ -10,6 +10,7 @@ k is not written back to the QKV buffer: attention reads it from the cache.
 from __future__ import annotations
 
 import torch
+
 from minivllm.kernels.dispatch import (
     INDEX_DTYPES,
     check_kv_cache,

@@ -8,6 +8,7 @@ are the references' conversions; the Triton kernels do the same arithmetic in re
 from __future__ import annotations
 
 import torch
+
 from minivllm.kernels.dispatch import (
     INDEX_DTYPES,
     check_kv_cache,

@@ -1,4 +1,4 @@
-"""minivllm-chat: what a new user tripped on (issue 13), against the scripted fake engine.
+"""minivllm-chat: what a new user tripped on, against the scripted fake engine.
 
 Closing asks first and can be undone; sessions are created at the first message; long
 conversations drop their oldest turns; load failures are one line and exit 1; storage
@@ -61,7 +61,7 @@ def started(tmp_path):
     return start
 
 
-# -- 2: ctrl+w asks; ctrl+o reopens ----------------------------------------------------------
+# -- Ctrl+w asks; ctrl+o reopens -------------------------------------------------------------
 
 
 async def test_close_asks_when_the_pane_holds_a_conversation_and_reopen_brings_it_back(
@@ -132,7 +132,7 @@ async def test_closing_a_streaming_pane_keeps_its_reply_for_reopen(started):
         assert reply.content == engine.tokenizer.decode(engine.tokenizer.encode(LONG)[:20])
 
 
-# -- 3: session file at the first message ------------------------------------------------------
+# -- Session file at the first message ---------------------------------------------------------
 
 
 async def test_a_run_without_messages_leaves_no_session_and_resume_skips_it(started, tmp_path):
@@ -166,7 +166,7 @@ def test_sessions_lists_and_resume_id_is_checked(tmp_path, monkeypatch, capsys):
         "(--sessions lists them)\n")
 
 
-# -- 4: context use and dropping the oldest turns --------------------------------------------
+# -- Context use and dropping the oldest turns -----------------------------------------------
 
 
 async def test_a_long_conversation_drops_its_oldest_turns_with_a_marker(started, tmp_path):
@@ -211,15 +211,15 @@ async def test_the_context_figure_fits_three_pane_titles_at_80_columns(started):
         assert pane.title_text.endswith(f"ctx {pane.context_tokens:,} / 8,192 tok")
 
 
-# -- 5: load failures ---------------------------------------------------------------------------
+# -- Load failures ------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("args, expected", [
     (["--model", "/nonexistent"],
      "--model='/nonexistent': no such folder or file: /nonexistent"),
-    (["--world-size", "0"], "--world-size=0: must be an int >= 1"),
-    (["--max-model-length", "999999999"],
-     "--max-model-length=999999999 is above the model's max_position=8192"),
+    (["-tp", "0"], "--tensor-parallel-size=0: must be an int >= 1"),
+    (["--max-model-len", "999999999"],
+     "--max-model-len=999999999 is above the model's max_position=8192"),
     (["--device", "cuda"], "--device='cuda': no CUDA GPU is available here"),
     (["--conversations", "0"], "--conversations=0: must be >= 1"),
     (["--temperature", "-1"], "--temperature=-1.0: must be a finite number >= 0"),
@@ -260,7 +260,7 @@ async def test_a_failure_while_loading_exits_1_with_one_line(tmp_path):
     assert not session_files(tmp_path / "d")
 
 
-# -- 6: storage faults ----------------------------------------------------------------------------
+# -- Storage faults -------------------------------------------------------------------------------
 
 
 async def test_unwritable_data_dir_warns_keeps_chatting_and_export_still_works(
@@ -285,7 +285,7 @@ async def test_unwritable_data_dir_warns_keeps_chatting_and_export_still_works(
         assert any(str(app.last_export) in n for n in notices(app))
 
 
-# -- 7: bad records on --resume --------------------------------------------------------------------
+# -- Bad records on --resume -----------------------------------------------------------------------
 
 
 async def test_resume_skips_bad_records_with_a_notice(started, tmp_path):
@@ -302,7 +302,7 @@ async def test_resume_skips_bad_records_with_a_notice(started, tmp_path):
         assert "s.jsonl: skipped 2 record(s) with bad values" in notices(app)
 
 
-# -- 9: ctrl+c stops the focused reply ------------------------------------------------------------
+# -- Ctrl+c stops the focused reply ---------------------------------------------------------------
 
 
 async def test_ctrl_c_stops_the_focused_reply_and_never_quits(started):
@@ -352,7 +352,7 @@ def test_plain_mode_turns_echo_off_while_a_reply_streams():
         os.close(slave)
 
 
-# -- 10: 80x24 -------------------------------------------------------------------------------------
+# -- 80x24 -----------------------------------------------------------------------------------------
 
 
 async def test_80x24_condenses_stats_shows_quit_and_the_settings_modal_scrolls(started):
@@ -383,7 +383,7 @@ async def test_80x24_condenses_stats_shows_quit_and_the_settings_modal_scrolls(s
         assert not app.chat.stats_panel.compact and len(app.chat.stats_panel.lines) == 3
 
 
-# -- 11: unknown commands, /think without a thinking mode, keymaps -------------------------
+# -- Unknown commands, /think without a thinking mode, keymaps -----------------------------
 
 
 async def test_unknown_slash_command_is_reported_not_sent(started):
@@ -429,7 +429,7 @@ def test_keymap_errors_name_the_file(tmp_path):
     assert load_keymap(good, known) == {"chat.new_pane": "f5"}
 
 
-# -- 12: copy, PgUp/PgDn, export path, theme across --resume -----------------------------------
+# -- Copy, PgUp/PgDn, export path, theme across --resume ---------------------------------------
 
 
 async def test_copy_reply_page_keys_export_path_and_theme_kept(started, tmp_path):
@@ -478,11 +478,11 @@ async def test_streaming_reply_is_plain_text_then_markdown_once(started):
         assert "bold" in shown and "**bold**" not in shown  # rendered as Markdown
 
 
-# -- 13: the engine CLI is free of the app --------------------------------------------------------
+# -- The engine CLI is free of the app ------------------------------------------------------------
 
 
 def test_engine_cli_does_not_import_the_app():
-    code = ("import sys, minivllm.cli, minivllm.bench\n"
+    code = ("import sys, minivllm.cli, minivllm.bench.workloads\n"
             "bad = [m for m in sys.modules if m.startswith(('minivllm.tui', 'textual'))]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300, cwd="/")

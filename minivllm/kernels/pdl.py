@@ -8,25 +8,23 @@ Kept inside CUDA graphs (programmatic edges).
 
 MINIVLLM_PDL selects: "all" (default) the GEMVs, which stream their weights before the
 wait, and the attention path (q/k norm + rotary + KV store, decode attention); "1" the
-GEMVs only; "0" none. On the H200, batch-1 decode at a 128-token context was 851 / 872 /
-920 tok/s with 0 / 1 / all (same run, PERF_NOTES.md).
+GEMVs only; "0" none. Each level made batch-1 decode faster than the one below it.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from ..envs import read
 
 
 @functools.cache
 def _pdl_level(device: torch.device) -> int:
     if device.type != "cuda":
         return 0  # the CPU interpreter has no grid dependency control
-    setting = os.environ.get("MINIVLLM_PDL", "all")
-    if setting not in ("0", "1", "all"):
-        raise ValueError(f"MINIVLLM_PDL must be 0, 1 or all, got {setting!r}")
+    setting = read("MINIVLLM_PDL")
     index = device.index if device.index is not None else torch.cuda.current_device()
     if torch.cuda.get_device_capability(index)[0] < 9:
         return 0

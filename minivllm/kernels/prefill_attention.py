@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from minivllm.kernels.attention_tile import LOG2E, attend_kv_tile
 from minivllm.kernels.dispatch import INDEX_DTYPES, check_paged_attention, check_tensor, tl, triton
 from minivllm.kernels.store_kvcache import dequantize_kv, is_fp8
@@ -24,8 +25,8 @@ def gather_kv(
     seq_len: int,
 ) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
     """The first `seq_len` positions only: the rest of the last block is never read (on the
-    CPU its pages may not be mapped yet, and reading them faults each one in: 8 prompts of
-    128 tokens in 256-position blocks spent ~100 ms of a 500 ms prefill there)."""
+    CPU its pages may not be mapped yet, and reading them faults each one in: short prompts
+    in large blocks spent a fifth of their prefill there)."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
     blocks = block_table[:num_blocks].long()
@@ -67,13 +68,13 @@ def prefill_attention_ref(
         v = dequantize_kv(gather_kv(v_cache, block_tables[i], seq_len), dtype, v_scale)
         # Query j sits at position seq_len - q_len + j and sees keys 0..that position; with
         # no cached prefix that is SDPA's own causal mask, whose fused kernel skips the
-        # masked half (512 tokens: 25% less time than with the mask as a tensor).
+        # masked half (less time than with the mask as a tensor).
         mask = None
         if q_len < seq_len:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
             mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
         # NOTE: 4-D (a batch of one): on CPU, 3-D inputs take SDPA's unfused math path,
-        # ~3x slower at 512 tokens than the fused kernel 4-D inputs get (PERF_NOTES.md).
+        # several times slower at 512 tokens than the fused kernel 4-D inputs get.
         o = F.scaled_dot_product_attention(
             q[None, q_start:q_end].transpose(1, 2).to(dtype),  # [1, heads, q_len, head_dim]
             k[None].transpose(1, 2),

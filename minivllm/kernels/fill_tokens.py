@@ -8,6 +8,7 @@ those inputs are filled on the device. Inside a decode CUDA graph this is one ti
 from __future__ import annotations
 
 import torch
+
 from minivllm.kernels.dispatch import check_tensor, require_triton, tl, triton
 
 

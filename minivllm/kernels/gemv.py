@@ -22,6 +22,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
 from minivllm.kernels.dispatch import (
     HAS_TRITON,
     check_tensor,
@@ -233,10 +234,10 @@ def _default_config(
 ) -> dict:
     """Tiles per shape; `n` counts output columns (half the weight's rows with silu_mul).
 
-    Measured on the H200 (scripts/bench_kernels.py, 2026-12-03, graph replays):
+    The fastest on an H200 (`scripts/bench_kernels.py`, graph replays):
     - one row: multiply-and-sum in fp32 over ~8K elements of W a program (16 KB: N8 K1024
       or N4 K2048, 4 warps), at least ~2 programs an SM; 16K-element tiles with 8 warps
-      were 10-15% slower (LM head 92.6 against 76.6 us);
+      were slower;
     - several rows: tensor-core dots with x padded to 16 rows; N32 K256 with 3 stages for
       wide outputs, N16 K512 for outputs of 2048 or fewer (fewer, longer programs lost).
     Several rows use one configuration whatever their number, so a row's result never
@@ -259,9 +260,9 @@ def _default_config(
                 num_warps=warps, num_stages=1)
 
 
-# Where the Triton GEMV beats cuBLAS: (row bucket, N, K) -> bool, measured on the H200
-# by `python scripts/bench_kernels.py --only decode-fused` (2026-12-03; graph replays,
-# weights rotated past L2). Shapes not listed follow `_wins_by_default`. One row: every
+# Where the Triton GEMV beats cuBLAS: (row bucket, N, K) -> bool, measured on an H200
+# by `python scripts/bench_kernels.py --only decode-fused` (graph replays, weights rotated
+# past L2). Shapes not listed follow `_wins_by_default`. One row: every
 # projection of the three models but Llama-3.2-1B's gate_up and SmolLM2's LM head
 # (K = 576 pads to a 1024 tile). Several rows: the narrow projections (o, down: cuBLAS
 # ran at 0.3-0.9 TB/s there) and Qwen3's LM head; cuBLAS keeps the wide ones.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from minivllm.kernels.dispatch import (
     INDEX_DTYPES,
     check_tensor,

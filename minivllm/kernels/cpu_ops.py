@@ -1,12 +1,12 @@
 """The CPU's norm and activation over fp32 rows in C++ (`minivllm_cpu::rms_norm_rows`,
-`silu_and_mul_rows` in kernels/cpu_decode_step.cpp): the CPU kernel set's `rms_norm` and
+`silu_and_mul_rows` in cpu_decode_step.cpp): the CPU kernel set's `rms_norm` and
 `silu_and_mul` (layers/ops.py): one pass each where torch's versions are 5-7 ops a call over
-[tokens, hidden] (a 512-token SmolLM2 prefill: -2% on a quiet 2-core host, PERF_NOTES.md);
-other dtypes take the torch references."""
+[tokens, hidden]; other dtypes take the torch references."""
 
 from __future__ import annotations
 
 import torch
+
 from minivllm.kernels.rms_norm import rms_norm_ref
 from minivllm.kernels.silu_and_mul import silu_and_mul_ref
 

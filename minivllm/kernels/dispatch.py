@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ..envs import read
+
 try:
     import triton
     import triton.language as tl
@@ -64,7 +66,7 @@ def use_triton(device: torch.device | str | torch.Tensor) -> bool:
     if device.type == "cuda":
         return True
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    return device.type == "cpu" and interpret and os.environ.get("MINIVLLM_TRITON") == "1"
+    return device.type == "cpu" and interpret and read("MINIVLLM_TRITON") == "1"
 
 
 def require_triton() -> None:

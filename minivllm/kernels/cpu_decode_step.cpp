@@ -1,7 +1,7 @@
 // A whole decode step's decoder layers on the CPU in one call: for every layer, add the
 // residual and RMSNorm, the q/k/v product, q/k norm (Qwen3), rotary, the new K/V stored into
 // the paged pool, grouped attention over each sequence's context, the output product, the
-// second norm, gate/up, SiLU * up and down (kernels/cpu_decode_step.py: the wrapper, and
+// second norm, gate/up, SiLU * up and down (minivllm/engine/cpu_step.py: the wrapper, and
 // why). fp32 activations and KV cache; each linear's weight is either fp32 [N, K] (MKL, the
 // same call as F.linear) or a weight-only copy (lowp_linear, group_linear: with
 // `int8_activations`, its q4_1 / q8_0 products quantize their inputs to int8 per group).
@@ -430,8 +430,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
 
 // The same norm and activation over the rows of a prefill (the CPU kernel set's rms_norm and
 // silu_and_mul, layers/ops.py) in one pass each, where torch's versions are 5-7 ops a call
-// over [tokens, hidden] (a 512-token SmolLM2 prefill: -2% quiet; PERF_NOTES.md). Rows are
-// split between threads.
+// over [tokens, hidden]. Rows are split between threads.
 
 // (normed x + residual, x + residual), or (normed x, x) without a residual.
 std::tuple<at::Tensor, at::Tensor> rms_norm_rows(const at::Tensor& x_in, const at::Tensor& weight,

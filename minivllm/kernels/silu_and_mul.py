@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from minivllm.kernels.dispatch import check_tensor, require_triton, tl, triton
 
 

@@ -1,11 +1,11 @@
 """Weight-only low precision linear for the CPU: bf16 or int8 weights, fp32 activations and
 sums (the C++ kernel in cpu_lowp_linear.cpp, its packing, and the torch reference).
 
-A decode token on the CPU reads every weight once: SmolLM2-135M's are 540 MB in fp32, so
-at the ~22 GB/s one core streams here a token costs >= 25 ms whatever the arithmetic.
-bf16 weights halve the bytes and int8 weights (one fp32 scale per output channel) quarter
-them; torch's own kernels do not turn that into speed on a CPU without AVX-512 BF16
-(bf16 `F.linear` ~5x slower than fp32, `_weight_int8pack_mm` 3.4x slower at one row), so
+A decode token on the CPU reads every weight once (SmolLM2-135M's are 540 MB in fp32), so
+the memory bandwidth, not the arithmetic, sets its time. bf16 weights halve the bytes and
+int8 weights (one fp32 scale per output channel) quarter them; torch's own kernels do not
+turn that into speed on a CPU without AVX-512 BF16 (bf16 `F.linear` and
+`_weight_int8pack_mm` are slower than fp32 `F.linear` at one row), so
 the product is our own kernel: each weight is widened to fp32 in registers and multiplied
 with fp32 activations, i.e. the same sums as `F.linear(x, dequantize(w))`.
 
@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-WEIGHT_DTYPES = {"bfloat16": torch.bfloat16, "int8": torch.int8}
+from ..envs import read
+
 SOURCE = Path(__file__).with_name("cpu_lowp_linear.cpp")
 # Built with it, in one translation unit: the whole CPU decode step (cpu_decode_step.cpp,
 # engine/cpu_step.py's NativeCPUDecodeStep), which calls this kernel for its products.
@@ -123,7 +124,7 @@ def _compile(folder: Path) -> None:
             extra_ldflags=list(LDFLAGS),
             build_directory=str(folder),
             is_python_module=False,
-            verbose=os.environ.get("MINIVLLM_VERBOSE_BUILD") == "1",
+            verbose=read("MINIVLLM_VERBOSE_BUILD") == "1",
         )
     (folder / BUILT_MARKER).write_text(f"{torch.__version__}\n")
 

@@ -12,68 +12,21 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
-from . import LLMEngine, SamplingParams
-from .config import CPU_DECODE_DTYPES, CPU_PREFILL_DTYPES, CPU_WEIGHT_DTYPES, KV_CACHE_DTYPES
-from .loader import KNOWN_CONFIGS
-from .models.registry import ARCHITECTURES
+from .. import LLMEngine, SamplingParams
+from ..engine_args import EngineArgs
+from .common import Row, build_engine, load_hf_model, report
+from .cpu import bench_latency_cpu
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 CPU_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-
-
-@dataclass
-class Row:
-    name: str
-    value: float
-    unit: str
-    note: str = ""
-
-
-def report(text: str) -> None:
-    """A progress line or a partial result on stderr, as the bench goes (a full run takes
-    minutes; the table on stdout comes at the end)."""
-    print(f"minivllm bench: {text}", file=sys.stderr, flush=True)
-
-
-def load_format(args: argparse.Namespace) -> str:
-    """Random weights for a known architecture unless a format is asked for."""
-    if args.load_format:
-        return args.load_format
-    return "dummy" if args.model in KNOWN_CONFIGS else "auto"
-
-
-def build_engine(args: argparse.Namespace, **overrides) -> LLMEngine:
-    config = {
-        "model_name_or_path": args.model,
-        "device": args.device,
-        "enforce_eager": args.enforce_eager,
-        "max_model_length": args.max_model_length,
-        "max_num_sequences": args.max_num_sequences,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "block_size": args.block_size,
-        "seed": 0,
-    }
-    config["load_format"] = load_format(args)
-    if args.dtype:
-        config["dtype"] = args.dtype
-    if getattr(args, "cpu_weight_dtype", None):
-        config["cpu_weight_dtype"] = args.cpu_weight_dtype
-    if getattr(args, "cpu_prefill_dtype", None):
-        config["cpu_prefill_dtype"] = args.cpu_prefill_dtype
-    if getattr(args, "cpu_decode_dtype", None):
-        config["cpu_decode_dtype"] = args.cpu_decode_dtype
-    if getattr(args, "kv_cache_dtype", None):
-        config["kv_cache_dtype"] = args.kv_cache_dtype
-    if args.world_size > 1:
-        config["world_size"] = args.world_size
-    config.update(overrides)
-    from .progress import print_progress
-
-    return LLMEngine(config, on_progress=print_progress if sys.stderr.isatty() else None)
+# The bench's engine options where they are not the engine's defaults (`--model` None:
+# chosen per workload in `main`; seed 0: the same workload on every run).
+BENCH_DEFAULTS = {"model": None, "device": "auto", "max_model_length": 4096,
+                  "max_num_sequences": 256, "max_num_batched_tokens": 8192, "block_size": 256,
+                  "seed": 0}
 
 
 def sync(llm: LLMEngine) -> None:
@@ -190,7 +143,6 @@ def on_cpu(args: argparse.Namespace) -> bool:
 
 def bench_latency(args: argparse.Namespace) -> list[Row]:
     if on_cpu(args):
-        from .bench_cpu import bench_latency_cpu
 
         return bench_latency_cpu(args)
     llm = build_engine(args)
@@ -426,23 +378,10 @@ def bench_coldstart(args: argparse.Namespace) -> list[Row]:
 
 
 def _coldstart_argv(args: argparse.Namespace) -> list[str]:
-    out = ["--model", args.model, "--device", args.device,
-           "--max-model-length", str(args.max_model_length),
-           "--max-num-sequences", str(args.max_num_sequences),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--block-size", str(args.block_size),
-           "--cold-lens", *map(str, args.cold_lens),
-           "--cold-decoders", str(args.cold_decoders),
-           "--cold-arrival", str(args.cold_arrival)]
-    if args.load_format:
-        out += ["--load-format", args.load_format]
-    if args.dtype:
-        out += ["--dtype", args.dtype]
-    if args.kv_cache_dtype:
-        out += ["--kv-cache-dtype", args.kv_cache_dtype]
-    if args.enforce_eager:
-        out.append("--enforce-eager")
-    return out
+    return [*EngineArgs.from_cli_args(args).cli_args(),
+            "--cold-lens", *map(str, args.cold_lens),
+            "--cold-decoders", str(args.cold_decoders),
+            "--cold-arrival", str(args.cold_arrival)]
 
 
 def coldstart_child(args: argparse.Namespace) -> dict:
@@ -494,43 +433,12 @@ def coldstart_child(args: argparse.Namespace) -> dict:
 # -- transformers on the same weights -----------------------------------------------------
 
 
-def load_hf_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
-    """The same checkpoint through transformers; for random-weight runs, the same config
-    with transformers' own random init (speed does not depend on the values)."""
-    import transformers
-
-    from .config import EngineConfig
-
-    cfg = EngineConfig.from_dict(
-        {"model_name_or_path": args.model, "load_format": load_format(args)}
-    )
-    if cfg.load_format != "dummy":
-        model = transformers.AutoModelForCausalLM.from_pretrained(cfg.model_path, dtype=dtype)
-        note = "same weights"
-    else:
-        hf_config = transformers.AutoConfig.for_model(
-            **_hf_config_dict(KNOWN_CONFIGS.get(args.model))
-        )
-        with torch.device(device):
-            model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        note = "random weights, same config"
-    return model.to(device).eval(), note
-
-
-def _hf_config_dict(known: dict | None) -> dict:
-    if known is None:
-        raise ValueError("--compare hf with random weights needs a known model config")
-    d = dict(known)
-    d["model_type"] = ARCHITECTURES[d["architectures"][0]].model_type
-    return d
-
-
 def _device_dtype(args) -> tuple[torch.device, torch.dtype]:
     device = torch.device(
         "cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
     )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if args.dtype:
+    if args.dtype not in (None, "auto"):
         dtype = getattr(torch, args.dtype)
     return device, dtype
 
@@ -626,35 +534,15 @@ def print_rows(title: str, rows: list[Row]) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("workload", choices=list(WORKLOADS))
-    p.add_argument(
-        "--model", default=None, help=f"default: {DEFAULT_MODEL}; {CPU_MODEL} for latency on CPU"
+    EngineArgs.add_cli_args(
+        p.add_argument_group("engine"),
+        defaults=BENCH_DEFAULTS,
+        help_defaults={
+            "model": f"{DEFAULT_MODEL}; {CPU_MODEL} for latency on CPU",
+            "load_format": "dummy for known configs without a checkpoint",
+            "cpu_weight_dtype": "auto; latency --device cpu: minivllm generate's default",
+        },
     )
-    p.add_argument(
-        "--load-format",
-        choices=["auto", "dummy"],
-        default=None,
-        help="default: dummy for known configs without a checkpoint",
-    )
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    p.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--cpu-weight-dtype", default=None,
-                   metavar="{" + ",".join(CPU_WEIGHT_DTYPES) + "}",
-                   help="CPU linear weights (default: auto; latency --device cpu: "
-                   "minivllm generate's default)")
-    p.add_argument("--cpu-prefill-dtype", default=None, choices=CPU_PREFILL_DTYPES,
-                   help="prefill products and attention with a CPU weight format "
-                   "(default: auto)")
-    p.add_argument("--cpu-decode-dtype", default=None, choices=CPU_DECODE_DTYPES,
-                   help="activations of the products with q4_1 / q8_0 CPU weights "
-                   "(default: auto)")
-    p.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
-                   help="KV cache storage (default: auto, the model's dtype; fp8: e4m3)")
-    p.add_argument("--world-size", type=int, default=1)
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--max-model-length", type=int, default=4096)
-    p.add_argument("--max-num-sequences", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--block-size", type=int, default=256)
     p.add_argument("--compare", choices=["hf"], default=None)
     p.add_argument("--progress", action="store_true")
     # throughput

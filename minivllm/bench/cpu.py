@@ -5,7 +5,7 @@ minivllm runs with `minivllm generate`'s CPU weights (`--cpu-weight-dtype`, defa
 the engine's compute dtype (fp32 then). Both
 engines run the same token-id prompts in the same process, interleaved round by round
 (minivllm, then transformers, for every figure), so a machine shared with other work slows
-both alike; each figure is the median over the rounds. Figures (issue 10):
+both alike; each figure is the median over the rounds. Figures:
 
 - start-up to first token: engine construction (weights read, packed, KV pool allocated)
   plus one 16-token prompt's first token; torch is already imported, the files are in the
@@ -26,17 +26,16 @@ from collections.abc import Callable
 
 import torch
 
-from . import LLMEngine, SamplingParams
-from .config import APP_CPU_WEIGHT_DTYPE
-from .frontend.engine_frontend import dtype_label
+from .. import LLMEngine, SamplingParams
+from ..config import APP_CPU_WEIGHT_DTYPE
+from ..frontend.engine_frontend import dtype_label
+from .common import Row, build_engine, load_hf_model, report
 
 # Greedy tokens compared with transformers once a round (the engine's pool must hold them).
 PARITY_TOKENS = 32
 
 
 def _mv_engine(args: argparse.Namespace) -> LLMEngine:
-    from .bench import build_engine
-
     # A pool for the 8 sequences of the batch figure, not the CPU's 2 GiB default.
     max_len = max(args.prompt_len, args.ttft_prompt_len) + max(args.new_tokens, PARITY_TOKENS)
     blocks_per_seq = -(-max_len // args.block_size)
@@ -90,8 +89,6 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def bench_latency_cpu(args: argparse.Namespace):
-    from .bench import Row, load_hf_model, report
-
     new_tokens = args.new_tokens
     report(f"starting minivllm ({args.model})")
     start = time.perf_counter()

@@ -13,6 +13,7 @@ The Triton version is bound by the bytes of K/V it reads, so:
 from __future__ import annotations
 
 import torch
+
 from minivllm.kernels.attention_tile import (
     LOG2E,
     attend_kv_tile,

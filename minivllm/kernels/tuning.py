@@ -1,0 +1,92 @@
+"""Decode-path switches, read once per process from the environment.
+
+Each switch names a choice that only a measurement on the GPU settles; the default is the
+setting that measured faster (`scripts/decode_ab.py` runs one process per setting and
+prints decode tok/s at batch 1 and 8 and at a 32k context side by side). Their meanings
+are declared with the other variables in `minivllm.envs`: MINIVLLM_GEMV_MAX_K,
+MINIVLLM_GEMV_SILU_TILE, MINIVLLM_GEMV_WIDE, MINIVLLM_DECODE_PREFETCH,
+MINIVLLM_DECODE_MIN_SPLIT, MINIVLLM_DECODE_TILE, MINIVLLM_DECODE_SHORT_TILE,
+MINIVLLM_DECODE_SHORT, MINIVLLM_DECODE_LATE_TRIGGER and MINIVLLM_GRAPH_GREEDY.
+
+With the short launch's own tiles and contexts up to DECODE_MIN_SPLIT, DECODE_SHORT gives
+the same result bit for bit as the bucket's launch; decode graphs are captured for both.
+GRAPH_GREEDY puts the LM head and the greedy pick inside the decode graphs
+(engine side: cuda_graph.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ..envs import read
+
+
+def _choice(name: str) -> str:
+    value = read(name)
+    assert value is not None  # every switch has a default
+    return value
+
+
+@functools.cache
+def gemv_max_k_tile() -> int:
+    return int(_choice("MINIVLLM_GEMV_MAX_K"))
+
+
+@functools.cache
+def gemv_silu_tile() -> int:
+    return int(_choice("MINIVLLM_GEMV_SILU_TILE"))
+
+
+@functools.cache
+def gemv_wide() -> bool:
+    return _choice("MINIVLLM_GEMV_WIDE") == "1"
+
+
+@functools.cache
+def decode_prefetch() -> bool:
+    return _choice("MINIVLLM_DECODE_PREFETCH") == "1"
+
+
+@functools.cache
+def decode_min_split() -> int:
+    return int(_choice("MINIVLLM_DECODE_MIN_SPLIT"))
+
+
+def _tile(name: str) -> tuple[int, int, int]:
+    block_n, warps, stages = _choice(name).split("x")
+    return int(block_n), int(warps), int(stages)
+
+
+@functools.cache
+def decode_tile() -> tuple[int, int, int]:
+    """(BLOCK_N, warps, stages) of the 16-bit decode attention's tiles."""
+    return _tile("MINIVLLM_DECODE_TILE")
+
+
+@functools.cache
+def decode_short_tile() -> tuple[int, int, int]:
+    """The same for the engine's short launch (DECODE_SHORT)."""
+    return _tile("MINIVLLM_DECODE_SHORT_TILE")
+
+
+@functools.cache
+def decode_late_trigger() -> int:
+    return int(_choice("MINIVLLM_DECODE_LATE_TRIGGER"))
+
+
+@functools.cache
+def decode_short_max() -> int:
+    return int(_choice("MINIVLLM_DECODE_SHORT"))
+
+
+@functools.cache
+def graph_greedy() -> bool:
+    return _choice("MINIVLLM_GRAPH_GREEDY") == "1"
+
+
+def clear() -> None:
+    """Forget the values read (tests that change the environment)."""
+    for fn in (gemv_max_k_tile, gemv_silu_tile, gemv_wide, decode_prefetch, decode_min_split,
+               decode_tile, decode_short_tile, decode_late_trigger, decode_short_max,
+               graph_greedy):
+        fn.cache_clear()
