@@ -28,6 +28,14 @@ the same run and stay off.
 - MINIVLLM_DECODE_TILE (128x4x2 | ...): BLOCK_N x warps x stages of the 16-bit decode
   attention's tiles; MINIVLLM_DECODE_SHORT_TILE (128x8x2 | ...) those of the short launch
   (DECODE_SHORT), where one program per KV head makes latency, not bandwidth, the cost.
+- MINIVLLM_DECODE_LOADED_TILE (64x4x2 | ...) and MINIVLLM_DECODE_LOADED_TILE_FP8 (128x4x2 |
+  ...): the tiles of a launch of several waves (more than 2 programs an SM), which also
+  skips DECODE_PREFETCH: the tile it holds in registers through the prologue cost programs
+  resident per SM. H100, Qwen3-0.6B heads, the launch alone at 256 sequences x 512
+  positions (scripts/decode_attn_sweep.py; read ceiling 2,971 GB/s): bf16 N128 w4 s2
+  with prefetch 208.9 us, without 194.3, N64 w4 s2 without 192.4 (2,791 GB/s), N32 206.3;
+  fp8 (PTX upcast) N128 without prefetch 119.7 us (2,243 GB/s), N64 126.8, N32 151.5,
+  N128 with prefetch 169.7. At 64 x 2048 the same order (bf16 N64 193.0, N32 190.9).
 - MINIVLLM_DECODE_MIN_SPLIT (0 | 128 | 256 | 512 | 1024): context positions a decode split
   takes at least in an engine's steps (0: one tile, the kernels' own default); a context
   up to that length is one program per KV head that writes its output directly (no
@@ -93,8 +101,8 @@ def decode_min_split() -> int:
     return int(_choice("MINIVLLM_DECODE_MIN_SPLIT", "128", ("0", "128", "256", "512", "1024")))
 
 
-DECODE_TILES = ("128x4x2", "128x4x1", "128x8x1", "128x8x2", "64x4x1", "64x4x2", "64x8x1",
-                "32x4x1")
+DECODE_TILES = ("128x4x2", "128x4x1", "128x8x1", "128x8x2", "64x4x1", "64x4x2", "64x4x3",
+                "64x8x1", "32x4x1", "32x4x2")
 
 
 def _tile(name: str, default: str) -> tuple[int, int, int]:
@@ -106,6 +114,14 @@ def _tile(name: str, default: str) -> tuple[int, int, int]:
 def decode_tile() -> tuple[int, int, int]:
     """(BLOCK_N, warps, stages) of the 16-bit decode attention's tiles."""
     return _tile("MINIVLLM_DECODE_TILE", "128x4x2")
+
+
+@functools.cache
+def decode_loaded_tile(kv_fp8: bool = False) -> tuple[int, int, int]:
+    """The same for launches of several waves (decode_attention.is_loaded), per KV dtype."""
+    if kv_fp8:
+        return _tile("MINIVLLM_DECODE_LOADED_TILE_FP8", "128x4x2")
+    return _tile("MINIVLLM_DECODE_LOADED_TILE", "64x4x2")
 
 
 @functools.cache
@@ -132,6 +148,6 @@ def graph_greedy() -> bool:
 def clear() -> None:
     """Forget the values read (tests that change the environment)."""
     for fn in (gemv_max_k_tile, gemv_silu_tile, gemv_wide, decode_prefetch, decode_min_split,
-               decode_tile, decode_short_tile, decode_late_trigger, decode_short_max,
-               graph_greedy):
+               decode_tile, decode_loaded_tile, decode_short_tile, decode_late_trigger,
+               decode_short_max, graph_greedy):
         fn.cache_clear()
