@@ -612,8 +612,8 @@ def test_decode_launch_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(ValueError, match="MINIVLLM_DECODE_LOADED_TILE must be one of"):
             _tile_config(torch.bfloat16, loaded=True)
     finally:
-        monkeypatch.delenv("MINIVLLM_DECODE_LOADED_TILE_FP8")
-        monkeypatch.delenv("MINIVLLM_DECODE_LOADED_TILE")
+        monkeypatch.delenv("MINIVLLM_DECODE_LOADED_TILE_FP8", raising=False)
+        monkeypatch.delenv("MINIVLLM_DECODE_LOADED_TILE", raising=False)
         tuning.clear()
 
 
