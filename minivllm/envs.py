@@ -20,8 +20,8 @@ class EnvVar:
 
 
 _SPLIT_LENGTHS = ("0", "128", "256", "512", "1024")
-DECODE_TILES = ("128x4x2", "128x4x1", "128x8x1", "128x8x2", "64x4x1", "64x4x2", "64x8x1",
-                "32x4x1")
+DECODE_TILES = ("128x4x2", "128x4x1", "128x8x1", "128x8x2", "64x4x1", "64x4x2", "64x4x3",
+                "64x8x1", "32x4x1", "32x4x2")
 
 VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     # Where files go.
@@ -67,6 +67,12 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "BLOCK_N x warps x stages of the 16-bit decode attention's tiles", DECODE_TILES),
     EnvVar("MINIVLLM_DECODE_SHORT_TILE", "128x8x2",
            "the same for the short launch (MINIVLLM_DECODE_SHORT)", DECODE_TILES),
+    EnvVar("MINIVLLM_DECODE_LOADED_TILE", "64x4x2",
+           "the same for a launch of several waves (more than 2 programs an SM), which also "
+           "skips MINIVLLM_DECODE_PREFETCH (the tile held through the prologue cost "
+           "programs resident per SM)", DECODE_TILES),
+    EnvVar("MINIVLLM_DECODE_LOADED_TILE_FP8", "128x4x2",
+           "the same with an fp8 KV cache", DECODE_TILES),
     EnvVar("MINIVLLM_DECODE_SHORT", "256",
            "steps whose longest context is at most this many positions launch decode "
            "attention with one split, one program per sequence and KV head (0: never)",

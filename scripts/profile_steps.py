@@ -3,6 +3,7 @@
 python3 scripts/profile_steps.py  (Qwen3-0.6B config, random weights, bf16)
 python3 scripts/profile_steps.py --decode 1x128 --decode 1x32768 --decode 8x128
     per-kernel time of one decode step (batch x context) and the bandwidth each reaches
+    (--kv-cache-dtype fp8: over an fp8 KV cache)
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ MATMUL_NAMES = ("gemv", "gemm", "xmma", "cutlass", "nvjet")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
-def decode_kernels(batch: int, context: int, steps: int = 5) -> None:
+def decode_kernels(batch: int, context: int, steps: int = 5, kv_cache_dtype: str = "auto"
+                   ) -> None:
     """Per-kernel GPU time of a decode step at `batch` x `context` and each one's GB/s.
 
     Matrix-product launches are labelled by their order in the step (qkv, o, gate_up, down
@@ -76,6 +78,7 @@ def decode_kernels(batch: int, context: int, steps: int = 5) -> None:
             "max_num_sequences": max(8, batch),
             "max_num_batched_tokens": 8192,
             "gpu_memory_utilization": 0.5,
+            "kv_cache_dtype": kv_cache_dtype,
         }
     )
     rng = random.Random(0)
@@ -111,7 +114,8 @@ def decode_kernels(batch: int, context: int, steps: int = 5) -> None:
         "lm_head": model.lm_head.weight.numel() * itemsize,
     }
     attn = llm.runner.attention_layers[0]
-    kv_bytes = batch * (context + 50) * 2 * attn.num_kv_heads * attn.head_dim * itemsize
+    kv_bytes = (batch * (context + 50) * 2 * attn.num_kv_heads * attn.head_dim
+                * llm.runner.kv_dtype.itemsize)
     per_step_matmuls = 4 * len(layers) + 1
     times: dict[str, float] = defaultdict(float)
     # How far each kernel moves the step's end (decode_ab.time_past_earlier): the sum is
@@ -139,7 +143,8 @@ def decode_kernels(batch: int, context: int, steps: int = 5) -> None:
         calls[label] += 1
     aligned = matmul_index % per_step_matmuls == 0
     total = sum(times.values())
-    print(f"\n== decode step, batch {batch}, context {context}: {wall_ms:.3f} ms a step "
+    print(f"\n== decode step, batch {batch}, context {context}, KV {kv_cache_dtype}: "
+          f"{wall_ms:.3f} ms a step "
           f"(wall), {total / steps / 1e3:.3f} ms of kernels ==")
     if not aligned:
         print(f"NOTE: {matmul_index} matrix-product launches is not a multiple of "
@@ -160,11 +165,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--decode", action="append", default=[], metavar="BATCHxCONTEXT",
                         help="only the per-kernel decode profile of these shapes")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                        help="--decode: the KV cache's storage")
     opts = parser.parse_args()
     if opts.decode:
         for shape in opts.decode:
             batch, context = (int(v) for v in shape.lower().split("x"))
-            decode_kernels(batch, context)
+            decode_kernels(batch, context, kv_cache_dtype=opts.kv_cache_dtype)
         return
     llm = LLMEngine(
         {

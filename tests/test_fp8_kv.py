@@ -295,14 +295,19 @@ def check_compile_sm90() -> None:
     sig.update(fp8, q_ptr="*bf16", out_ptr="*bf16", block_tables_ptr="*i32",
                seq_lens_ptr="*i32", counters_ptr="*i32", positions_ptr="*i64",
                slot_mapping_ptr="*i64", q_norm_ptr="*bf16", k_norm_ptr="*bf16", **scalars)
-    for splits, from_qkv, prefetch in ((1, False, False), (32, False, False),
-                                       (32, True, True), (1, True, True)):
+    # Upcast to q's dtype, to fp16, and to fp16 by inline PTX (which the interpreter
+    # cannot run: this compile is its CPU check).
+    for splits, from_qkv, prefetch, f16, asm in ((1, False, False, False, False),
+                                                 (32, False, False, True, True),
+                                                 (32, True, True, True, False),
+                                                 (1, True, True, True, True)):
         _compile_sm90(_decode_attention_kernel, sig,
                       dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128,
                            BLOCK_SIZE=256, BLOCK_N=128, NUM_SPLITS=splits,
                            MERGE_CHUNK=min(splits, 32), FROM_QKV=from_qkv, QK_NORM=from_qkv,
                            DOT_PRECISION="tf32", PDL=True, PREFETCH=prefetch,
-                           MIN_SPLIT_LEN=128, LATE_TRIGGER=0, KV_FP8=True), 4, 2)
+                           MIN_SPLIT_LEN=128, LATE_TRIGGER=0, KV_FP8=True, FP8_AS_F16=f16,
+                           FP8_ASM=asm), 4, 2)
 
 
 CHECKS = {"interpreted": check_interpreted, "compile_sm90": check_compile_sm90}

@@ -144,6 +144,55 @@ def test_fp8_qkv_decode_attention(block_size: int, heads: tuple) -> None:
         _check(f"qkv decode splits={splits} prefetch={prefetch}", got, want)
 
 
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_loaded_decode_launch(kv: str) -> None:
+    """A decode launch of several waves (48 sequences x 8 KV heads) takes the loaded tiles
+    without the early first tile, and an fp8 cache is read through the PTX upcast to fp16:
+    the engine's default launch and a small-grid tiling (prefetch on) both match float64
+    attention over the (dequantized) cache the kernel stored into."""
+    from minivllm.kernels.decode_attention import (
+        _tile_config,
+        decode_attention_ref,
+        is_loaded,
+        qkv_decode_attention,
+    )
+    from minivllm.kernels.qkv_rotary_store import qkv_rotary_store_ref
+
+    num_heads, num_kv_heads, head_dim = HEADS[0]
+    block_size = 256
+    seq_lens = torch.randint(1, 1100, (48,)).tolist()
+    k_scale, v_scale = SCALES if kv == "fp8" else (1.0, 1.0)
+    if kv == "fp8":
+        cache, _, _ = _fp8_cache(seq_lens, num_kv_heads, head_dim, block_size)
+    else:
+        cache = paged_kv(seq_lens, num_kv_heads, head_dim, block_size, torch.bfloat16, DEVICE)
+    n = len(seq_lens)
+    assert is_loaded(n, num_kv_heads, 1, torch.device(DEVICE))
+    table = cos_sin_table(4096, head_dim, device=DEVICE)
+    norms = qk_norm_weights(head_dim, torch.bfloat16, DEVICE)
+    qkv = torch.randn(n, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE).bfloat16()
+    positions = (cache.seq_lens - 1).long()
+    rows = torch.arange(n, device=DEVICE)
+    slots = (cache.block_tables[rows, positions // block_size].long() * block_size
+             + positions % block_size)
+    k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
+    q = qkv_rotary_store_ref(positions, qkv, num_heads, table, k_ref, v_ref, slots,
+                             norms["q_norm_weight"], norms["k_norm_weight"], 1e-6,
+                             k_scale, v_scale)
+    want = decode_attention_ref(q.double(), dequantize_kv(k_ref, torch.float64, k_scale),
+                                dequantize_kv(v_ref, torch.float64, v_scale),
+                                cache.seq_lens, cache.block_tables, head_dim**-0.5)
+    for name, extra in (("default", {}),
+                        ("small-grid tiles", dict(tile_config=_tile_config(torch.bfloat16),
+                                                  prefetch=True))):
+        k_c, v_c = cache.k_cache.clone(), cache.v_cache.clone()
+        got = qkv_decode_attention(positions, qkv, num_heads, table, k_c, v_c, slots,
+                                   cache.seq_lens, cache.block_tables, head_dim**-0.5,
+                                   norms["q_norm_weight"], norms["k_norm_weight"], 1e-6,
+                                   num_splits=1, k_scale=k_scale, v_scale=v_scale, **extra)
+        _check(f"{kv} loaded decode, {name}", got, want)
+
+
 @pytest.mark.parametrize("block_size,heads", CASES)
 def test_fp8_prefill_attention(block_size: int, heads: tuple) -> None:
     from minivllm.kernels.prefill_attention import prefill_attention, prefill_attention_ref

@@ -525,7 +525,8 @@ def check_compile_sm90() -> None:
                            MERGE_CHUNK=min(splits, 32), FROM_QKV=from_qkv, QK_NORM=from_qkv,
                            DOT_PRECISION="tf32", PDL=True, PREFETCH=prefetch,
                            MIN_SPLIT_LEN=512 if prefetch else 128,
-                           LATE_TRIGGER=4096 if prefetch else 0, KV_FP8=False), 4, 2)
+                           LATE_TRIGGER=4096 if prefetch else 0, KV_FP8=False,
+                           FP8_AS_F16=False, FP8_ASM=False), 4, 2)
 
 
 # Subprocess groups: each start costs seconds (torch + triton imports), so the cheap
@@ -585,6 +586,36 @@ def test_gemv_choice_is_per_row_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
         assert gemv.gemv_wins(1, 7, 5, torch.bfloat16) == gemv._wins_by_default(1)
     finally:
         gemv._gemv_wins.cache_clear()
+
+
+def test_decode_launch_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode launch of more than two programs an SM (four SMs stand in for a GPU on the
+    CPU) takes the loaded tiles, per KV dtype; the tiles come from the environment, and a
+    bad value is an error naming the variable."""
+    from minivllm.kernels import tuning
+    from minivllm.kernels.decode_attention import _tile_config, is_loaded
+
+    cpu = torch.device("cpu")
+    assert not is_loaded(1, 8, 1, cpu)  # 8 programs on 4 "SMs": two an SM
+    assert is_loaded(2, 8, 1, cpu) and is_loaded(1, 8, 2, cpu)
+    tuning.clear()
+    try:
+        small = _tile_config(torch.bfloat16)
+        assert (small["BLOCK_N"], small["num_warps"], small["num_stages"]) == (128, 4, 2)
+        assert _tile_config(torch.bfloat16, loaded=True)["BLOCK_N"] == 64
+        assert _tile_config(torch.bfloat16, loaded=True, kv_fp8=True)["BLOCK_N"] == 128
+        assert _tile_config(torch.float32, loaded=True)["DOT_PRECISION"] == "ieee"
+        monkeypatch.setenv("MINIVLLM_DECODE_LOADED_TILE_FP8", "32x4x2")
+        tuning.clear()
+        assert _tile_config(torch.bfloat16, loaded=True, kv_fp8=True)["BLOCK_N"] == 32
+        monkeypatch.setenv("MINIVLLM_DECODE_LOADED_TILE", "48x4x2")
+        tuning.clear()
+        with pytest.raises(ValueError, match="MINIVLLM_DECODE_LOADED_TILE must be one of"):
+            _tile_config(torch.bfloat16, loaded=True)
+    finally:
+        monkeypatch.delenv("MINIVLLM_DECODE_LOADED_TILE_FP8", raising=False)
+        monkeypatch.delenv("MINIVLLM_DECODE_LOADED_TILE", raising=False)
+        tuning.clear()
 
 
 def test_kernel_modules_import_without_triton() -> None:

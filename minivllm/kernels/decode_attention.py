@@ -26,6 +26,7 @@ from minivllm.kernels.qkv_rotary_store import check_qkv_inputs, qkv_rotary_store
 from minivllm.kernels.store_kvcache import dequantize_kv, is_fp8, to_kv
 from minivllm.kernels.tuning import (
     decode_late_trigger,
+    decode_loaded_tile,
     decode_prefetch,
     decode_short_tile,
     decode_tile,
@@ -95,6 +96,8 @@ MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial w
 # took 4.1 us a layer against 1.4 for 16.
 MAX_SPLITS = 32
 MERGE_CHUNK = 32  # splits the merging program reads at once ([32, head_dim] fp32 in registers)
+LOADED_PROGRAMS_PER_SM = 2  # past this a launch takes `is_loaded`'s tiles, no prefetch
+MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension (sequences)
 
 
 @triton.jit
@@ -206,10 +209,14 @@ def _decode_attention_kernel(
     PREFETCH: tl.constexpr,  # FROM_QKV only: the first K/V tile is loaded before the wait
     MIN_SPLIT_LEN: tl.constexpr,  # context positions a split takes at least (BLOCK_N's multiple)
     LATE_TRIGGER: tl.constexpr,  # PDL: contexts longer than this launch the next kernel late
-    KV_FP8: tl.constexpr,  # the cache is fp8: q keeps its dtype, tiles are upcast to it
+    KV_FP8: tl.constexpr,  # the cache is fp8: tiles are upcast to q's dtype, or to fp16
+    FP8_AS_F16: tl.constexpr,  # KV_FP8 with 16-bit q: q, K and V in fp16 for the products
+    FP8_ASM: tl.constexpr,  # FP8_AS_F16 compiled for a GPU: K/V upcast by PTX (upcast_kv)
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # The grid is (KV heads, sequences, splits): a sequence's heads, whose K/V rows share
+    # each position's stretch of the cache, run side by side.
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
     split = tl.program_id(2)
     dims = tl.arange(0, HEAD_DIM)
     # Step inputs no kernel writes: read before the wait.
@@ -288,6 +295,8 @@ def _decode_attention_kernel(
         q = tl.load(q_rows + dims[None, :], mask=row_mask[:, None], other=0.0)
     if not KV_FP8:
         q = q.to(k_cache_ptr.dtype.element_ty)  # [GROUP_PAD, HEAD_DIM]
+    elif FP8_AS_F16:
+        q = q.to(tl.float16)
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_sum = tl.zeros([GROUP_PAD], tl.float32)
@@ -295,14 +304,15 @@ def _decode_attention_kernel(
     loop_start = start
     if PREFETCH:
         m, l_sum, acc = attend_loaded_tile(q, m, l_sum, acc, k0, v0, valid0[None, :],
-                                           qk_scale, DOT_PRECISION)
+                                           qk_scale, DOT_PRECISION, FP8_ASM)
         loop_start = start + BLOCK_N
     for tile_start in range(loop_start, end, BLOCK_N):
         offs = tile_start + tl.arange(0, BLOCK_N)
         valid = offs < end
         m, l_sum, acc = attend_kv_tile(q, m, l_sum, acc, k_cache_ptr, v_cache_ptr, block_table,
                                        offs, valid, valid[None, :], head_offset, qk_scale,
-                                       BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, DOT_PRECISION)
+                                       BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, DOT_PRECISION,
+                                       FP8_ASM)
     if KV_FP8:
         acc = acc * v_scale  # partials and outputs alike: the merge is linear in acc
     if PDL:
@@ -362,12 +372,21 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: i
     return splits
 
 
-def _tile_config(dtype: torch.dtype) -> dict:
+def is_loaded(num_seqs: int, num_kv_heads: int, num_splits: int, device: torch.device) -> bool:
+    """A launch of more than LOADED_PROGRAMS_PER_SM programs an SM: several waves, so the
+    programs resident on an SM at once (registers and shared memory per program) hide
+    the memory latency, not an early first tile (PREFETCH, which holds a K/V tile in
+    registers through the prologue). Host-known sizes only: graph-capturable."""
+    return num_seqs * num_kv_heads * num_splits > LOADED_PROGRAMS_PER_SM * num_sms(device)
+
+
+def _tile_config(dtype: torch.dtype, loaded: bool = False, kv_fp8: bool = False) -> dict:
     if dtype == torch.float32:  # exact fp32 dots; small tiles to keep registers in check
         return dict(BLOCK_N=32, DOT_PRECISION="ieee", num_warps=4, num_stages=1)
-    # H200, batch 256 x ~1.5k, block 256: N128 4.10 TB/s, N64 4.02, N32 3.80 (w4 s2).
-    # MINIVLLM_DECODE_TILE (kernels/tuning.py) picks another for A/B runs.
-    block_n, warps, stages = decode_tile()
+    # H200, batch 256 x ~1.5k, block 256: N128 4.10 TB/s, N64 4.02, N32 3.80 (w4 s2, with
+    # the first tile prefetched). Loaded launches: PERF.md's H100 figures.
+    # MINIVLLM_DECODE_TILE / MINIVLLM_DECODE_LOADED_TILE(_FP8) pick others for A/B runs.
+    block_n, warps, stages = decode_loaded_tile(kv_fp8) if loaded else decode_tile()
     return dict(BLOCK_N=block_n, DOT_PRECISION="tf32", num_warps=warps, num_stages=stages)
 
 
@@ -478,9 +497,9 @@ def qkv_decode_attention(
     """Triton version of `qkv_decode_attention_ref` in one launch (one token per
     sequence): `qkv_rotary_store`'s work in the attention kernel's prologue. Every split
     program normalises and rotates its q heads; the one holding the new token stores its
-    K/V first. Arguments as `qkv_rotary_store` and `decode_attention`; `prefetch` (default:
-    MINIVLLM_DECODE_PREFETCH, kernels/tuning.py) loads each split's first K/V tile before
-    the PDL wait (same result, bit for bit)."""
+    K/V first. Arguments as `qkv_rotary_store` and `decode_attention`; `prefetch` loads each
+    split's first K/V tile before the PDL wait (same result, bit for bit); default:
+    MINIVLLM_DECODE_PREFETCH (kernels/tuning.py) on launches that are not `is_loaded`."""
     if check:
         check_qkv_inputs(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache,
                          slot_mapping, q_norm_weight, k_norm_weight)
@@ -490,7 +509,7 @@ def qkv_decode_attention(
                    block_tables, scale, max_seq_len, num_splits, counters, tile_config,
                    qkv=(positions, cos_sin_cache, q_norm_weight, k_norm_weight, slot_mapping,
                         eps),
-                   prefetch=decode_prefetch() if prefetch is None else prefetch,
+                   prefetch=prefetch,
                    min_split_len=min_split_len, kv_scales=(k_scale, v_scale))
 
 
@@ -521,7 +540,7 @@ def _launch(
     counters: torch.Tensor | None,
     tile_config: dict | None,
     qkv: tuple | None = None,  # (positions, cos_sin, q_norm_w, k_norm_w, slot_mapping, eps)
-    prefetch: bool = False,  # with `qkv` only
+    prefetch: bool | None = False,  # with `qkv` only; None: the default unless `is_loaded`
     min_split_len: int | None = None,
     kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's (k_scale, v_scale)
 ) -> torch.Tensor:
@@ -539,8 +558,18 @@ def _launch(
     if num_splits < 1 or num_splits & (num_splits - 1):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
     fp8 = is_fp8(k_cache.dtype)
-    compute_dtype = q.dtype if fp8 else k_cache.dtype  # an fp8 cache is upcast to q's
-    config = _tile_config(compute_dtype) if tile_config is None else tile_config
+    loaded = is_loaded(num_seqs, num_kv_heads, num_splits, device)
+    if tile_config is None:
+        compute_dtype = q.dtype if fp8 else k_cache.dtype  # an fp8 cache is upcast to q's
+        tile_config = _tile_config(compute_dtype, loaded, fp8)
+    f16 = fp8 and q.dtype in (torch.float16, torch.bfloat16)
+    # The interpreter (CPU tensors) cannot run inline PTX; Triton's own upcast there gives
+    # the same fp16 values.
+    config = {"FP8_AS_F16": f16, "FP8_ASM": f16 and device.type == "cuda", **tile_config}
+    if not fp8:
+        config.update(FP8_AS_F16=False, FP8_ASM=False)
+    if prefetch is None:
+        prefetch = decode_prefetch() and not loaded
     block_n = config["BLOCK_N"]
     if min_split_len is None:
         min_split_len = block_n
@@ -568,7 +597,10 @@ def _launch(
         qk_norm = q_norm_w is not None
         if not qk_norm:
             q_norm_w = k_norm_w = out
-    _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
+    if num_seqs > MAX_GRID_Y:
+        raise ValueError(f"decode attention takes at most {MAX_GRID_Y} sequences a launch, "
+                         f"got {num_seqs}")
+    _decode_attention_kernel[(num_kv_heads, num_seqs, num_splits)](
         q,
         k_cache,
         v_cache,

@@ -5,7 +5,8 @@ setting that measured faster (`scripts/decode_ab.py` runs one process per settin
 prints decode tok/s at batch 1 and 8 and at a 32k context side by side). Their meanings
 are declared with the other variables in `minivllm.envs`: MINIVLLM_GEMV_MAX_K,
 MINIVLLM_GEMV_SILU_TILE, MINIVLLM_GEMV_WIDE, MINIVLLM_DECODE_PREFETCH,
-MINIVLLM_DECODE_MIN_SPLIT, MINIVLLM_DECODE_TILE, MINIVLLM_DECODE_SHORT_TILE,
+MINIVLLM_DECODE_MIN_SPLIT, MINIVLLM_DECODE_TILE, MINIVLLM_DECODE_LOADED_TILE(_FP8),
+MINIVLLM_DECODE_SHORT_TILE,
 MINIVLLM_DECODE_SHORT, MINIVLLM_DECODE_LATE_TRIGGER and MINIVLLM_GRAPH_GREEDY.
 
 With the short launch's own tiles and contexts up to DECODE_MIN_SPLIT, DECODE_SHORT gives
@@ -64,6 +65,14 @@ def decode_tile() -> tuple[int, int, int]:
 
 
 @functools.cache
+def decode_loaded_tile(kv_fp8: bool = False) -> tuple[int, int, int]:
+    """The same for launches of several waves (decode_attention.is_loaded), per KV dtype."""
+    if kv_fp8:
+        return _tile("MINIVLLM_DECODE_LOADED_TILE_FP8")
+    return _tile("MINIVLLM_DECODE_LOADED_TILE")
+
+
+@functools.cache
 def decode_short_tile() -> tuple[int, int, int]:
     """The same for the engine's short launch (DECODE_SHORT)."""
     return _tile("MINIVLLM_DECODE_SHORT_TILE")
@@ -87,6 +96,6 @@ def graph_greedy() -> bool:
 def clear() -> None:
     """Forget the values read (tests that change the environment)."""
     for fn in (gemv_max_k_tile, gemv_silu_tile, gemv_wide, decode_prefetch, decode_min_split,
-               decode_tile, decode_short_tile, decode_late_trigger, decode_short_max,
-               graph_greedy):
+               decode_tile, decode_loaded_tile, decode_short_tile, decode_late_trigger,
+               decode_short_max, graph_greedy):
         fn.cache_clear()

@@ -1,0 +1,154 @@
+"""Decode attention alone at a loaded step's shapes, per KV dtype and tile / grid choice:
+microseconds a launch (median) and GB/s on the K/V bytes it must read, against a
+read-bandwidth ceiling measured first. The engine's launch (`qkv_decode_attention`: q/k
+norm + rotary + store), Qwen3-0.6B's heads, blocks of 256.
+
+    python3 scripts/decode_attn_sweep.py [--shape 256x512 --shape 64x2048] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 256
+TILES = [(128, 4, 2), (64, 4, 2), (64, 4, 3), (32, 4, 2)]
+
+
+def ceilings() -> tuple[float, float]:
+    """GB/s of a large device read (a sum) and of a copy (bytes read + written)."""
+    from triton.testing import do_bench
+
+    x = torch.randn(1 << 29, device="cuda", dtype=torch.bfloat16)  # 1 GiB
+    y = torch.empty_like(x)
+    nbytes = x.numel() * x.element_size()
+    t_sum = do_bench(lambda: x.sum(dtype=torch.float32), warmup=50, rep=300,
+                     return_mode="median")
+    t_copy = do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
+    return nbytes / t_sum / 1e6, 2 * nbytes / t_copy / 1e6
+
+
+def make_inputs(num_seqs: int, context: int, kv_dtype: torch.dtype):
+    from minivllm.kernels.store_kvcache import quantize_kv
+    from minivllm.kernels.testing import cos_sin_table, paged_kv, qk_norm_weights
+
+    cache = paged_kv([context] * num_seqs, KV_HEADS, HEAD_DIM, BLOCK, torch.bfloat16, "cuda")
+    cache.k_cache = quantize_kv(cache.k_cache * 3, kv_dtype, 1.0)
+    cache.v_cache = quantize_kv(cache.v_cache, kv_dtype, 1.0)
+    table = cos_sin_table(context + 16, HEAD_DIM, device="cuda")
+    norms = qk_norm_weights(HEAD_DIM, torch.bfloat16, "cuda")
+    qkv = torch.randn(num_seqs, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda").bfloat16()
+    positions = (cache.seq_lens - 1).long()
+    rows = torch.arange(num_seqs, device="cuda")
+    slots = (cache.block_tables[rows, positions // BLOCK].long() * BLOCK + positions % BLOCK)
+    return cache, table, norms, qkv, positions, slots
+
+
+def variants(fp8: bool, tiles: list[tuple[int, int, int]]) -> list[dict | None]:
+    """The engine's default launch (None), then tiles x first tile prefetched or not; for
+    fp8 the upcast too: inline PTX or Triton's to fp16 (every tile), Triton's to bf16 (the
+    first tile, prefetched: the kernel before this change)."""
+    out: list[dict | None] = [None]
+    upcasts = [(True, True), (True, False)] if fp8 else [(False, False)]
+    for prefetch, (f16, asm), (block_n, warps, stages) in itertools.product(
+            (True, False), upcasts, tiles):
+        out.append(dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+                        DOT_PRECISION="tf32", FP8_AS_F16=f16, FP8_ASM=asm, prefetch=prefetch))
+    if fp8:
+        block_n, warps, stages = TILES[0]
+        out.append(dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+                        DOT_PRECISION="tf32", FP8_AS_F16=False, FP8_ASM=False, prefetch=True))
+    return out
+
+
+def describe(config: dict | None, fp8: bool) -> str:
+    if config is None:
+        return f"{'fp8' if fp8 else 'bf16'} engine default"
+    upcast = ""
+    if fp8:
+        upcast = "/asm" if config["FP8_ASM"] else "/f16" if config["FP8_AS_F16"] else "/bf16"
+    return (f"{'fp8' if fp8 else 'bf16'}{upcast} N{config['BLOCK_N']} "
+            f"w{config['num_warps']} s{config['num_stages']}"
+            f"{' prefetch' if config['prefetch'] else ''}")
+
+
+def sweep(shape: str, kv_dtype: torch.dtype, tiles: list, read_gbs: float) -> list[tuple]:
+    from triton.testing import do_bench
+
+    from minivllm.kernels.decode_attention import (
+        decode_attention_ref,
+        decode_counters,
+        qkv_decode_attention,
+    )
+    from minivllm.kernels.qkv_rotary_store import qkv_rotary_store_ref
+    from minivllm.kernels.store_kvcache import FP8_KV_DTYPE, dequantize_kv
+    from minivllm.kernels.testing import rel_err
+
+    num_seqs, context = (int(v) for v in shape.lower().split("x"))
+    cache, table, norms, qkv, positions, slots = make_inputs(num_seqs, context, kv_dtype)
+    k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
+    q = qkv_rotary_store_ref(positions, qkv, HEADS, table, k_ref, v_ref, slots,
+                             norms["q_norm_weight"], norms["k_norm_weight"], 1e-6)
+    want = decode_attention_ref(q.float(), dequantize_kv(k_ref, torch.float32, 1.0),
+                                dequantize_kv(v_ref, torch.float32, 1.0),
+                                cache.seq_lens, cache.block_tables, HEAD_DIM**-0.5)
+    del k_ref, v_ref
+    counters = decode_counters(num_seqs, KV_HEADS, "cuda")
+    nbytes = num_seqs * context * 2 * KV_HEADS * HEAD_DIM * cache.k_cache.element_size()
+    fp8 = kv_dtype == FP8_KV_DTYPE
+    rows = []
+    for config in variants(fp8, tiles):
+        kwargs = {}
+        if config is not None:
+            tile_config = dict(config)
+            kwargs = dict(prefetch=tile_config.pop("prefetch"), tile_config=tile_config)
+
+        def run(kwargs=kwargs):
+            return qkv_decode_attention(
+                positions, qkv, HEADS, table, cache.k_cache, cache.v_cache, slots,
+                cache.seq_lens, cache.block_tables, HEAD_DIM**-0.5,
+                norms["q_norm_weight"], norms["k_norm_weight"], 1e-6,
+                counters=counters, min_split_len=128, check=False, **kwargs)
+
+        name = describe(config, fp8)
+        try:
+            err = rel_err(run(), want)
+            ms = do_bench(run, warmup=25, rep=150, return_mode="median")
+        except Exception as exc:  # a tile that does not fit (shared memory)
+            print(f"{shape} {name}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            continue
+        gbs = nbytes / ms / 1e6
+        rows.append((shape, name, ms * 1e3, gbs, err))
+        print(f"{shape:9} {name:36} {ms * 1e3:8.1f} us {gbs:7,.0f} GB/s "
+              f"{100 * gbs / read_gbs:5.1f}% err {err:.1e}", flush=True)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", action="append", default=[], metavar="BATCHxCONTEXT")
+    p.add_argument("--quick", action="store_true", help="the first tiles only")
+    args = p.parse_args()
+    from minivllm.kernels.store_kvcache import FP8_KV_DTYPE
+
+    torch.manual_seed(0)
+    read_gbs, copy_gbs = ceilings()
+    print(f"{torch.cuda.get_device_name()}: read {read_gbs:,.0f} GB/s (sum), "
+          f"copy {copy_gbs:,.0f} GB/s (read + write)", flush=True)
+    tiles = TILES[:2] if args.quick else TILES
+    rows = []
+    for shape in args.shape or ["256x512", "64x2048"]:
+        for kv_dtype in (torch.bfloat16, FP8_KV_DTYPE):
+            rows += sweep(shape, kv_dtype, tiles, read_gbs)
+            torch.cuda.empty_cache()
+    print(f"\n== decode attention alone ({torch.cuda.get_device_name()}; read ceiling "
+          f"{read_gbs:,.0f} GB/s) ==")
+    for shape, name, us, gbs, err in sorted(rows, key=lambda r: (r[0], r[1][:3], r[2])):
+        print(f"{shape:9} {name:36} {us:8.1f} us {gbs:7,.0f} GB/s "
+              f"{100 * gbs / read_gbs:5.1f}% err {err:.1e}")
+
+
+if __name__ == "__main__":
+    main()
