@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.llm_engine import encode_text
+from ..engine.structured_outputs import GrammarError, check_grammar
 from ..frontend import GenerateRequest, RequestOutput, render_chat_prompt
 from ..outputs import TokenLogprob
 from .metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
@@ -447,6 +448,18 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         except BadField as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
 
+    async def check_constraint(params: Any, field: str) -> None:
+        """A 400 naming `field` for an output constraint that cannot be compiled (parsed
+        on a worker thread; the engine compiles it against the vocabulary itself)."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        try:
+            await asyncio.to_thread(check_grammar, spec)
+        except GrammarError as exc:
+            raise ApiError(400, f"{field}: cannot be compiled: {exc.reason}",
+                           param=field) from None
+
     def tokenize(tokenizer: Any, prompt: str | None, messages: list[dict[str, str]] | None,
                  template_kwargs: dict[str, Any], field: str) -> list[int]:
         """The prompt's token ids (on a worker thread); a text that cannot fit the context
@@ -642,6 +655,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
             template_kwargs = body.template_kwargs(trust_request_chat_template)
         except BadField as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
+        await check_constraint(params, body.structured_outputs()[0])
         request = await admit(body, params, request_id, "messages",
                               messages=body.template_messages(),
                               template_kwargs=template_kwargs)
@@ -660,6 +674,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         request_id = request_id_of(http, "cmpl")
         check_model(body.model)
         params = params_of(body)
+        await check_constraint(params, body.structured_outputs()[0])
         request = await admit(body, params, request_id, "prompt", prompt=body.prompt)
         stream, first, timer = await start(request, "prompt")
         now = int(time.time())
