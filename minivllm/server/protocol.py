@@ -41,9 +41,12 @@ class ChatMessage(BaseModel):
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them (OpenAI's `developer` is a system turn)."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in messages]
+    """Messages as the chat template takes them (OpenAI's `developer` is a system turn;
+    an assistant's `tool_calls` and a tool reply's `tool_call_id` pass through)."""
+    from .tools import template_fields
+
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+             **template_fields(m)} for m in messages]
 
 
 class BadField(ValueError):
@@ -69,7 +72,6 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "truncate_prompt_tokens": (None,),
     "continue_final_message": (None, False),
     "add_generation_prompt": (None, True),
-    "tool_choice": (None, "none", "auto"),
 }
 # Accepted and ignored without a word: they do not change the output.
 _HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
@@ -273,6 +275,25 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # vLLM's extension: refused unless trusted
     tools: Any = None
+    tool_choice: Any = None
+
+    def tool_plan(self) -> Any:
+        """How the request uses its tools (a `tools.ToolPlan`), or None: no tools, or
+        tool_choice "none"."""
+        from .tools import plan_tools
+
+        return plan_tools(self.tools, self.tool_choice)
+
+    def structured_outputs(self) -> tuple[str, StructuredOutputsParams | None]:
+        """A `required` or named tool_choice constrains the output as a schema does."""
+        field, spec = super().structured_outputs()
+        plan = self.tool_plan()
+        if plan is None or plan.constraint is None:
+            return field, spec
+        if spec is not None:
+            raise BadField("tool_choice", f"tool_choice={self.tool_choice!r:.80}: cannot be "
+                           f"combined with {field}")
+        return "tool_choice", plan.constraint
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:
@@ -311,10 +332,6 @@ class ChatCompletionRequest(_SamplingRequest):
             raise BadField("top_logprobs", f"top_logprobs={top}: needs logprobs=true")
         return (top or 0) if self.logprobs else None
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.tools:
-            raise BadField("tools", "tools: tool calling is not supported")
 
     def template_messages(self) -> list[dict[str, str]]:
         return template_messages(self.messages)
