@@ -45,7 +45,7 @@ from .protocol import (
     TokenizeRequest,
     template_messages,
 )
-from .tools import ToolStream
+from .tools import DEFAULT_TOOL_PARSER, TOOL_PARSERS, ToolStream
 
 # The engine's reasons in OpenAI's vocabulary ("abort": the server stopped the request).
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
@@ -336,7 +336,8 @@ def _chars_per_token(tokenizer: Any) -> int | None:
 
 def build_app(client: Any, *, model_name: str, api_key: str | None = None,
               max_model_len: int | None = None, trust_request_chat_template: bool = False,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              tool_call_parser: str = DEFAULT_TOOL_PARSER) -> FastAPI:
     """The app around a started client (`EngineFrontend`); `model_name` is what
     requests must name in `model` and what /v1/models lists. `client.tokenizer`, where
     the client has one, tokenizes prompts here (on worker threads)."""
@@ -676,6 +677,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
             raise ApiError(400, str(exc), param=exc.param) from None
         if tools is not None:
             template_kwargs["tools"] = tools.tools
+            tools.parser = TOOL_PARSERS[tool_call_parser]()
         await check_constraint(params, body.structured_outputs()[0])
         request = await admit(body, params, request_id, "messages",
                               messages=body.template_messages(),
