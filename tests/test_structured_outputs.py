@@ -256,3 +256,32 @@ def test_server_unconstrained_greedy_text_is_the_same_batched_with_constrained(c
         for f in others:
             f.result()
     assert batched == alone
+
+
+# -- on a GPU: CUDA graphs and overlapped scheduling ------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_constrained_rows_are_masked_outside_the_graphs_and_plain_rows_untouched(
+        smollm2_path):
+    """SmolLM2 on CUDA with its defaults (decode graphs, the greedy graph, overlapped
+    scheduling): constrained replies validate, and a greedy plain request batched with
+    them decodes as it does alone."""
+    from minivllm import LLMEngine
+
+    llm = LLMEngine({"model_name_or_path": str(smollm2_path), "device": "cuda",
+                     "max_model_length": 1024, "max_num_sequences": 16})
+    try:
+        assert llm.async_scheduling and llm.runner.graphs is not None
+        plain = SamplingParams(temperature=0, max_tokens=32)
+        alone = llm.generate(["The capital of France is"], plain)["text"][0]
+        params = [constrained(90, 0.8, seed=i, json=SCHEMA) for i in range(8)]
+        params += [constrained(16, regex=r"[A-Z]{3}-\d{4}"), plain]
+        out = llm.generate([PERSON] * 8 + ["A product code:", "The capital of France is"],
+                           params)
+        for text in out["text"][:8]:
+            jsonschema.validate(json.loads(text), SCHEMA)
+        assert re.fullmatch(r"[A-Z]{3}-\d{4}", out["text"][8])
+        assert out["text"][9] == alone
+    finally:
+        llm.exit()
