@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from .config import EngineConfig, ModelConfig
 from .outputs import Delta, EngineStats, TokenLogprob
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from .engine.llm_engine import LLMEngine
@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LLMEngine",
     "SamplingParams",
+    "StructuredOutputsParams",
     "EngineConfig",
     "ModelConfig",
     "Delta",

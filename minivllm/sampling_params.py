@@ -35,6 +35,69 @@ def _is_int(x: Any) -> bool:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the completion's text (vLLM's spelling): exactly one of `json` (a
+    JSON schema, as a dict or its JSON text), `regex`, `choice` (the text is one of these
+    strings), `grammar` (an EBNF grammar, GBNF style, whose start rule is `root`) or
+    `json_object=True` (any JSON object). Each token sampled keeps the text a prefix of
+    something the constraint accepts, and the end of sequence comes only where it ends."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if not isinstance(self.json_object, bool):
+            _so_fail("json_object", self.json_object, "must be True or False")
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError(
+                "StructuredOutputsParams: give exactly one of json, regex, choice, grammar "
+                f"and json_object=True (got {', '.join(given) or 'none'})"
+            )
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            _so_fail("json", self.json, "must be a JSON schema: a dict or its JSON text")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                _so_fail(name, value, "must be a non-empty string")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, Iterable):
+                _so_fail("choice", self.choice, "must be a list of strings")
+            self.choice = list(self.choice)
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                _so_fail("choice", self.choice, "must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint: "json", "regex", "choice", "grammar" or "json_object"."""
+        if self.json_object:
+            return "json_object"
+        return next(k for k in ("json", "regex", "choice", "grammar")
+                    if getattr(self, k) is not None)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What the compiled grammar is cached by: the kind and its canonical text."""
+        import json
+
+        value = getattr(self, self.kind)
+        if self.kind == "json_object":
+            return ("json_object", "")
+        if isinstance(value, str):
+            return (self.kind, value)
+        return (self.kind, json.dumps(value, sort_keys=True, ensure_ascii=False))
+
+
+def _so_fail(name: str, value: object, why: str) -> None:
+    raise ValueError(f"structured_outputs.{name}={value!r:.200}: {why}")
+
+
+@dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
 
@@ -54,6 +117,10 @@ class SamplingParams:
     likely tokens' (from the distribution after penalties and temperature, before
     top-k/top-p/min-p; greedy reads temperature 1). `prompt_logprobs=N` does the same
     for each prompt token after the first, from the model's own distribution.
+
+    `structured_outputs` constrains the text (a JSON schema, a regex, a choice, a
+    grammar): the request waits until its grammar is compiled (off the engine's step,
+    cached), then each step masks the tokens the grammar does not allow.
     """
 
     temperature: float = 1.0
@@ -72,6 +139,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         # The constructor reads None as "none"; after construction None is an error.
@@ -119,6 +187,9 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 _fail(name, value, "must be an int >= 0 (how many top tokens) or None")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            _fail("structured_outputs", so, "must be a StructuredOutputsParams or None")
 
     @staticmethod
     def _stop_strings(stop: Any) -> list[str]:

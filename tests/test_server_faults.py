@@ -178,11 +178,6 @@ def test_stop_token_ids_end_the_completion_at_that_token(smol, smollm2_path):
     ("/v1/completions", "best_of", 2),
     ("/v1/completions", "n", 2),
     ("/v1/chat/completions", "top_logprobs", 3),
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "guided_json", {"type": "object"}),
-    ("/v1/completions", "guided_regex", "[0-9]+"),
-    ("/v1/completions", "guided_choice", ["yes", "no"]),
-    ("/v1/chat/completions", "structured_outputs", {"json": {"type": "object"}}),
 ])
 def test_fields_the_engine_cannot_honour_are_refused_by_name(smol, path, field, value):
     url, _ = smol

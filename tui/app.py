@@ -439,9 +439,9 @@ class ChatApp(App):
         pane = self.current_pane()
         if pane is not None:
             if pages < 0:
-                pane.transcript.scroll_page_up(animate=False)
+                pane.transcript.scroll_page_up()
             else:
-                pane.transcript.scroll_page_down(animate=False)
+                pane.transcript.scroll_page_down()
 
     async def action_interrupt(self) -> None:
         """ctrl+c: stop the focused reply; copy a selection in the input; else say how to

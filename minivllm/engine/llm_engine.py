@@ -11,6 +11,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as SeqLike
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -27,6 +29,7 @@ from .model_runner import ModelRunner, StepHandle
 from .output_processor import OutputProcessor
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
+from .structured_outputs import GrammarCompiler, GrammarError
 from .worker import (
     AllocateKVCache,
     Command,
@@ -174,6 +177,10 @@ class LLMEngine:
             else self.device.type == "cuda"
         )
         self._in_flight: _InFlight | None = None
+        # Structured outputs: built at the first constrained request; the sequences whose
+        # grammar is compiling, by id, with its future.
+        self._grammars: GrammarCompiler | None = None
+        self._compiling: dict[int, tuple[Sequence, Future]] = {}
         self._closed = False
         atexit.register(self.exit)
         progress("ready", 1.0)
@@ -212,6 +219,16 @@ class LLMEngine:
                     f"{self.config.max_num_batched_tokens}"
                 )
         seq = Sequence(self._next_seq_id, token_ids, params, max_len)
+        if params.structured_outputs is not None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs: needs the model's tokenizer; this "
+                                 "model has none")
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(
+                    self.tokenizer, self.config.model.vocab_size, sorted(self.eos_token_ids)
+                )
+            seq.awaiting_grammar = True
+            self._compiling[seq.seq_id] = (seq, self._grammars.compile(params.structured_outputs))
         self._next_seq_id += 1
         self.output_processor.add(seq)
         self._seqs[seq.seq_id] = seq
@@ -269,6 +286,7 @@ class LLMEngine:
         """
         self._check_alive()
         start = time.perf_counter()
+        failed = self._poll_grammars() if self._compiling else []
         out = self.scheduler.schedule()
         launched = None
         if not out.is_empty:
@@ -285,7 +303,7 @@ class LLMEngine:
                 self._in_flight = launched
             else:
                 done.append(launched)
-        finished = []
+        finished = failed
         for step in done:
             finished += self._apply(step, start)
         if self._in_flight is not None and self.scheduler.is_finished():
@@ -294,8 +312,36 @@ class LLMEngine:
             last, self._in_flight = self._in_flight, None
             self._apply(last, start)
         if launched is None:
+            if self._compiling and self._in_flight is None and not self.scheduler.running:
+                # Nothing to run until a grammar is ready: wait for one, not spin.
+                futures = [future for _, future in self._compiling.values()]
+                wait_futures(futures, timeout=0.01, return_when=FIRST_COMPLETED)
             return finished, 0, False
         return finished, out.num_tokens, out.is_prefill
+
+    def _poll_grammars(self) -> list[tuple[int, list[int]]]:
+        """Give each sequence whose grammar compiled its matcher (the scheduler may then
+        admit it); end with an error those whose grammar failed (returned as finished)."""
+        assert self._grammars is not None
+        failed = []
+        for seq_id, (seq, future) in list(self._compiling.items()):
+            if seq.is_finished:  # aborted while its grammar compiled
+                del self._compiling[seq_id]
+                continue
+            if not future.done():
+                continue
+            del self._compiling[seq_id]
+            try:
+                seq.grammar = self._grammars.matcher(future.result())
+            except Exception as e:  # noqa: BLE001 - the request fails, the engine serves on
+                seq.error = str(e) if isinstance(e, GrammarError) else (
+                    f"structured_outputs: {type(e).__name__}: {e}")
+                self.scheduler.finish(seq, "error")
+                failed.append((seq.seq_id, seq.completion_token_ids))
+                self._forget_if_unstreamed(seq)
+            else:
+                seq.awaiting_grammar = False
+        return failed
 
     def _apply(self, step: _InFlight, start: float) -> list[tuple[int, list[int]]]:
         """Read a launched step's tokens and apply them; returns the sequences it ended."""
@@ -310,7 +356,11 @@ class LLMEngine:
         for seq in grown:
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = self._finish_reason(seq)
+            if seq.grammar is not None and not seq.grammar.accept_token(seq.last_token):
+                # Cannot happen with the mask applied; a matcher out of step fails loudly.
+                seq.error = f"structured_outputs: the grammar rejected token {seq.last_token}"
+                self.scheduler.finish(seq, "error")
+            reason = None if seq.is_finished else self._finish_reason(seq)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             if seq.is_finished:
@@ -351,12 +401,25 @@ class LLMEngine:
 
     def _launch(self, out: SchedulerOutput) -> StepHandle:
         batch = build_forward_batch(out, self.config.block_size, self.eos_token_ids)
+        if self._grammars is not None:
+            self._fill_token_bitmask(out, batch)
         if self.workers is None:
             self.scheduler.finished_ids.clear()  # only tensor-parallel workers need them
             return self.runner.launch(batch)
         return self.workers.run_nowait(
             self._step_input(out, batch), lambda: self.runner.launch(batch)
         )
+
+    def _fill_token_bitmask(self, out: SchedulerOutput, batch: ForwardBatch) -> None:
+        """The allowed tokens of each row that samples under a grammar (none: no work)."""
+        rows = [i for i, item in enumerate(out.scheduled)
+                if item.samples and item.seq.grammar is not None]
+        if rows:
+            assert self._grammars is not None
+            matchers = [out.scheduled[i].seq.grammar for i in rows]
+            batch.token_bitmask = self._grammars.fill_bitmask(len(out.scheduled), rows,
+                                                               matchers)
+            batch.bitmask_rows = rows
 
     def _step_input(self, out: SchedulerOutput, batch: ForwardBatch) -> StepInput:
         """What the workers need for this step beyond what they hold already."""
@@ -604,6 +667,9 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
         self._in_flight = None
+        if self._grammars is not None:
+            self._grammars.close()
+        self._compiling.clear()
         if self.workers is not None:
             self.workers.close()
         self.runner = None  # drops the model, the KV pool and the CUDA graphs
@@ -613,8 +679,10 @@ class LLMEngine:
 
 
 def _needs_sync(out: SchedulerOutput) -> bool:
-    """Whether a step must be read before the next one is scheduled (see `step`)."""
-    return any(item.seq.params.needs_extras for item in out.scheduled)
+    """Whether a step must be read before the next one is scheduled (see `step`). A
+    sequence under a grammar needs its token before its next mask can be filled."""
+    return any(item.seq.params.needs_extras or item.seq.grammar is not None
+               for item in out.scheduled)
 
 
 def _record_logprobs(out: SchedulerOutput, sampled: StepSamples) -> None:

@@ -469,6 +469,11 @@ class ModelRunner:
             )
         if b.extras:
             self._add_extras(t, b)
+        if b.bitmask_rows:
+            bitmask = b.token_bitmask
+            if self.device.type == "cuda":
+                bitmask = bitmask.pin_memory().to(self.device, non_blocking=True)
+            t.token_bitmask, t.bitmask_rows = bitmask, b.bitmask_rows
         return t
 
     def _add_extras(self, t: SamplingTensors, b: ForwardBatch) -> None:
@@ -586,6 +591,7 @@ class ModelRunner:
             or not graphs.greedy
             or not b.is_decode
             or b.extras
+            or b.bitmask_rows
             or any(t != 0 for t in b.temperatures)
             or not graphs.greedy_fits(b.num_seqs, max(len(t) for t in b.block_tables))
         ):

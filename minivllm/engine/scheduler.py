@@ -114,13 +114,17 @@ class Scheduler:
                 i += 1
 
         # Admitting while preempting would only thrash: wait for blocks to come back.
+        w = 0  # the first waiting sequence not passed over
         while (
-            self.waiting
+            w < len(self.waiting)
             and not out.preempted
             and budget > 0
             and len(self.running) - num_ending < self.max_num_sequences
         ):
-            seq = self.waiting[0]
+            seq = self.waiting[w]
+            if seq.awaiting_grammar:  # its grammar still compiles: those behind it go first
+                w += 1
+                continue
             if seq.num_placeholders:  # preempted while its token was in flight
                 break
             cached = bm.find_cached_prefix(seq)
@@ -134,7 +138,7 @@ class Scheduler:
             if not bm.allocate(seq, num_tokens, cached):
                 break
             bm.record_lookup(seq.num_tokens, len(cached))
-            self.waiting.popleft()
+            del self.waiting[w]
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = len(cached) * bm.block_size
             if seq.num_preemptions == 0:

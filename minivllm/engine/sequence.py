@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum, auto
+from typing import Any
 
 from ..sampling_params import SamplingParams
 
@@ -53,6 +54,10 @@ class Sequence:
         self.sample_row = -1  # row of the in-flight step that samples the placeholder
         self.num_synced_blocks = 0  # block-table entries the tensor-parallel workers hold
         self.first_token_time: float | None = None
+        # Structured outputs: True while the request's grammar compiles (the scheduler
+        # leaves it waiting), then its matcher, which accepts each token sampled.
+        self.awaiting_grammar = False
+        self.grammar: Any = None
         # Logprobs, when the request asks: one per completion token; one per prompt
         # position (None for the first, which nothing predicts), filled as prefill runs.
         self.logprobs: list | None = [] if params.logprobs is not None else None

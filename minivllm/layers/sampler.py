@@ -44,6 +44,10 @@ class SamplingTensors:
     # (rows, token ids) whose logits are set to -inf: eos and stop ids before min_tokens.
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     num_logprobs: int = -1  # the most top-N any row asks for; -1 = no row wants logprobs
+    # Structured outputs: a [num_seqs, ceil(vocab / 32)] int32 bitmask of the tokens each
+    # row may sample, and the rows it constrains (the others are left alone).
+    token_bitmask: torch.Tensor | None = None
+    bitmask_rows: list[int] | None = None
 
     @classmethod
     def greedy(cls) -> SamplingTensors:
@@ -89,6 +93,15 @@ class StepSamples:
     logprobs: list[TokenLogprob | None] | None = None
     # Row -> this step's prompt positions' logprobs, for the rows that asked.
     prompt_logprobs: dict[int, list[TokenLogprob]] | None = None
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set the logits of the tokens `bitmask` forbids to -inf, in place, in `rows` only:
+    xgrammar's kernel for the logits' device (C++ on the CPU, Triton on CUDA), a batched
+    op outside any captured graph."""
+    import xgrammar as xgr
+
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
@@ -143,6 +156,8 @@ class Sampler:
             logits = apply_penalties(logits.float(), t.penalties)
         if t.banned is not None:
             logits = logits.index_put(t.banned, torch.tensor(float("-inf"), device=logits.device))
+        if t.token_bitmask is not None:
+            apply_token_bitmask(logits, t.token_bitmask, t.bitmask_rows)
         token_ids = self._sample(logits, t)
         logprobs = None
         if t.num_logprobs >= 0:

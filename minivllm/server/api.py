@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.llm_engine import encode_text
+from ..engine.structured_outputs import GrammarError, check_grammar
 from ..frontend import GenerateRequest, RequestOutput, render_chat_prompt
 from ..outputs import TokenLogprob
 from .metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
@@ -44,6 +45,7 @@ from .protocol import (
     TokenizeRequest,
     template_messages,
 )
+from .tools import DEFAULT_TOOL_PARSER, TOOL_PARSERS, ToolStream
 
 # The engine's reasons in OpenAI's vocabulary ("abort": the server stopped the request).
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
@@ -142,6 +144,11 @@ class _Chunks:
 
     def usage(self, usage: dict[str, int]) -> bytes:
         return _sse({**self.head, "choices": [], "usage": usage})
+
+    def tool_calls(self, deltas: list[dict[str, Any]], usage: dict[str, Any] | None = None
+                   ) -> bytes:
+        return self._event({"index": 0, "delta": {"tool_calls": deltas}, "logprobs": None,
+                            "finish_reason": None}, usage)
 
 
 ACCESS_KEY = "minivllm.access"  # the ASGI scope key of a request's `_Access`
@@ -329,7 +336,8 @@ def _chars_per_token(tokenizer: Any) -> int | None:
 
 def build_app(client: Any, *, model_name: str, api_key: str | None = None,
               max_model_len: int | None = None, trust_request_chat_template: bool = False,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              tool_call_parser: str = DEFAULT_TOOL_PARSER) -> FastAPI:
     """The app around a started client (`EngineFrontend`); `model_name` is what
     requests must name in `model` and what /v1/models lists. `client.tokenizer`, where
     the client has one, tokenizes prompts here (on worker threads)."""
@@ -446,6 +454,18 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
             return body.sampling_params(body.requested_max_tokens()[1] or context_len())
         except BadField as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
+
+    async def check_constraint(params: Any, field: str) -> None:
+        """A 400 naming `field` for an output constraint that cannot be compiled (parsed
+        on a worker thread; the engine compiles it against the vocabulary itself)."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        try:
+            await asyncio.to_thread(check_grammar, spec)
+        except GrammarError as exc:
+            raise ApiError(400, f"{field}: cannot be compiled: {exc.reason}",
+                           param=field) from None
 
     def tokenize(tokenizer: Any, prompt: str | None, messages: list[dict[str, str]] | None,
                  template_kwargs: dict[str, Any], field: str) -> list[int]:
@@ -566,7 +586,8 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
 
     async def sse(stream: AsyncIterator[RequestOutput], first: RequestOutput,
                   timer: RequestTimer, chunks: _Chunks, record: _Access,
-                  logprobs: _Logprobs | None) -> AsyncIterator[bytes]:
+                  logprobs: _Logprobs | None, tools: ToolStream | None = None
+                  ) -> AsyncIterator[bytes]:
         """The SSE body. Cancelled when the client goes away: closing `stream` then aborts
         the request in the engine (its blocks are freed on the next step)."""
         last = first
@@ -585,13 +606,19 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                                           "type": "server_error", "param": None,
                                           "code": None}})
                     break
-                if out.text or (chunks.with_ids and out.token_ids):
+                text, calls = (out.text, None) if tools is None else tools.feed(
+                    out.text, out.finished)
+                if text or (chunks.with_ids and out.token_ids):
                     lps = (logprobs.format(out.logprobs or [])
                            if logprobs is not None else None)
-                    yield chunks.text(out.text, out.token_ids, running(out), lps)
+                    yield chunks.text(text, out.token_ids, running(out), lps)
+                if calls:
+                    yield chunks.tool_calls(calls, running(out))
                 if out.finished:
-                    yield chunks.finish(FINISH_REASONS.get(out.finish_reason or "", "stop"),
-                                        running(out))
+                    reason = FINISH_REASONS.get(out.finish_reason or "", "stop")
+                    if tools is not None and tools.calls and reason == "stop":
+                        reason = "tool_calls"
+                    yield chunks.finish(reason, running(out))
             if chunks.include_usage:
                 yield chunks.usage(usage(last))
             yield b"data: [DONE]\n\n"
@@ -602,7 +629,8 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
 
     def streaming_response(body: Any, chat: bool, request_id: str, created: int,
                            stream: AsyncIterator[RequestOutput], first: RequestOutput,
-                           timer: RequestTimer, record: _Access) -> StreamingResponse:
+                           timer: RequestTimer, record: _Access,
+                           tools: ToolStream | None = None) -> StreamingResponse:
         head = {"id": request_id,
                 "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": created, "model": model_name}
@@ -612,7 +640,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         continuous = include_usage and bool(options and options.continuous_usage_stats)
         chunks = _Chunks(chat, head, include_usage, body.return_token_ids, continuous)
         return StreamingResponse(sse(stream, first, timer, chunks, record,
-                                     logprobs_of(body, chat)),
+                                     logprobs_of(body, chat), tools),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
@@ -624,9 +652,13 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
 
     def whole_response(body: Any, kind: str, request_id: str, created: int,
                        choice: dict[str, Any], last: RequestOutput,
-                       logprobs: list[TokenLogprob]) -> dict[str, Any]:
-        """A non-streamed reply: one choice (`text` or `message`) and the usage."""
+                       logprobs: list[TokenLogprob], tool_calls: bool = False
+                       ) -> dict[str, Any]:
+        """A non-streamed reply: one choice (`text` or `message`) and the usage;
+        `tool_calls`: the message calls tools (a stop is then "tool_calls")."""
         finish = FINISH_REASONS.get(last.finish_reason or "", "stop")
+        if tool_calls and finish == "stop":
+            finish = "tool_calls"
         formatter = logprobs_of(body, kind == "chat.completion")
         lps = formatter.format(logprobs) if formatter is not None else None
         return {"id": request_id, "object": kind, "created": created, "model": model_name,
@@ -640,8 +672,13 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         params = params_of(body)
         try:
             template_kwargs = body.template_kwargs(trust_request_chat_template)
+            tools = body.tool_plan()
         except BadField as exc:
             raise ApiError(400, str(exc), param=exc.param) from None
+        if tools is not None:
+            template_kwargs["tools"] = tools.tools
+            tools.parser = TOOL_PARSERS[tool_call_parser]()
+        await check_constraint(params, body.structured_outputs()[0])
         request = await admit(body, params, request_id, "messages",
                               messages=body.template_messages(),
                               template_kwargs=template_kwargs)
@@ -650,16 +687,23 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         if not body.stream:
             text, last, lps = await until_disconnect(
                 http, collect(stream, first, timer, access(http)))
-            choice = {"message": {"role": "assistant", "content": text}}
-            return whole_response(body, "chat.completion", request_id, now, choice, last, lps)
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            calls = []
+            if tools is not None:
+                message["content"], calls = tools.reply(text)
+                if calls:
+                    message["tool_calls"] = [c.as_openai() for c in calls]
+            return whole_response(body, "chat.completion", request_id, now,
+                                  {"message": message}, last, lps, bool(calls))
         return streaming_response(body, True, request_id, now, stream, first, timer,
-                                  access(http))
+                                  access(http), None if tools is None else tools.stream())
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request) -> Any:
         request_id = request_id_of(http, "cmpl")
         check_model(body.model)
         params = params_of(body)
+        await check_constraint(params, body.structured_outputs()[0])
         request = await admit(body, params, request_id, "prompt", prompt=body.prompt)
         stream, first, timer = await start(request, "prompt")
         now = int(time.time())

@@ -9,6 +9,10 @@ through a `minivllm serve` subprocess), `frontend` (the same requests through an
 in-process `EngineFrontend`, what the app uses), `engine` (the bare add_prompt / step /
 pop_deltas loop). The server runs first and is stopped before the in-process engine is
 built (one KV pool fits the GPU at a time).
+
+`--json-fraction F [F ...]`: that fraction of each run's clients ask for a JSON schema
+(structured outputs; they stop where the grammar ends), each fraction measured in turn,
+interleaved within a round; `plain tok/s` is the rate of the unconstrained clients alone.
 """
 
 from __future__ import annotations
@@ -30,6 +34,13 @@ from typing import Any
 from .cli import add_engine_arguments, build_engine
 from .launch import descendants, launch_server
 
+# What the constrained clients ask for: an object whose array of strings can go on for as
+# long as the model likes (the stand-in's random tokens close it late, if ever).
+BENCH_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string"},
+    "items": {"type": "array", "items": {"type": "string"}}},
+    "required": ["title", "items"]}
+
 
 @dataclass
 class Trace:
@@ -37,6 +48,7 @@ class Trace:
 
     sent: float
     arrivals: list[tuple[float, int]] = field(default_factory=list)  # (time, new tokens)
+    constrained: bool = False  # asked for BENCH_SCHEMA
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +85,17 @@ class Result:
     def tok_s(self) -> float:
         return self.tokens / self.wall_s
 
+    @property
+    def plain_tok_s(self) -> float:
+        """Output tok/s of the unconstrained clients: their tokens over the time from the
+        first request sent to their last token."""
+        plain = [t for t in self.traces if not t.constrained and t.arrivals]
+        if not plain:
+            return float("nan")
+        start = min(t.sent for t in self.traces)
+        end = max(t.arrivals[-1][0] for t in plain)
+        return sum(t.num_tokens for t in plain) / (end - start)
+
 
 def pct(values: list[float], q: float) -> float:
     if not values:
@@ -85,6 +108,11 @@ def workload(n: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randint(100, min(vocab, 10000) - 1) for _ in range(prompt_len)]
             for _ in range(n)]
+
+
+def num_constrained(n: int, fraction: float) -> int:
+    """How many of n clients ask for the schema (the first ones)."""
+    return round(n * fraction)
 
 
 # -- server -----------------------------------------------------------------------------------
@@ -137,10 +165,13 @@ def cpu_seconds(pid: int) -> tuple[float, float, float]:
 
 
 async def _http_request(client: Any, prompt: list[int], max_tokens: int,
-                        model: str = "bench") -> Trace:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
-    trace = Trace(time.perf_counter())
+                        model: str = "bench", constrained: bool = False) -> Trace:
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                            "temperature": 0, "ignore_eos": True, "stream": True,
+                            "return_token_ids": True}
+    if constrained:  # the end comes where the grammar ends
+        body.update(ignore_eos=False, structured_outputs={"json": BENCH_SCHEMA})
+    trace = Trace(time.perf_counter(), constrained=constrained)
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
@@ -156,27 +187,31 @@ async def _http_request(client: Any, prompt: list[int], max_tokens: int,
 
 
 async def run_http(url: str, prompts: list[list[int]], max_tokens: int,
-                   model: str = "bench") -> tuple[float, list]:
+                   model: str = "bench", constrained: int = 0) -> tuple[float, list]:
+    """The prompts as concurrent streaming requests; the first `constrained` ask for
+    BENCH_SCHEMA."""
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(prompts))
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
         start = time.perf_counter()
-        traces = await asyncio.gather(*(_http_request(client, p, max_tokens, model)
-                                        for p in prompts))
+        traces = await asyncio.gather(*(_http_request(client, p, max_tokens, model,
+                                                      i < constrained)
+                                        for i, p in enumerate(prompts)))
     end = max(t.arrivals[-1][0] for t in traces)
     return end - start, list(traces)
 
 
 def _client_process(url: str, prompts: list[list[int]], max_tokens: int, model: str,
-                    ready: Any, results: Any) -> None:
+                    ready: Any, results: Any, constrained: int = 0) -> None:
     ready.wait()  # every client process starts its requests at the same moment
-    _, traces = asyncio.run(run_http(url, prompts, max_tokens, model))
-    results.put([(t.sent, t.arrivals) for t in traces])
+    _, traces = asyncio.run(run_http(url, prompts, max_tokens, model, constrained))
+    results.put([(t.sent, t.arrivals, t.constrained) for t in traces])
 
 
 def run_http_processes(url: str, prompts: list[list[int]], max_tokens: int,
-                       processes: int, model: str = "bench") -> tuple[float, list]:
+                       processes: int, model: str = "bench", constrained: int = 0
+                       ) -> tuple[float, list]:
     """`run_http` with the clients spread over `processes` processes.
 
     NOTE: one Python client parsing every SSE event of 32-64 fast streams is the slowest
@@ -186,20 +221,21 @@ def run_http_processes(url: str, prompts: list[list[int]], max_tokens: int,
     """
     processes = max(1, min(processes, len(prompts)))
     if processes == 1:
-        return asyncio.run(run_http(url, prompts, max_tokens, model))
+        return asyncio.run(run_http(url, prompts, max_tokens, model, constrained))
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")
     ready, results = ctx.Barrier(processes + 1), ctx.Queue()
+    # Process i takes prompts i, i + K, ...: the constrained ones among them come first.
     workers = [ctx.Process(target=_client_process, daemon=True,
                            args=(url, prompts[i::processes], max_tokens, model, ready,
-                                 results))
+                                 results, len(range(i, constrained, processes))))
                for i in range(processes)]
     for w in workers:
         w.start()
     ready.wait(timeout=120)
-    traces = [Trace(sent, arrivals) for _ in workers
-              for sent, arrivals in results.get(timeout=3600)]
+    traces = [Trace(sent, arrivals, constrained) for _ in workers
+              for sent, arrivals, constrained in results.get(timeout=3600)]
     for w in workers:
         w.join(30)
     start = min(t.sent for t in traces)
@@ -209,15 +245,22 @@ def run_http_processes(url: str, prompts: list[list[int]], max_tokens: int,
 # -- in process -------------------------------------------------------------------------------
 
 
-async def run_frontend(frontend: Any, prompts: list[list[int]], max_tokens: int
-                       ) -> tuple[float, list]:
-    from minivllm import SamplingParams
+def bench_params(max_tokens: int, constrained: bool) -> Any:
+    from minivllm import SamplingParams, StructuredOutputsParams
+
+    if constrained:
+        return SamplingParams(temperature=0, max_tokens=max_tokens,
+                              structured_outputs=StructuredOutputsParams(json=BENCH_SCHEMA))
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+async def run_frontend(frontend: Any, prompts: list[list[int]], max_tokens: int,
+                       constrained: int = 0) -> tuple[float, list]:
     from minivllm.frontend import GenerateRequest
 
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
     async def one(i: int, prompt: list[int]) -> Trace:
-        trace = Trace(time.perf_counter())
+        trace = Trace(time.perf_counter(), constrained=i < constrained)
+        params = bench_params(max_tokens, i < constrained)
         request = GenerateRequest(f"bench-{time.monotonic_ns()}-{i}", params, prompt=prompt)
         async for out in frontend.generate(request):
             if out.token_ids:
@@ -230,12 +273,11 @@ async def run_frontend(frontend: Any, prompts: list[list[int]], max_tokens: int
     return end - start, list(traces)
 
 
-def run_engine(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
-    from minivllm import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+def run_engine(llm: Any, prompts: list[list[int]], max_tokens: int, constrained: int = 0
+               ) -> tuple[float, list]:
     start = time.perf_counter()
-    traces = {llm.add_prompt(p, params): Trace(start) for p in prompts}
+    traces = {llm.add_prompt(p, bench_params(max_tokens, i < constrained)):
+              Trace(start, constrained=i < constrained) for i, p in enumerate(prompts)}
     left = len(traces)
     while left:
         llm.step()
@@ -272,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also serve from this other clone of the repository (imported "
                    "first): mode 'baseline' (with --stand-in-ms, interleaved)")
     p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--json-fraction", type=float, nargs="+", default=[0.0], metavar="F",
+                   help="the fraction of clients that ask for a JSON schema (structured "
+                   "outputs); several: each measured in turn, interleaved")
     p.add_argument("--client-processes", type=int, default=None, metavar="K",
                    help="processes the HTTP clients are spread over (default: one per 16 "
                    "clients, at most half the CPUs)")
@@ -280,7 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _OWN_FLAGS = {"--concurrency", "--prompt-len", "--output-len", "--modes", "--start-timeout",
-              "--rounds", "--baseline", "--client-processes"}
+              "--rounds", "--baseline", "--client-processes", "--json-fraction"}
+
+
+def _label(mode: str, fraction: float) -> str:
+    """The mode's name in the table: with the share of JSON-schema clients, if any."""
+    return f"{mode}+json{fraction:.0%}" if fraction > 0 else mode
 
 
 def client_processes(args: argparse.Namespace, concurrency: int) -> int:
@@ -301,9 +351,10 @@ def _engine_argv(argv: list[str]) -> list[str]:
 
 
 def _measure_http(mode: str, proc: subprocess.Popen, url: str, prompts: list[list[int]],
-                  max_tokens: int, client_processes: int) -> Result:
+                  max_tokens: int, client_processes: int, constrained: int = 0) -> Result:
     before = cpu_seconds(proc.pid)
-    wall, traces = run_http_processes(url, prompts, max_tokens, client_processes)
+    wall, traces = run_http_processes(url, prompts, max_tokens, client_processes,
+                                      constrained=constrained)
     after = cpu_seconds(proc.pid)
     return Result(mode, len(prompts), wall, traces,
                   *(a - b for a, b in zip(after, before, strict=True)))
@@ -312,6 +363,11 @@ def _measure_http(mode: str, proc: subprocess.Popen, url: str, prompts: list[lis
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    bad = [f for f in args.json_fraction if not 0 <= f <= 1]
+    if bad:
+        print(f"minivllm bench serve: error: --json-fraction {bad[0]}: must be in [0, 1]",
+              file=sys.stderr)
+        return 2
     results: list[Result] = []
     vocab = 10000
     prompts = {n: workload(n, args.prompt_len, vocab, seed=n) for n in args.concurrency}
@@ -330,14 +386,16 @@ def main(argv: list[str] | None = None) -> int:
                 checkout, flags = served[mode]
                 servers[mode] = start_server(args, [*_engine_argv(argv), *flags], checkout)
             for _, url in servers.values():
-                asyncio.run(run_http(url, warm, 4))
+                # With constrained clients, one warm-up request compiles the schema first.
+                asyncio.run(run_http(url, warm, 4, constrained=int(any(args.json_fraction))))
             for _ in range(args.rounds):
                 for n in args.concurrency:
-                    for mode, (proc, url) in servers.items():
-                        results.append(_measure_http(
-                            mode, proc, url, prompts[n], args.output_len,
-                            client_processes(args, n)))
-                        print_row(results[-1], results)
+                    for f in args.json_fraction:
+                        for mode, (proc, url) in servers.items():
+                            results.append(_measure_http(
+                                _label(mode, f), proc, url, prompts[n], args.output_len,
+                                client_processes(args, n), num_constrained(n, f)))
+                            print_row(results[-1], results)
         finally:
             for proc, _ in servers.values():
                 proc.send_signal(signal.SIGTERM)
@@ -348,24 +406,25 @@ def main(argv: list[str] | None = None) -> int:
 
         llm = build_engine(args)
         try:
-            run_engine(llm, warm, 4)
+            run_engine(llm, warm, 4, int(any(args.json_fraction)))
             for _ in range(args.rounds):
-                for n in args.concurrency:
+                for n, f in ((n, f) for n in args.concurrency for f in args.json_fraction):
+                    k = num_constrained(n, f)
                     if "engine" in args.modes:
                         cpu = time.process_time()
-                        wall, traces = run_engine(llm, prompts[n], args.output_len)
-                        results.append(Result("engine", n, wall, traces, float("nan"),
-                                              time.process_time() - cpu, 0.0))
+                        wall, traces = run_engine(llm, prompts[n], args.output_len, k)
+                        results.append(Result(_label("engine", f), n, wall, traces,
+                                              float("nan"), time.process_time() - cpu, 0.0))
                         print_row(results[-1], results)
                     if "frontend" in args.modes:
                         frontend = EngineFrontend(llm, owns_engine=False)
                         frontend.start()
                         try:
-                            wall, traces = asyncio.run(run_frontend(frontend, prompts[n],
-                                                                    args.output_len))
+                            wall, traces = asyncio.run(run_frontend(
+                                frontend, prompts[n], args.output_len, k))
                         finally:
                             frontend.close()
-                        results.append(Result("frontend", n, wall, traces))
+                        results.append(Result(_label("frontend", f), n, wall, traces))
                         print_row(results[-1], results)
         finally:
             llm.exit()
@@ -374,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 MODES = (*SERVED_MODES, "baseline", "frontend", "engine")
-HEADER = (f"{'mode':<13} {'N':>3} {'out tok/s':>10} {'vs engine':>9} {'TTFT p50':>9} "
+HEADER = (f"{'mode':<17} {'N':>3} {'out tok/s':>10} {'plain tok/s':>11} {'vs engine':>9} "
+          f"{'TTFT p50':>9} "
           f"{'p90':>8} {'p99':>8} {'ITL p50':>8} {'p90':>8} {'p99':>8} "
           f"{'CPU us/tok: loop':>16} {'threads':>7} {'children':>8}")
 
@@ -392,7 +452,8 @@ def _fmt(r: Result, results: list[Result]) -> str:
     ttft = [t.ttft() * 1e3 for t in r.traces]
     itl = [x * 1e3 for t in r.traces for x in t.itls()]
     per_tok = 1e6 / max(1, r.tokens)
-    return (f"{r.mode:<13} {r.concurrency:>3} {r.tok_s:>10.1f} {ratio:>9} "
+    return (f"{r.mode:<17} {r.concurrency:>3} {r.tok_s:>10.1f} {r.plain_tok_s:>11.1f} "
+            f"{ratio:>9} "
             f"{pct(ttft, 50):>9.1f} {pct(ttft, 90):>8.1f} {pct(ttft, 99):>8.1f} "
             f"{pct(itl, 50):>8.1f} {pct(itl, 90):>8.1f} {pct(itl, 99):>8.1f} "
             f"{r.loop_cpu_s * per_tok:>16.1f} {r.threads_cpu_s * per_tok:>7.1f} "
@@ -413,8 +474,9 @@ def print_table(results: list[Result]) -> None:
           "engine process); for 'engine', the whole process")
     print(HEADER)
     concurrencies = sorted({r.concurrency for r in results})
+    modes = [*MODES, *dict.fromkeys(r.mode for r in results if r.mode not in MODES)]
     for n in concurrencies:
-        for mode in MODES:
+        for mode in modes:
             r = _median(results, mode, n)
             if r is not None:
                 print(_fmt(r, results))

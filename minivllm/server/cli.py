@@ -54,6 +54,8 @@ def build_engine(args: argparse.Namespace, on_progress: Any = None) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .tools import DEFAULT_TOOL_PARSER, TOOL_PARSERS
+
     p = argparse.ArgumentParser(
         prog="minivllm serve",
         description="Serve a model over OpenAI's HTTP API (/v1/chat/completions, "
@@ -79,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-engine", action="store_true",
                    help="when the engine dies, start a new one and keep serving (default: "
                    "the server exits with status 1, for a supervisor to restart it)")
+    p.add_argument("--tool-call-parser", default=DEFAULT_TOOL_PARSER,
+                   choices=sorted(TOOL_PARSERS),
+                   help="how the model's tool calls are read under tool_choice auto "
+                   f"(default: {DEFAULT_TOOL_PARSER}, the <tool_call> JSON of Qwen and "
+                   "Hermes models)")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_arguments(p)
@@ -149,7 +156,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     name = args.served_model_name or args.model
     app = build_app(frontend, model_name=name, api_key=args.api_key,
                     trust_request_chat_template=args.trust_request_chat_template,
-                    max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
+                    max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+                    tool_call_parser=args.tool_call_parser)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
                             access_log=False)
     server = _Server(config, frontend)

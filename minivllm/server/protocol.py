@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutputsParams
+from .errors import BadField
 
 
 class StreamOptions(BaseModel):
@@ -41,17 +42,12 @@ class ChatMessage(BaseModel):
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the chat template takes them (OpenAI's `developer` is a system turn)."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in messages]
+    """Messages as the chat template takes them (OpenAI's `developer` is a system turn;
+    an assistant's `tool_calls` and a tool reply's `tool_call_id` pass through)."""
+    from .tools import template_fields
 
-
-class BadField(ValueError):
-    """A request field with a value we refuse; becomes a 400 with `param` = the field."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+             **template_fields(m)} for m in messages]
 
 
 # Fields (OpenAI's or vLLM's extensions) that change the output and that the engine cannot
@@ -60,13 +56,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "best_of": (None, 1),
     "logit_bias": (None, {}),
     "prompt_logprobs": (None,),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
     "guided_whitespace_pattern": (None,),
-    "guided_decoding_backend": (None,),
-    "structured_outputs": (None,),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
     "include_stop_str_in_output": (None, False),
@@ -75,11 +65,15 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "truncate_prompt_tokens": (None,),
     "continue_final_message": (None, False),
     "add_generation_prompt": (None, True),
-    "tool_choice": (None, "none", "auto"),
 }
 # Accepted and ignored without a word: they do not change the output.
 _HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls",
-                       "skip_special_tokens", "spaces_between_special_tokens"})
+                       "skip_special_tokens", "spaces_between_special_tokens",
+                       "guided_decoding_backend"})
+# vLLM's older spellings of the `structured_outputs` members.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
 # apply_chat_template()'s own arguments, which the server sets: a request may not.
 _TEMPLATE_RESERVED = frozenset({
     "conversation", "messages", "tools", "documents", "add_generation_prompt",
@@ -151,14 +145,45 @@ class _SamplingRequest(BaseModel):
         for name, allowed in _NEUTRAL.items():
             if name in extra and not _neutral(extra[name], allowed):
                 raise BadField(name, f"{name}={extra[name]!r}: not supported by this server")
-        fmt = self.response_format
-        if fmt is not None and fmt != {"type": "text"}:
-            raise BadField("response_format", f"response_format={fmt!r}: only "
-                           "{'type': 'text'} is supported (no JSON or schema-guided output)")
         if self.echo:
             raise BadField("echo", "echo: not supported")
         if self.stream_options is not None and not self.stream:
             raise BadField("stream_options", "stream_options: only allowed with stream=true")
+
+    def structured_outputs(self) -> tuple[str, StructuredOutputsParams | None]:
+        """The request's output constraint and the field it came in (`response_format`,
+        vLLM's `structured_outputs` or a `guided_*` field); at most one may be given."""
+        extra = self.model_extra or {}
+        given: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None and fmt != {"type": "text"}:
+            given.append(("response_format", _response_format(fmt)))
+        so = extra.get("structured_outputs")
+        if so is not None:
+            if not isinstance(so, dict) or not so:
+                raise BadField("structured_outputs", f"structured_outputs={so!r:.200}: must be "
+                               "an object with one of " + ", ".join(_STRUCTURED_KEYS))
+            unknown = sorted(k for k in so if k not in _STRUCTURED_KEYS)
+            if unknown:
+                raise BadField(f"structured_outputs.{unknown[0]}",
+                               f"structured_outputs.{unknown[0]}: not supported (give one of "
+                               + ", ".join(_STRUCTURED_KEYS) + ")")
+            given.append(("structured_outputs", so))
+        for name, kind in _GUIDED.items():
+            if extra.get(name) is not None:
+                given.append((name, {kind: extra[name]}))
+        if not given:
+            return "", None
+        if len(given) > 1:
+            names = " and ".join(name for name, _ in given)
+            raise BadField(given[1][0], f"{names}: give only one output constraint")
+        field, kwargs = given[0]
+        try:
+            return field, StructuredOutputsParams(**kwargs)
+        except ValueError as exc:
+            message = str(exc)
+            raise BadField(field, message if message.startswith(field)
+                           else f"{field}: {message}") from None
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The engine's parameters with `max_tokens` (the request's, or the server's
@@ -181,6 +206,7 @@ class _SamplingRequest(BaseModel):
                                    else self.repetition_penalty),
             "min_tokens": self.min_tokens,
             "logprobs": self.num_logprobs(),
+            "structured_outputs": self.structured_outputs()[1],
         }
         try:
             return SamplingParams(**kwargs)
@@ -192,6 +218,22 @@ class _SamplingRequest(BaseModel):
                 field = name
             raise BadField(field, message.removeprefix("SamplingParams.")
                            .replace("max_tokens=", f"{name}=", 1)) from None
+
+
+def _response_format(fmt: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's `response_format` as StructuredOutputsParams' arguments."""
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise BadField("response_format", "response_format.json_schema.schema: a JSON "
+                           "schema (an object) is required with type json_schema")
+        return {"json": schema}
+    raise BadField("response_format", f"response_format.type={kind!r}: must be 'text', "
+                   "'json_object' or 'json_schema'")
 
 
 class CompletionRequest(_SamplingRequest):
@@ -226,6 +268,25 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # vLLM's extension: refused unless trusted
     tools: Any = None
+    tool_choice: Any = None
+
+    def tool_plan(self) -> Any:
+        """How the request uses its tools (a `tools.ToolPlan`), or None: no tools, or
+        tool_choice "none"."""
+        from .tools import plan_tools
+
+        return plan_tools(self.tools, self.tool_choice)
+
+    def structured_outputs(self) -> tuple[str, StructuredOutputsParams | None]:
+        """A `required` or named tool_choice constrains the output as a schema does."""
+        field, spec = super().structured_outputs()
+        plan = self.tool_plan()
+        if plan is None or plan.constraint is None:
+            return field, spec
+        if spec is not None:
+            raise BadField("tool_choice", f"tool_choice={self.tool_choice!r:.80}: cannot be "
+                           f"combined with {field}")
+        return "tool_choice", plan.constraint
 
     def requested_max_tokens(self) -> tuple[str, int | None]:
         if self.max_completion_tokens is not None:
@@ -264,10 +325,6 @@ class ChatCompletionRequest(_SamplingRequest):
             raise BadField("top_logprobs", f"top_logprobs={top}: needs logprobs=true")
         return (top or 0) if self.logprobs else None
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.tools:
-            raise BadField("tools", "tools: tool calling is not supported")
 
     def template_messages(self) -> list[dict[str, str]]:
         return template_messages(self.messages)

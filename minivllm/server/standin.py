@@ -32,6 +32,7 @@ PREFILL_US_PER_TOKEN = 0.5  # device time a prompt token adds to a step (a littl
 class _Handle:
     ready_at: float  # time.perf_counter() when the "device" is done with the step
     num_seqs: int
+    forced: dict[int, int]  # row -> a token its grammar allows (structured outputs)
 
 
 class StandInRunner:
@@ -74,15 +75,27 @@ class StandInRunner:
         start = max(end, self._device_free_at)
         work = self.device_s + len(batch.input_ids) * PREFILL_US_PER_TOKEN / 1e6
         self._device_free_at = start + work
-        return _Handle(self._device_free_at, batch.num_seqs)
+        forced = {}
+        if batch.bitmask_rows:  # a constrained row samples one of the tokens it may
+            import numpy as np
+
+            # A word of the row with an allowed token, then one of its set bits: not
+            # uniform over the allowed tokens, but cheap, as sampling on a device is.
+            bitmask = batch.token_bitmask.numpy()
+            for row in batch.bitmask_rows:
+                words = np.flatnonzero(bitmask[row])
+                w = int(words[self._rng.randrange(len(words))])
+                bits = [b for b in range(32) if (int(bitmask[row, w]) >> b) & 1]
+                forced[row] = w * 32 + bits[self._rng.randrange(len(bits))]
+        return _Handle(self._device_free_at, batch.num_seqs, forced)
 
     def collect(self, handle: _Handle) -> StepSamples:
         wait = handle.ready_at - time.perf_counter()
         if wait > 0:
             time.sleep(wait)  # the CUDA sync: no GIL held
-        rng = self._rng
-        return StepSamples([rng.randrange(self._low, self.vocab)
-                            for _ in range(handle.num_seqs)])
+        rng, forced = self._rng, handle.forced
+        return StepSamples([forced[i] if i in forced else rng.randrange(self._low, self.vocab)
+                            for i in range(handle.num_seqs)])
 
 
 @contextmanager

@@ -17,7 +17,7 @@ SPARK_PERIOD = 1.0  # seconds between sparkline redraws
 COMPACT_BELOW = 120  # columns: narrower, the panel condenses and the sparkline goes
 
 
-def set_growing_text(widget: Static, text: str, reserve: int = 1) -> None:
+def set_growing_text(widget: Static, text: str) -> None:
     """Show `text` in a Static that changes often (the stats panel), laying the screen out
     again only when its height changes.
 

@@ -552,10 +552,10 @@ class Transcript(Widget):
             self.top = top
             self.refresh()
 
-    def scroll_page_up(self, animate: bool = False) -> None:
+    def scroll_page_up(self) -> None:
         self.scroll_to_line(min(self.top, self.max_scroll_y) - max(1, self.view_height - 1))
 
-    def scroll_page_down(self, animate: bool = False) -> None:
+    def scroll_page_down(self) -> None:
         self.scroll_to_line(self.top + max(1, self.view_height - 1))
 
     def on_mouse_scroll_up(self, event: events.MouseScrollUp) -> None:

@@ -1,0 +1,287 @@
+"""Structured outputs: the engine masks each constrained row with its grammar (JSON
+schema, regex, choice, EBNF), compiled off the step; the server maps `response_format`,
+vLLM's `structured_outputs` and the older `guided_*` fields onto it. SmolLM2 on the CPU."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import jsonschema
+import pytest
+import torch
+
+from minivllm import SamplingParams, StructuredOutputsParams
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.sequence import Sequence
+from minivllm.layers.sampler import apply_token_bitmask
+from minivllm.server.launch import launch_server
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 18, "maximum": 65},
+        "color": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8},
+                 "maxItems": 3},
+    },
+    "required": ["name", "age", "color", "tags"],
+    "additionalProperties": False,
+}
+PERSON = "Describe a fictional person as JSON with a name, an age, a color and tags."
+
+
+# -- parameters, scheduler and mask: no model ---------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({}, "exactly one"),
+    ({"regex": "a+", "choice": ["a"]}, "exactly one"),
+    ({"choice": []}, "structured_outputs.choice"),
+    ({"choice": "yes"}, "structured_outputs.choice"),
+    ({"regex": ""}, "structured_outputs.regex"),
+    ({"json": 3}, "structured_outputs.json"),
+    ({"json_object": "yes"}, "structured_outputs.json_object"),
+])
+def test_structured_outputs_params_are_checked(kwargs, error):
+    with pytest.raises(ValueError, match=error):
+        StructuredOutputsParams(**kwargs)
+
+
+def test_sampling_params_take_only_structured_outputs_params():
+    with pytest.raises(ValueError, match="SamplingParams.structured_outputs"):
+        SamplingParams(structured_outputs={"regex": "a+"})
+
+
+def test_the_cache_key_is_the_same_for_the_same_schema_in_any_key_order():
+    a = StructuredOutputsParams(json={"type": "object", "required": ["a"]})
+    b = StructuredOutputsParams(json={"required": ["a"], "type": "object"})
+    assert a.key == b.key and a.kind == "json"
+    assert StructuredOutputsParams(json_object=True).kind == "json_object"
+
+
+def test_the_scheduler_passes_over_a_request_whose_grammar_compiles():
+    sched = Scheduler(BlockManager(16, 4, True), 4, 64)
+    first = Sequence(0, [1, 2, 3], SamplingParams(), 64)
+    first.awaiting_grammar = True
+    second = Sequence(1, [4, 5, 6], SamplingParams(), 64)
+    sched.add(first)
+    sched.add(second)
+    out = sched.schedule()
+    assert [item.seq for item in out.scheduled] == [second]
+    assert list(sched.waiting) == [first]
+    first.awaiting_grammar = False
+    sched.update_from_output(out, [7])
+    assert [item.seq for item in sched.schedule().scheduled] == [second, first]
+
+
+def test_the_bitmask_masks_only_the_rows_it_constrains():
+    vocab = 70
+    logits = torch.randn(3, vocab)
+    before = logits.clone()
+    bitmask = torch.full((3, 3), -1, dtype=torch.int32)  # all allowed
+    bitmask[1] = 0
+    bitmask[1, 0] = 1 << 5  # row 1: token 5 only
+    bitmask[1, 2] = 1 << 1  # ... and token 65
+    apply_token_bitmask(logits, bitmask, [1])
+    assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
+    allowed = torch.isfinite(logits[1]).nonzero().flatten().tolist()
+    assert allowed == [5, 65]
+
+
+# -- the engine -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_path):
+    """SmolLM2 with overlapped scheduling on, as on a GPU: a constrained step must still
+    read its token before the next mask."""
+    from minivllm import LLMEngine
+
+    llm = LLMEngine({"model_name_or_path": str(smollm2_path), "device": "cpu",
+                     "dtype": "float32", "max_model_length": 1024, "block_size": 16,
+                     "async_scheduling": True})
+    yield llm
+    llm.exit()
+
+
+def constrained(max_tokens: int, temperature: float = 0.0, seed: int | None = None,
+                **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed,
+                          structured_outputs=StructuredOutputsParams(**kwargs))
+
+
+def test_engine_json_schema_regex_and_choice_hold_beside_an_unconstrained_request(engine):
+    plain = SamplingParams(temperature=0, max_tokens=24)
+    alone = engine.generate(["The capital of France is"], plain)["text"][0]
+    prompts = [PERSON] * 4 + ["Is water wet? Answer yes or no.", "A product code:",
+                              "The capital of France is"]
+    params = [constrained(90, 0.8, seed=i, json=SCHEMA) for i in range(4)]
+    params += [constrained(8, choice=["yes", "no", "maybe"]),
+               constrained(16, regex=r"[A-Z]{3}-\d{4}"), plain]
+    out = engine.generate(prompts, params)
+    for text in out["text"][:4]:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert out["finish_reason"][:4] == ["stop"] * 4  # the end came where the grammar ended
+    assert out["text"][4] in ("yes", "no", "maybe")
+    assert re.fullmatch(r"[A-Z]{3}-\d{4}", out["text"][5])
+    assert out["text"][6] == alone
+
+
+def test_engine_grammar_error_fails_the_request_and_the_engine_serves_on(engine):
+    with pytest.raises(RuntimeError, match=r"structured_outputs\.regex: cannot be compiled"):
+        engine.generate(["x"], constrained(4, regex="a(b"))
+    out = engine.generate(["Name a color:"], constrained(4, choice=["red", "blue"]))
+    assert out["text"][0] in ("red", "blue")
+
+
+def test_engine_json_object_and_ebnf_grammar(engine):
+    grammar = 'root ::= "(" digit+ ")"\ndigit ::= [0-9]'
+    out = engine.generate(["Reply with a JSON object giving a cat's name and age.", "A number:"],
+                          [constrained(60, json_object=True), constrained(8, grammar=grammar)])
+    assert isinstance(json.loads(out["text"][0]), dict)
+    assert re.fullmatch(r"\(\d+\)", out["text"][1]) or out["finish_reason"][1] == "length"
+
+
+# -- the server -----------------------------------------------------------------------------
+
+SERVER_FLAGS = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "1024",
+                "--block-size", "16", "--num-gpu-blocks-override", "256", "--max-num-seqs", "24"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smollm2_path):
+    tmp = tmp_path_factory.mktemp("structured")
+    proc, url = launch_server([str(smollm2_path), *SERVER_FLAGS, "--served-model-name", "smol"],
+                              tmp / "server.log", cwd=tmp)
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+
+
+@pytest.fixture()
+def client(server):
+    import openai
+
+    with openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0) as c:
+        yield c
+
+
+@pytest.mark.slow
+def test_server_json_schema_20_requests_at_temperature_0_8_all_validate(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+
+    def ask(i: int) -> str:
+        r = client.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": PERSON}], temperature=0.8,
+            seed=i, max_tokens=90, response_format=fmt)
+        return r.choices[0].message.content
+
+    with ThreadPoolExecutor(20) as pool:
+        texts = list(pool.map(ask, range(20)))
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len(set(texts)) > 1  # sampled, not one fixed reply
+
+
+@pytest.mark.slow
+def test_server_regex_choice_and_json_object(client):
+    r = client.completions.create(model="smol", prompt="A flight number:", max_tokens=12,
+                                  temperature=0.7,
+                                  extra_body={"structured_outputs": {"regex": r"[A-Z]{2}\d{3}"}})
+    assert re.fullmatch(r"[A-Z]{2}\d{3}", r.choices[0].text)
+    r = client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "Is fire cold?"}], max_tokens=5,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.choices[0].message.content in ("yes", "no")
+    r = client.completions.create(model="smol", prompt="Pick a fruit:", max_tokens=5,
+                                  extra_body={"guided_choice": ["apple", "pear"]})
+    assert r.choices[0].text in ("apple", "pear")
+    r = client.chat.completions.create(
+        model="smol", messages=[{"role": "user", "content": "Reply with a JSON object giving "
+                                 "a dog's name and age."}],
+        max_tokens=40, temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+@pytest.mark.slow
+def test_server_uncompilable_grammar_is_a_400_naming_the_field(server):
+    body = {"model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    bad = [
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "x", "schema": {"type": "objectx"}}}},
+         "response_format"),
+        ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs"),
+        ({"guided_grammar": "root ::= missing"}, "guided_grammar"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ]
+    for extra, field in bad:
+        r = httpx.post(f"{server}/v1/chat/completions", json={**body, **extra}, timeout=60)
+        assert r.status_code == 400, (extra, r.text)
+        error = r.json()["error"]
+        assert error["param"] == field and error["message"].startswith(field), error
+    assert "Unsupported type" in httpx.post(
+        f"{server}/v1/chat/completions", json={**body, **bad[0][0]}, timeout=60
+    ).json()["error"]["message"]
+    # ... and the server serves on.
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200
+
+
+@pytest.mark.slow
+def test_server_unconstrained_greedy_text_is_the_same_batched_with_constrained(client):
+    def plain() -> str:
+        return client.completions.create(model="smol", prompt="The three primary colors are",
+                                         max_tokens=24, temperature=0).choices[0].text
+
+    alone = plain()
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+
+    def constrained_request(i: int) -> str:
+        return client.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": PERSON}], temperature=0.8,
+            seed=100 + i, max_tokens=60, response_format=fmt).choices[0].message.content
+
+    with ThreadPoolExecutor(5) as pool:
+        others = [pool.submit(constrained_request, i) for i in range(4)]
+        time.sleep(0.2)  # the constrained ones are running when the plain one comes
+        batched = pool.submit(plain).result()
+        for f in others:
+            f.result()
+    assert batched == alone
+
+
+# -- on a GPU: CUDA graphs and overlapped scheduling ------------------------------------------
+
+
+@pytest.mark.gpu
+def test_gpu_constrained_rows_are_masked_outside_the_graphs_and_plain_rows_untouched(
+        smollm2_path):
+    """SmolLM2 on CUDA with its defaults (decode graphs, the greedy graph, overlapped
+    scheduling): constrained replies validate, and a greedy plain request batched with
+    them decodes as it does alone."""
+    from minivllm import LLMEngine
+
+    llm = LLMEngine({"model_name_or_path": str(smollm2_path), "device": "cuda",
+                     "max_model_length": 1024, "max_num_sequences": 16})
+    try:
+        assert llm.async_scheduling and llm.runner.graphs is not None
+        plain = SamplingParams(temperature=0, max_tokens=32)
+        alone = llm.generate(["The capital of France is"], plain)["text"][0]
+        params = [constrained(90, 0.8, seed=i, json=SCHEMA) for i in range(8)]
+        params += [constrained(16, regex=r"[A-Z]{3}-\d{4}"), plain]
+        out = llm.generate([PERSON] * 8 + ["A product code:", "The capital of France is"],
+                           params)
+        for text in out["text"][:8]:
+            jsonschema.validate(json.loads(text), SCHEMA)
+        assert re.fullmatch(r"[A-Z]{3}-\d{4}", out["text"][8])
+        assert out["text"][9] == alone
+    finally:
+        llm.exit()
