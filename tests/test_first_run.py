@@ -147,11 +147,11 @@ def test_bench_latency_on_cpu_reports_as_it_goes(tmp_path, smollm2_path, monkeyp
                          [(1, 0, True), (0, 1, True), (1, 1, True), (0, 0, False)])
 def test_make_test_runs_the_wheel_check_after_failed_tests(tmp_path, pytest_rc, wheel_rc,
                                                            make_fails):
-    """`make test` with stand-ins for ruff, pytest and the wheel check (the install step
+    """`make test` with stand-ins for the linters, pytest and the wheel check (the install step
     taken as done): the wheel check always runs, and the target fails if either failed."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool, rc in (("ruff", 0), ("pytest", pytest_rc)):
+    for tool, rc in (("ruff", 0), ("lint-imports", 0), ("vulture", 0), ("pytest", pytest_rc)):
         (bin_dir / tool).write_text(f"#!/bin/sh\nexit {rc}\n")
         (bin_dir / tool).chmod(0o755)
     ran = tmp_path / "wheel-check-ran"
