@@ -404,12 +404,15 @@ class Transcript(Widget):
         self._starts: list[int] = []  # the first line of each entry (its gap included)
         self._blank = Strip.blank(0)
         self._thumb = _SPACE
+        self._view = (0, 0)  # (width, height), read at each layout (see `rebuild`)
+        self._thumb_key: tuple[int, int] | None = None
+        self._thumb_range = range(0)
 
     # -- what other code reads ---------------------------------------------------------
 
     @property
     def view_height(self) -> int:
-        return self.size.height
+        return self._view[1]
 
     @property
     def line_count(self) -> int:
@@ -487,7 +490,11 @@ class Transcript(Widget):
 
     def rebuild(self) -> None:
         """Draw every entry again (a new width, a new look, an entry in the middle)."""
-        width = max(0, self.size.width - 1)  # the last column is the scroll bar
+        # NOTE: Textual's `size` looks the widget up in the screen's map on every read;
+        # it is read here, once per layout, not for every line drawn.
+        self._view = (self.size.width, self.size.height)
+        self._thumb_key = None
+        width = max(0, self._view[0] - 1)  # the last column is the scroll bar
         if not width:
             self._width = 0
             return
@@ -531,7 +538,7 @@ class Transcript(Widget):
         y = max(0, first - self.top)
         end = min(view, max(count, before) - self.top)
         if end > y:
-            self.refresh(Region(0, y, self.size.width, end - y))
+            self.refresh(Region(0, y, self._view[0], end - y))
 
     # -- scrolling ---------------------------------------------------------------------
 
@@ -595,7 +602,7 @@ class Transcript(Widget):
 
     def render_line(self, y: int) -> Strip:
         if not self._width:
-            return Strip.blank(self.size.width)
+            return Strip.blank(self._view[0])
         i = self.top + y
         strip = self._lines[i] if i < len(self._lines) else self._blank
         return Strip([*strip, self._thumb if y in self._thumb_rows() else _SPACE],
@@ -603,10 +610,12 @@ class Transcript(Widget):
 
     def _thumb_rows(self) -> range:
         """The rows of the scroll bar's thumb (none when everything fits)."""
-        view = self.view_height
-        total = max(len(self._lines), self.top + view)
-        if total <= view:
-            return range(0)
-        size = max(1, view * view // total)
-        start = min(view - size, self.top * view // total)
-        return range(start, start + size)
+        key = (self.top, len(self._lines))
+        if key != self._thumb_key:
+            view = self.view_height
+            total = max(len(self._lines), self.top + view)
+            size = max(1, view * view // total)
+            start = min(view - size, self.top * view // total)
+            self._thumb_key = key
+            self._thumb_range = range(start, start + size) if total > view else range(0)
+        return self._thumb_range
