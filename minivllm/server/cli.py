@@ -16,6 +16,8 @@ from typing import Any
 
 import uvicorn
 
+from ..reasoning import REASONING_PARSERS
+
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
@@ -112,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests replace the chat template (chat_template, or "
                    "chat_template_kwargs.chat_template): their Jinja runs in the server")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="return a chat reply's thinking (<think>...</think>) apart, as "
+                   "`reasoning_content` (as vLLM's flag)")
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="largest request body read; larger ones get 413 unread "
                    "(default: 8 MiB)")
@@ -188,7 +193,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     name = args.served_model_name or args.model
     app = build_app(frontend, model_name=name, api_key=args.api_key,
                     trust_request_chat_template=args.trust_request_chat_template,
-                    max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
+                    max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+                    reasoning_parser=args.reasoning_parser)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
                             access_log=False)
     server = _Server(config, frontend)

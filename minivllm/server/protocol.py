@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from ..sampling_params import SamplingParams
 
@@ -57,7 +58,6 @@ class BadField(ValueError):
 # Fields (OpenAI's or vLLM's extensions) that change the output and that the engine cannot
 # honour: accepted only at their neutral values.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1),
     "logit_bias": (None, {}),
     "prompt_logprobs": (None,),
     "guided_json": (None,),
@@ -88,6 +88,7 @@ _TEMPLATE_RESERVED = frozenset({
 
 
 MAX_LOGPROBS = 20  # the most top tokens a request may ask for (vLLM's default cap)
+MAX_CHOICES = 64  # the most choices (`n`) one request may ask for
 
 
 def _count(name: str, value: Any) -> int | None:
@@ -142,12 +143,18 @@ class _SamplingRequest(BaseModel):
     def unknown_fields(self) -> list[str]:
         """Fields nobody here knows (ignored, as vLLM does; the server logs them)."""
         extra = self.model_extra or {}
-        return sorted(k for k in extra if k not in _NEUTRAL and k not in _HARMLESS)
+        return sorted(k for k in extra
+                      if k not in _NEUTRAL and k not in _HARMLESS and k != "best_of")
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise BadField("n", f"n={self.n}: only n=1 is supported")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise BadField("n", f"n={self.n}: must be an integer from 1 to {MAX_CHOICES}")
         extra = self.model_extra or {}
+        best_of = extra.get("best_of")
+        if best_of is not None and best_of != self.n:
+            # vLLM's best_of samples that many and returns the n most likely: not done here.
+            raise BadField("best_of", f"best_of={best_of!r}: only best_of equal to n "
+                           f"(n={self.n}) is supported (no picking the best of more samples)")
         for name, allowed in _NEUTRAL.items():
             if name in extra and not _neutral(extra[name], allowed):
                 raise BadField(name, f"{name}={extra[name]!r}: not supported by this server")
@@ -155,8 +162,6 @@ class _SamplingRequest(BaseModel):
         if fmt is not None and fmt != {"type": "text"}:
             raise BadField("response_format", f"response_format={fmt!r}: only "
                            "{'type': 'text'} is supported (no JSON or schema-guided output)")
-        if self.echo:
-            raise BadField("echo", "echo: not supported")
         if self.stream_options is not None and not self.stream:
             raise BadField("stream_options", "stream_options: only allowed with stream=true")
 
@@ -198,10 +203,33 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] = Field(...)
     suffix: str | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _text_or_ids(cls, value: Any) -> Any:
+        """A string or a list of token ids; anything else is refused naming the bad item."""
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise PydanticCustomError(
+                "prompt", "must be a string or a list of token ids (integers)")
+        for i, item in enumerate(value):
+            if type(item) is not int:
+                raise PydanticCustomError(
+                    "prompt", "must be a string or a list of token ids (integers); "
+                    "item {i} ({item}) is not an integer", {"i": i, "item": repr(item)})
+        return value
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.suffix:
             raise BadField("suffix", "suffix: not supported")
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """With `echo` and `logprobs`, the prompt's logprobs too (they are echoed)."""
+        params = super().sampling_params(max_tokens)
+        if self.echo and params.logprobs is not None:
+            params.prompt_logprobs = params.logprobs
+        return params
 
 
 class TokenizeRequest(BaseModel):
@@ -266,6 +294,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.echo:
+            raise BadField("echo", "echo: only on /v1/completions")
         if self.tools:
             raise BadField("tools", "tools: tool calling is not supported")
 
