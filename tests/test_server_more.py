@@ -119,6 +119,26 @@ def test_enable_thinking_false_reaches_the_template_and_the_reply_is_all_content
     assert on_message["content"].strip().startswith("You said: Hi!")
 
 
+def test_tokenize_templates_messages_with_the_requests_template_kwargs():
+    frontend, app = scripted_app(None)
+    messages = [{"role": "user", "content": "Hi!"}]
+    try:
+        on, off, reserved = post_all(
+            app, ("/tokenize", {"messages": messages}),
+            ("/tokenize", {"messages": messages,
+                           "chat_template_kwargs": {"enable_thinking": False}}),
+            ("/tokenize", {"messages": messages, "chat_template_kwargs": {"tokenize": True}}))
+    finally:
+        frontend.close()
+    tokenizer = frontend.engine.tokenizer
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                             enable_thinking=False)
+    assert off.json()["tokens"] == tokenizer.encode(rendered)
+    assert off.json()["count"] > on.json()["count"]  # the closed, empty thinking block
+    assert reserved.status_code == 400
+    assert reserved.json()["error"]["param"] == "chat_template_kwargs.tokenize"
+
+
 def test_a_block_opened_by_the_template_is_reasoning_up_to_its_close():
     frontend, app = scripted_app(f"{THOUGHT}</think>\n\n{ANSWER}", parser="deepseek_r1",
                                  tokenizer=_OpeningTokenizer)

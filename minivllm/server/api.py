@@ -779,11 +779,16 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         tokenizer = tokenizer_for(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
+        try:
+            kwargs = body.template_kwargs(trust_request_chat_template)
+        except BadField as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
 
         def run() -> list[int]:
             prompt = body.prompt
             if body.messages is not None:
-                prompt = render_chat_prompt(tokenizer, template_messages(body.messages))
+                prompt = render_chat_prompt(tokenizer, template_messages(body.messages),
+                                            **kwargs)
             return encode_text(tokenizer, prompt or "")
 
         try:

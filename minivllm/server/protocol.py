@@ -232,6 +232,28 @@ class CompletionRequest(_SamplingRequest):
         return params
 
 
+def _template_kwargs(given: dict[str, Any] | None, chat_template: str | None,
+                     trust_chat_template: bool) -> dict[str, Any]:
+    """A request's `chat_template_kwargs` for apply_chat_template(). A template sent by
+    the request (it runs the client's Jinja in the server) is refused unless the server
+    trusts them; the arguments the server sets itself are refused always."""
+    kwargs = dict(given or {})
+    for key in kwargs:
+        if key in _TEMPLATE_RESERVED:
+            raise BadField(f"chat_template_kwargs.{key}",
+                           f"chat_template_kwargs.{key}: set by the server, not by a "
+                           "request")
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
+    if kwargs.get("chat_template") is not None and not trust_chat_template:
+        param = ("chat_template" if chat_template is not None
+                 else "chat_template_kwargs.chat_template")
+        raise BadField(param, f"{param}: this server does not accept a chat template "
+                       "from a request (start it with --trust-request-chat-template "
+                       "to allow that)")
+    return kwargs
+
+
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize body: a `prompt`, or chat `messages` (templated as for a chat
     completion)."""
@@ -240,7 +262,12 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     return_token_strs: bool = False
+
+    def template_kwargs(self, trust_chat_template: bool) -> dict[str, Any]:
+        return _template_kwargs(self.chat_template_kwargs, self.chat_template,
+                                trust_chat_template)
 
 
 class DetokenizeRequest(BaseModel):
@@ -261,24 +288,8 @@ class ChatCompletionRequest(_SamplingRequest):
         return super().requested_max_tokens()
 
     def template_kwargs(self, trust_chat_template: bool) -> dict[str, Any]:
-        """`chat_template_kwargs` for apply_chat_template(). A template sent by the request
-        (it runs the client's Jinja in the server) is refused unless the server trusts
-        them; the arguments the server sets itself are refused always."""
-        kwargs = dict(self.chat_template_kwargs or {})
-        for key in kwargs:
-            if key in _TEMPLATE_RESERVED:
-                raise BadField(f"chat_template_kwargs.{key}",
-                               f"chat_template_kwargs.{key}: set by the server, not by a "
-                               "request")
-        if self.chat_template is not None:
-            kwargs["chat_template"] = self.chat_template
-        if kwargs.get("chat_template") is not None and not trust_chat_template:
-            param = ("chat_template" if self.chat_template is not None
-                     else "chat_template_kwargs.chat_template")
-            raise BadField(param, f"{param}: this server does not accept a chat template "
-                           "from a request (start it with --trust-request-chat-template "
-                           "to allow that)")
-        return kwargs
+        return _template_kwargs(self.chat_template_kwargs, self.chat_template,
+                                trust_chat_template)
 
     top_logprobs: Any = None
 
