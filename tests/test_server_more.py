@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,10 +19,13 @@ from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 from conftest import wait_for
 from minivllm.tui.fake_engine import FakeEngine, FakeTokenizer
+from minivllm.tui.remote import RemoteClient
 
-from minivllm.frontend import EngineFrontend
+from minivllm import SamplingParams
+from minivllm.frontend import EngineFrontend, GenerateRequest
 from minivllm.server.api import build_app
 from minivllm.server.launch import launch_server
 
@@ -149,6 +153,32 @@ def test_a_block_opened_by_the_template_is_reasoning_up_to_its_close():
     message = whole.json()["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == (THOUGHT, f"\n\n{ANSWER}")
     assert streamed_message(events(streamed)) == (THOUGHT, f"\n\n{ANSWER}")
+
+
+def test_the_apps_remote_client_gets_the_thinking_back_between_its_tags():
+    reply = f"<think>\n{THOUGHT}\n</think>\n\n{ANSWER}"
+    frontend, app = scripted_app(reply)
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    client = RemoteClient(f"http://127.0.0.1:{sock.getsockname()[1]}")
+    try:
+        wait_for(lambda: server.started, 30, "the in-process server")
+        client.start()
+
+        async def run() -> str:
+            request = GenerateRequest("r", SamplingParams(max_tokens=200),
+                                      messages=[{"role": "user", "content": "Hi!"}])
+            return "".join([out.text async for out in client.generate(request)])
+
+        assert asyncio.run(run()) == reply
+    finally:
+        client.close()
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+        frontend.close()
 
 
 def test_without_a_parser_the_thinking_stays_in_the_content():
