@@ -286,6 +286,8 @@ class _ChoiceText:
         self.content: list[str] = []
         self.reasoning: list[str] = []
         self.logprobs: dict[str, Any] | None = None
+        # Shown as the engine sent it (the common case, per token: `delta` is skipped).
+        self.plain = echo is None and parser is None and logprobs is None
 
     def delta(self, out: RequestOutput, prompt_logprobs: list[TokenLogprob | None] | None
               ) -> tuple[str, str | None, dict[str, Any] | None]:
@@ -664,7 +666,11 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                                           "type": "server_error", "param": None,
                                           "code": None}})
                     break
-                text, thinking, lps = texts[index].delta(out, choices.prompt_logprobs)
+                shape = texts[index]
+                if shape.plain:
+                    text, thinking, lps = out.text, None, None
+                else:
+                    text, thinking, lps = shape.delta(out, choices.prompt_logprobs)
                 if text or thinking or (chunks.with_ids and out.token_ids):
                     yield chunks.text(index, text, out.token_ids, running(), lps, thinking)
                 if out.finished:

@@ -87,10 +87,13 @@ class Choices:
 
     def _take(self, choice: Choice, out: RequestOutput) -> None:
         choice.timer.output(out.at, len(out.token_ids))
-        choice.accepted = choice.accepted or out.accepted
-        self.num_prompt_tokens = max(self.num_prompt_tokens, out.num_prompt_tokens)
+        if out.accepted:
+            choice.accepted = True
+        if out.num_prompt_tokens > self.num_prompt_tokens:
+            self.num_prompt_tokens = out.num_prompt_tokens
         choice.num_generated_tokens = out.num_generated_tokens
-        choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
+        if out.num_cached_tokens > choice.num_cached_tokens:
+            choice.num_cached_tokens = out.num_cached_tokens
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         if out.finished:
@@ -121,6 +124,16 @@ class Choices:
         """Every child's outputs until all have finished (after `start`)."""
         batch, self._held = self._held, []
         try:
+            if len(self.choices) == 1:  # no grouping by child: the common case, per token
+                choice = self.choices[0]
+                while True:
+                    if batch:
+                        out = merge_outputs(batch)
+                        self._take(choice, out)
+                        yield choice, out
+                        if choice.finished:
+                            return
+                    batch = await self._outputs.get_batch()
             while True:
                 groups: dict[str, list[RequestOutput]] = {}
                 for out in batch:
