@@ -264,6 +264,13 @@ def metric(url: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
+def metric_labelled(url: str, name: str, label: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith(f"{name}{{") and label in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def complete(url: str, **fields: Any) -> httpx.Response:
     body = {"model": SMOL, "prompt": PROMPT, "max_tokens": 8, **fields}
     return httpx.post(f"{url}/v1/completions", json=body, timeout=300)
@@ -316,7 +323,9 @@ def test_n_choices_share_one_prefill_differ_and_repeat_with_a_seed(smol):
     finishes = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"])
                 for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert sorted(finishes) == [(0, "length"), (1, "length"), (2, "length")]
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 24
+    assert chunks[-1]["choices"] == []
+    assert (chunks[-1]["usage"]["prompt_tokens"], chunks[-1]["usage"]["completion_tokens"]) == (
+        num_prompt, 24)
 
 
 @pytest.mark.slow
@@ -343,6 +352,7 @@ def test_a_client_gone_mid_stream_aborts_every_choice(smol):
     body = {"model": SMOL, "prompt": "Tell me a long story.", "max_tokens": 1000,
             "ignore_eos": True, "stream": True, "n": 3, "temperature": 1.0}
     seen: set[int] = set()
+    aborted = metric_labelled(smol, "vllm:request_success_total", 'finished_reason="abort"')
     with httpx.stream("POST", f"{smol}/v1/completions", json=body, timeout=300) as s:
         for line in s.iter_lines():
             if line.startswith("data: {"):
@@ -350,19 +360,13 @@ def test_a_client_gone_mid_stream_aborts_every_choice(smol):
                 seen.update(c["index"] for c in chunk["choices"])
             if len(seen) == 3:
                 break
-        assert metric(smol, "vllm:num_requests_running") == 3
+        wait_for(lambda: metric(smol, "vllm:num_requests_running") == 3, 30,
+                 "the three choices running")
     wait_for(lambda: metric(smol, "vllm:num_requests_running") == 0
              and metric(smol, "minivllm:num_kv_cache_blocks_used") == 0, 60,
              "every choice aborted and its blocks freed")
-    aborted = metric_labelled(smol, "vllm:request_success_total", 'finished_reason="abort"')
-    assert aborted >= 3
-
-
-def metric_labelled(url: str, name: str, label: str) -> float:
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith(f"{name}{{") and label in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    assert metric_labelled(smol, "vllm:request_success_total",
+                           'finished_reason="abort"') == aborted + 3
 
 
 @pytest.mark.slow
