@@ -397,11 +397,19 @@ def test_echo_puts_the_prompt_first_with_its_logprobs(smol):
     assert by_ids["choices"][0]["text"] == choice["text"]
     streamed = httpx.post(f"{smol}/v1/completions", timeout=300, json={
         "model": SMOL, "prompt": prompt, "max_tokens": 5, "temperature": 0, "echo": True,
-        "stream": True, "n": 2})
+        "stream": True, "n": 2, "logprobs": 2})
     chunks = events(streamed)
     for i in range(2):
-        texts = [c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i]
-        assert texts[0].startswith(prompt) and "".join(texts) == choice["text"]
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert mine[0]["text"].startswith(prompt)
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        # Each choice's chunks carry its own logprobs, the prompt's first (from choice 0's
+        # request: the others reuse its cached prompt and ask for none).
+        tokens = [t for c in mine if c["logprobs"] for t in c["logprobs"]["tokens"]]
+        assert tokens == lps["tokens"]
+        values = [v for c in mine if c["logprobs"] for v in c["logprobs"]["token_logprobs"]]
+        assert [v if v is None else round(v, 3) for v in values] == [
+            v if v is None else round(v, 3) for v in lps["token_logprobs"]]
 
 
 @pytest.mark.slow
