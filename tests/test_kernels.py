@@ -610,7 +610,8 @@ def test_decode_launch_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         assert _tile_config(torch.bfloat16, loaded=True, kv_fp8=True)["BLOCK_N"] == 32
         monkeypatch.setenv("MINIVLLM_DECODE_LOADED_TILE", "48x4x2")
         tuning.clear()
-        with pytest.raises(ValueError, match="MINIVLLM_DECODE_LOADED_TILE=.48x4x2.: must be one of"):
+        with pytest.raises(ValueError,
+                           match="MINIVLLM_DECODE_LOADED_TILE=.48x4x2.: must be one of"):
             _tile_config(torch.bfloat16, loaded=True)
     finally:
         monkeypatch.delenv("MINIVLLM_DECODE_LOADED_TILE_FP8", raising=False)

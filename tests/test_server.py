@@ -197,7 +197,7 @@ BAD = [
      400, "temperature"),
     ({"model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
      400, "max_tokens"),
-    ({"model": "smol", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n"),
+    ({"model": "smol", "messages": [{"role": "user", "content": "hi"}], "n": 0}, 400, "n"),
     ({"model": "smol", "messages": [{"role": "user", "content": "hi " * 100_000}]},
      400, "messages"),
     ({"model": "gpt-4", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),

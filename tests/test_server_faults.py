@@ -176,7 +176,7 @@ def test_stop_token_ids_end_the_completion_at_that_token(smol, smollm2_path):
 @pytest.mark.parametrize("path,field,value", [
     ("/v1/completions", "logit_bias", {"1000": 50}),
     ("/v1/completions", "best_of", 2),
-    ("/v1/completions", "n", 2),
+    ("/v1/completions", "n", 0),
     ("/v1/chat/completions", "top_logprobs", 3),
 ])
 def test_fields_the_engine_cannot_honour_are_refused_by_name(smol, path, field, value):

@@ -301,6 +301,9 @@ class RemoteClient:
         prompt_tokens = 0
         finish: str | None = None
         accepted = False
+        # A server with a reasoning parser sends the thinking apart (`reasoning_content`):
+        # it goes back between <think> tags, where the app looks for it.
+        in_think = False
         try:
             assert self._http is not None
             async with self._http.stream("POST", path, json=body) as r:
@@ -329,6 +332,9 @@ class RemoteClient:
                         delta = choice.get("delta")
                         text = (delta or {}).get("content") if delta is not None \
                             else choice.get("text")
+                        thinking = (delta or {}).get("reasoning_content")
+                        if thinking or (in_think and text):
+                            text, in_think = _rewrapped(thinking, text, in_think)
                         ids = list(choice.get("token_ids") or ())
                         generated += len(ids)
                         if text or ids:
@@ -354,3 +360,20 @@ class RemoteClient:
         on_output(RequestOutput(rid, finished=True, finish_reason=finish or "abort",
                                 num_prompt_tokens=prompt_tokens, num_generated_tokens=generated,
                                 at=time.monotonic()))
+
+
+def _rewrapped(thinking: str | None, text: str | None, in_think: bool) -> tuple[str, bool]:
+    """A delta's thinking and answer as one text with the <think> tags the server took
+    out; and whether the text ends inside the block."""
+    pieces = []
+    if thinking:
+        if not in_think:
+            pieces.append("<think>")
+            in_think = True
+        pieces.append(thinking)
+    if text:
+        if in_think:
+            pieces.append("</think>")
+            in_think = False
+        pieces.append(text)
+    return "".join(pieces), in_think

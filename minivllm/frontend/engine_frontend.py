@@ -212,6 +212,8 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
         num_cached_tokens=max(o.num_cached_tokens for o in outputs),
         logprobs=(None if all(o.logprobs is None for o in outputs)
                   else [p for o in outputs for p in o.logprobs or ()]),
+        prompt_logprobs=next((o.prompt_logprobs for o in outputs
+                              if o.prompt_logprobs is not None), None),
     )
 
 
@@ -518,6 +520,7 @@ class EngineFrontend:
                 live.num_generated_tokens, at=now,
                 num_cached_tokens=getattr(d, "num_cached_tokens", 0),
                 logprobs=getattr(d, "logprobs", None),
+                prompt_logprobs=getattr(d, "prompt_logprobs", None),
             ))
 
     def _forget(self, live: _Live) -> None:

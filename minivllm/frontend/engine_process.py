@@ -325,7 +325,7 @@ def _pack(o: RequestOutput) -> tuple[Any, ...]:
     pickles in half the time of the dataclass, and this runs on the engine's thread."""
     return (o.request_id, o.text, o.token_ids, o.finished, o.finish_reason, o.error,
             o.num_prompt_tokens, o.num_generated_tokens, o.accepted, o.rejected,
-            o.opens_thinking, o.at, o.first_at, o.num_cached_tokens, o.logprobs)
+            o.opens_thinking, o.at, o.first_at, o.num_cached_tokens, o.logprobs, o.prompt_logprobs)
 
 
 class _Outbox:

@@ -58,7 +58,8 @@ class RequestOutput:
     (`merge_outputs`) has the last one's `at` and the first one's in `first_at`.
     `num_cached_tokens` counts the prompt tokens found in the prefix cache (known from
     the first generated token on). `logprobs` has one entry per token in `token_ids`
-    when the request asked for logprobs.
+    when the request asked for logprobs; `prompt_logprobs` (one per prompt token, None
+    for the first) comes with the first generated token when it asked for those.
 
     NOTE: not a frozen dataclass: one is built per request per engine step, and a frozen
     one's __init__ (object.__setattr__ per field) costs ~4x as much on the engine thread.
@@ -79,6 +80,7 @@ class RequestOutput:
     first_at: float = 0.0  # 0: not merged (the output's own `at`)
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def since(self) -> float:

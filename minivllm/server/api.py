@@ -36,7 +36,9 @@ from ..engine.llm_engine import encode_text
 from ..engine.structured_outputs import GrammarError, check_grammar
 from ..frontend import GenerateRequest, RequestOutput, render_chat_prompt
 from ..outputs import TokenLogprob
-from .metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
+from ..reasoning import REASONING_PARSERS, ReasoningParser
+from .choices import Choices
+from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
     BadField,
     ChatCompletionRequest,
@@ -45,7 +47,7 @@ from .protocol import (
     TokenizeRequest,
     template_messages,
 )
-from .tools import DEFAULT_TOOL_PARSER, TOOL_PARSERS, ToolStream
+from .tools import DEFAULT_TOOL_PARSER, TOOL_PARSERS, ToolPlan
 
 # The engine's reasons in OpenAI's vocabulary ("abort": the server stopped the request).
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
@@ -85,7 +87,7 @@ def _sse(payload: dict[str, Any]) -> bytes:
 class _Chunks:
     """The SSE events of one streamed response, in OpenAI's chunk format, as bytes.
 
-    An event carries all the text a request gained since its previous one (one engine
+    An event carries all the text a choice gained since its previous one (one engine
     step's, or several merged when this process is behind). NOTE: it is glued from
     preformatted halves around the new text: encoding the nested chunk per event costs
     the event loop several times more.
@@ -96,21 +98,33 @@ class _Chunks:
         self.chat, self.head = chat, head
         self.include_usage, self.with_ids = include_usage, with_ids
         self.continuous_usage = continuous_usage  # every chunk carries the usage so far
-        open_ = b"data: " + _dumps(head)[:-1]  # '{"id":...,"model":"..."' without its "}"
+        self._open = b"data: " + _dumps(head)[:-1]  # '{"id":...,"model":"..."' without "}"
+        self._pres: dict[int, bytes] = {}  # choice index -> the half before the text
         if chat:
-            self._pre = open_ + b',"choices":[{"index":0,"delta":{"content":'
             self._mid = b'},"logprobs":null,"finish_reason":null'
         else:
-            self._pre = open_ + b',"choices":[{"index":0,"text":'
             self._mid = b',"logprobs":null,"finish_reason":null'
         self._post = b"}]" + (b',"usage":null' if include_usage else b"") + b"}\n\n"
 
-    def text(self, text: str, token_ids: list[int], usage: dict[str, Any] | None = None,
-             logprobs: dict[str, Any] | None = None) -> bytes:
-        if logprobs is not None:
-            choice: dict[str, Any] = {"index": 0, "logprobs": logprobs, "finish_reason": None}
+    def _pre(self, index: int) -> bytes:
+        pre = self._pres.get(index)
+        if pre is None:
+            field = b'"delta":{"content":' if self.chat else b'"text":'
+            pre = self._pres[index] = (self._open + b',"choices":[{"index":'
+                                       + str(index).encode() + b"," + field)
+        return pre
+
+    def text(self, index: int, text: str, token_ids: list[int],
+             usage: dict[str, Any] | None = None, logprobs: dict[str, Any] | None = None,
+             reasoning: str | None = None) -> bytes:
+        """Choice `index`'s new text (with `reasoning`: its new thinking, apart)."""
+        if logprobs is not None or reasoning is not None:
+            choice: dict[str, Any] = {"index": index, "logprobs": logprobs,
+                                      "finish_reason": None}
             if self.chat:
-                choice["delta"] = {"content": text}
+                delta = choice["delta"] = {"content": text} if text else {}
+                if reasoning is not None:
+                    delta["reasoning_content"] = reasoning
             else:
                 choice["text"] = text
             if self.with_ids:
@@ -118,7 +132,7 @@ class _Chunks:
             return self._event(choice, usage)
         ids = b',"token_ids":' + _dumps(token_ids) if self.with_ids else b""
         post = self._post if usage is None else b'}],"usage":' + _dumps(usage) + b"}\n\n"
-        return self._pre + _dumps(text) + self._mid + ids + post
+        return self._pre(index) + _dumps(text) + self._mid + ids + post
 
     def _event(self, choice: dict[str, Any], usage: dict[str, Any] | None = None) -> bytes:
         payload = {**self.head, "choices": [choice]}
@@ -126,14 +140,14 @@ class _Chunks:
             payload["usage"] = usage
         return _sse(payload)
 
-    def opening(self, usage: dict[str, Any] | None = None) -> bytes:
+    def opening(self, index: int, usage: dict[str, Any] | None = None) -> bytes:
         if not self.chat:
             return b""
-        return self._event({"index": 0, "delta": {"role": "assistant", "content": ""},
+        return self._event({"index": index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None}, usage)
 
-    def finish(self, reason: str, usage: dict[str, Any] | None = None) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
+    def finish(self, index: int, reason: str, usage: dict[str, Any] | None = None) -> bytes:
+        choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": reason}
         if self.chat:
             choice["delta"] = {}
         else:
@@ -145,10 +159,10 @@ class _Chunks:
     def usage(self, usage: dict[str, int]) -> bytes:
         return _sse({**self.head, "choices": [], "usage": usage})
 
-    def tool_calls(self, deltas: list[dict[str, Any]], usage: dict[str, Any] | None = None
-                   ) -> bytes:
-        return self._event({"index": 0, "delta": {"tool_calls": deltas}, "logprobs": None,
-                            "finish_reason": None}, usage)
+    def tool_calls(self, index: int, deltas: list[dict[str, Any]],
+                   usage: dict[str, Any] | None = None) -> bytes:
+        return self._event({"index": index, "delta": {"tool_calls": deltas},
+                            "logprobs": None, "finish_reason": None}, usage)
 
 
 ACCESS_KEY = "minivllm.access"  # the ASGI scope key of a request's `_Access`
@@ -241,6 +255,106 @@ class _Logprobs:
                 "top_logprobs": [{self._text(t): v for t, v in p.top.items()}
                                  for p in logprobs],
                 "text_offset": offsets}
+
+    def prompt(self, token_ids: list[int], logprobs: list[TokenLogprob | None]
+               ) -> dict[str, Any]:
+        """Completions' echoed prompt: its tokens, each one's logprob (None for the
+        first, which nothing predicts) and top tokens, before the generated ones."""
+        tokens = [self._text(t) for t in token_ids]
+        offsets = []
+        for token in tokens:
+            offsets.append(self.offset)
+            self.offset += len(token)
+        return {"tokens": tokens,
+                "token_logprobs": [None if p is None else p.logprob for p in logprobs],
+                "top_logprobs": [None if p is None else
+                                 {self._text(t): v for t, v in p.top.items()}
+                                 for p in logprobs],
+                "text_offset": offsets}
+
+
+def _joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two formatted logprobs runs of one choice as one (their lists joined)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return {key: a[key] + b[key] for key in a}
+
+
+class _ChoiceText:
+    """One choice's outputs as its response shows them: the prompt first (`echo`, with
+    its logprobs once the engine sent them), the thinking apart from the answer (a
+    reasoning parser), the tool calls apart from the content (a chat request's tools),
+    the logprobs formatted. `delta()` gives one output's part of a chunk; `add()`
+    gathers the whole reply for `message()` / `text()`."""
+
+    def __init__(self, echo: str | None, prompt_ids: list[int] | None,
+                 parser: ReasoningParser | None, logprobs: _Logprobs | None,
+                 tools: ToolPlan | None = None) -> None:
+        self.echo, self.prompt_ids = echo, prompt_ids
+        self.parser, self.formatter = parser, logprobs
+        self.tools = None if tools is None else tools.stream()
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.logprobs: dict[str, Any] | None = None
+        # Shown as the engine sent it (the common case, per token: `delta` is skipped).
+        self.plain = echo is None and parser is None and logprobs is None and tools is None
+
+    def finish_reason(self, engine_reason: str | None) -> str:
+        """OpenAI's finish reason: a reply that called tools stops with "tool_calls"."""
+        reason = FINISH_REASONS.get(engine_reason or "", "stop")
+        if reason == "stop" and self.tools is not None and self.tools.calls:
+            return "tool_calls"
+        return reason
+
+    def delta(self, out: RequestOutput, prompt_logprobs: list[TokenLogprob | None] | None
+              ) -> tuple[str, str | None, dict[str, Any] | None, list[dict[str, Any]]]:
+        """(answer text, thinking text or None, logprobs or None, tool-call deltas) of
+        one output."""
+        text, thinking, lps = self._parts(out, prompt_logprobs)
+        if self.tools is None:
+            return text, thinking, lps, []
+        text, calls = self.tools.feed(text, out.finished)
+        return text, thinking, lps, calls
+
+    def _parts(self, out: RequestOutput, prompt_logprobs: list[TokenLogprob | None] | None
+               ) -> tuple[str, str | None, dict[str, Any] | None]:
+        text = out.text
+        lps = None
+        if self.echo is not None and (out.token_ids or out.finished):
+            text = self.echo + text
+            self.echo = None
+            if self.formatter is not None and prompt_logprobs is not None:
+                lps = self.formatter.prompt(self.prompt_ids or [], prompt_logprobs)
+        if self.formatter is not None and out.token_ids:
+            lps = _joined(lps, self.formatter.format(out.logprobs or []))
+        if self.parser is None:
+            return text, None, lps
+        segments = self.parser.feed(text)
+        if out.finished:
+            segments += self.parser.finish()
+        answer = "".join(t for kind, t in segments if kind == "answer")
+        thinking = "".join(t for kind, t in segments if kind == "think")
+        return answer, thinking or None, lps
+
+    def add(self, out: RequestOutput, prompt_logprobs: list[TokenLogprob | None] | None
+            ) -> None:
+        text, thinking, lps, _ = self.delta(out, prompt_logprobs)
+        self.content.append(text)
+        if thinking:
+            self.reasoning.append(thinking)
+        self.logprobs = _joined(self.logprobs, lps)
+
+    def message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
+        if self.parser is not None:
+            message["reasoning_content"] = "".join(self.reasoning) or None
+        if self.tools is not None and self.tools.calls:
+            message["content"] = message["content"] or None
+            message["tool_calls"] = [call.as_openai() for call in self.tools.calls]
+        return {"message": message}
+
+    def text(self) -> dict[str, Any]:
+        return {"text": "".join(self.content)}
 
 
 class _ApiKeyCheck:
@@ -337,10 +451,16 @@ def _chars_per_token(tokenizer: Any) -> int | None:
 def build_app(client: Any, *, model_name: str, api_key: str | None = None,
               max_model_len: int | None = None, trust_request_chat_template: bool = False,
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-              tool_call_parser: str = DEFAULT_TOOL_PARSER) -> FastAPI:
+              tool_call_parser: str = DEFAULT_TOOL_PARSER,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The app around a started client (`EngineFrontend`); `model_name` is what
     requests must name in `model` and what /v1/models lists. `client.tokenizer`, where
-    the client has one, tokenizes prompts here (on worker threads)."""
+    the client has one, tokenizes prompts here (on worker threads). `reasoning_parser`
+    (a `REASONING_PARSERS` name) returns chat replies' thinking as `reasoning_content`."""
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"reasoning_parser={reasoning_parser!r}: not one of "
+                         f"{', '.join(sorted(REASONING_PARSERS))}")
+    reasoning = REASONING_PARSERS.get(reasoning_parser or "")
     app = FastAPI(title="minivllm", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = ServerMetrics(client, model_name)
 
@@ -425,15 +545,12 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
             raise ApiError(404, f"The model `{name}` does not exist (this server serves "
                            f"`{model_name}`).", "not_found_error", "model", "model_not_found")
 
-    async def start(request: GenerateRequest, prompt_field: str
-                    ) -> tuple[AsyncIterator[RequestOutput], RequestOutput, RequestTimer]:
-        """Submit; wait until the engine accepted (or refused) the request."""
-        timer = metrics.request()
-        timer.begin(time.monotonic())
-        stream = client.generate(request)
-        first = await stream.__anext__()
+    async def start(request: GenerateRequest, prompt_field: str, n: int = 1) -> Choices:
+        """Submit (the first of `n` choices); wait until the engine accepted (or
+        refused) it."""
+        choices = Choices(client, request, n, metrics.request)
+        first = await choices.start()
         if first.finished and not first.accepted:  # refused, or lost with the engine
-            await stream.aclose()
             if client.error is not None:
                 raise ApiError(503, f"the engine stopped: {client.error}", "server_error")
             message = first.error or "the request was refused"
@@ -441,7 +558,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                 raise ApiError(503, f"the request was lost: {message}", "server_error")
             param = prompt_field if message.startswith("prompt") else None
             raise ApiError(400, message, param=param)
-        return stream, first, timer
+        return choices
 
     def params_of(body: Any) -> Any:
         """The request's sampling parameters, every field checked (before any tokenizing);
@@ -540,31 +657,24 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         access(http).request_id = request_id
         return request_id
 
-    def account(record: _Access, timer: RequestTimer, last: RequestOutput) -> None:
-        record.prompt_tokens = last.num_prompt_tokens
-        record.completion_tokens = last.num_generated_tokens
-        record.ttft = timer.ttft
+    def account(record: _Access, choices: Choices) -> None:
+        record.prompt_tokens = choices.num_prompt_tokens
+        record.completion_tokens = choices.num_generated_tokens
+        record.ttft = choices.ttft
 
-    async def collect(stream: AsyncIterator[RequestOutput], first: RequestOutput,
-                      timer: RequestTimer, record: _Access
-                      ) -> tuple[str, RequestOutput, list[TokenLogprob]]:
-        texts = [first.text]
-        last = first
-        logprobs: list[TokenLogprob] = []
+    async def collect(choices: Choices, texts: list[_ChoiceText], record: _Access) -> None:
+        """Every choice's whole reply, gathered into `texts`."""
+        stream = choices.stream()
         try:
-            async for out in stream:
-                timer.output(out.at, len(out.token_ids))
-                texts.append(out.text)
-                logprobs += out.logprobs or ()
-                last = out
+            async for choice, out in stream:
+                texts[choice.index].add(out, choices.prompt_logprobs)
         finally:
             await stream.aclose()
-            account(record, timer, last)
-        timer.finish(time.monotonic(), last.finish_reason)
-        if last.finish_reason == "error":
+            account(record, choices)
+        failed = next((c for c in choices.choices if c.finish_reason == "error"), None)
+        if failed is not None:
             status = 503 if client.error is not None else 500
-            raise ApiError(status, f"generation failed: {last.error}", "server_error")
-        return "".join(texts), last, logprobs
+            raise ApiError(status, f"generation failed: {failed.error}", "server_error")
 
     async def until_disconnect(http: Request, work: Any) -> Any:
         """Await `work`, cancelling it (which aborts its request) if the client leaves."""
@@ -577,60 +687,50 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                 task.cancel()
                 raise ApiError(499, "the client closed the connection")
 
-    def usage(out: RequestOutput) -> dict[str, Any]:
-        """OpenAI's usage; `cached_tokens`: the prompt tokens the prefix cache held."""
-        return {"prompt_tokens": out.num_prompt_tokens,
-                "completion_tokens": out.num_generated_tokens,
-                "total_tokens": out.num_prompt_tokens + out.num_generated_tokens,
-                "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
-
-    async def sse(stream: AsyncIterator[RequestOutput], first: RequestOutput,
-                  timer: RequestTimer, chunks: _Chunks, record: _Access,
-                  logprobs: _Logprobs | None, tools: ToolStream | None = None
-                  ) -> AsyncIterator[bytes]:
-        """The SSE body. Cancelled when the client goes away: closing `stream` then aborts
-        the request in the engine (its blocks are freed on the next step)."""
-        last = first
-        running = usage if chunks.continuous_usage else (lambda out: None)
+    async def sse(choices: Choices, texts: list[_ChoiceText], chunks: _Chunks,
+                  record: _Access) -> AsyncIterator[bytes]:
+        """The SSE body. Cancelled when the client goes away: closing the stream then
+        aborts every choice's request in the engine (their blocks are freed on the next
+        step)."""
+        running = choices.usage if chunks.continuous_usage else (lambda: None)
+        stream = choices.stream()
         try:
-            opening = chunks.opening(running(first))
-            if opening:
-                yield opening
-            async for out in stream:
-                last = out
-                timer.output(out.at, len(out.token_ids))
+            for index in range(len(texts)):
+                opening = chunks.opening(index, running())
+                if opening:
+                    yield opening
+            async for choice, out in stream:
+                index = choice.index
                 if out.finish_reason == "error":
                     # Then why (OpenAI's client raises on it).
-                    yield chunks.finish("error", running(out))
+                    yield chunks.finish(index, "error", running())
                     yield _sse({"error": {"message": f"generation failed: {out.error}",
                                           "type": "server_error", "param": None,
                                           "code": None}})
                     break
-                text, calls = (out.text, None) if tools is None else tools.feed(
-                    out.text, out.finished)
-                if text or (chunks.with_ids and out.token_ids):
-                    lps = (logprobs.format(out.logprobs or [])
-                           if logprobs is not None else None)
-                    yield chunks.text(text, out.token_ids, running(out), lps)
+                shape = texts[index]
+                calls: list[dict[str, Any]] = []
+                if shape.plain:
+                    text, thinking, lps = out.text, None, None
+                else:
+                    text, thinking, lps, calls = shape.delta(out, choices.prompt_logprobs)
+                if text or thinking or (chunks.with_ids and out.token_ids):
+                    yield chunks.text(index, text, out.token_ids, running(), lps, thinking)
                 if calls:
-                    yield chunks.tool_calls(calls, running(out))
+                    yield chunks.tool_calls(index, calls, running())
                 if out.finished:
-                    reason = FINISH_REASONS.get(out.finish_reason or "", "stop")
-                    if tools is not None and tools.calls and reason == "stop":
-                        reason = "tool_calls"
-                    yield chunks.finish(reason, running(out))
+                    yield chunks.finish(index, shape.finish_reason(out.finish_reason),
+                                        running())
             if chunks.include_usage:
-                yield chunks.usage(usage(last))
+                yield chunks.usage(choices.usage())
             yield b"data: [DONE]\n\n"
         finally:
             await stream.aclose()
-            account(record, timer, last)
-            timer.finish(time.monotonic(), last.finish_reason if last.finished else "abort")
+            account(record, choices)
 
     def streaming_response(body: Any, chat: bool, request_id: str, created: int,
-                           stream: AsyncIterator[RequestOutput], first: RequestOutput,
-                           timer: RequestTimer, record: _Access,
-                           tools: ToolStream | None = None) -> StreamingResponse:
+                           choices: Choices, texts: list[_ChoiceText], record: _Access
+                           ) -> StreamingResponse:
         head = {"id": request_id,
                 "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": created, "model": model_name}
@@ -639,31 +739,56 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         # As vLLM: running usage on every chunk needs include_usage too.
         continuous = include_usage and bool(options and options.continuous_usage_stats)
         chunks = _Chunks(chat, head, include_usage, body.return_token_ids, continuous)
-        return StreamingResponse(sse(stream, first, timer, chunks, record,
-                                     logprobs_of(body, chat), tools),
+        return StreamingResponse(sse(choices, texts, chunks, record),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
-    def logprobs_of(body: Any, chat: bool) -> _Logprobs | None:
-        """The request's logprobs formatter (None: it asked for none)."""
-        if body.num_logprobs() is None:
-            return None
-        return _Logprobs(client.tokenizer, chat)
+    def choice_texts(body: Any, chat: bool, request: GenerateRequest, choices: Choices,
+                     tools: ToolPlan | None = None) -> list[_ChoiceText]:
+        """How each of the request's choices is shown: with the echoed prompt
+        (completions' `echo`), the thinking apart (`--reasoning-parser`, chat), the
+        logprobs in the endpoint's shape."""
+        echo: str | None = None
+        prompt_ids = request.prompt if isinstance(request.prompt, list) else None
+        if getattr(body, "echo", False):
+            echo = (body.prompt if isinstance(body.prompt, str)
+                    else client.tokenizer.decode(body.prompt))
+        # Whether the templated prompt ends inside the thinking block (the engine says
+        # so when it templated the prompt; here, the prompt's last tokens do).
+        opens = choices.opens_thinking
+        if chat and reasoning is not None and prompt_ids is not None:
+            opens = client.tokenizer.decode(prompt_ids[-16:]).rstrip().endswith("<think>")
+        return [_ChoiceText(echo, prompt_ids,
+                            reasoning(opens) if chat and reasoning is not None else None,
+                            None if body.num_logprobs() is None
+                            else _Logprobs(client.tokenizer, chat), tools)
+                for _ in range(body.n)]
 
-    def whole_response(body: Any, kind: str, request_id: str, created: int,
-                       choice: dict[str, Any], last: RequestOutput,
-                       logprobs: list[TokenLogprob], tool_calls: bool = False
-                       ) -> dict[str, Any]:
-        """A non-streamed reply: one choice (`text` or `message`) and the usage;
-        `tool_calls`: the message calls tools (a stop is then "tool_calls")."""
-        finish = FINISH_REASONS.get(last.finish_reason or "", "stop")
-        if tool_calls and finish == "stop":
-            finish = "tool_calls"
-        formatter = logprobs_of(body, kind == "chat.completion")
-        lps = formatter.format(logprobs) if formatter is not None else None
-        return {"id": request_id, "object": kind, "created": created, "model": model_name,
-                "choices": [{"index": 0, **choice, "logprobs": lps, "finish_reason": finish}],
-                "usage": usage(last)}
+    def whole_response(chat: bool, request_id: str, created: int,
+                       choices: Choices, texts: list[_ChoiceText]) -> dict[str, Any]:
+        """A non-streamed reply: every choice (`text` or `message`) and the usage."""
+        out = []
+        for choice, text in zip(choices.choices, texts, strict=True):
+            lps = text.logprobs
+            if lps is None and text.formatter is not None:
+                lps = text.formatter.format([])
+            out.append({"index": choice.index, **(text.message() if chat else text.text()),
+                        "logprobs": lps,
+                        "finish_reason": text.finish_reason(choice.finish_reason)})
+        return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
+                "created": created, "model": model_name, "choices": out,
+                "usage": choices.usage()}
+
+    async def respond(body: Any, http: Request, chat: bool, request_id: str,
+                      request: GenerateRequest, field: str, tools: ToolPlan | None = None
+                      ) -> Any:
+        choices = await start(request, field, body.n)
+        texts = choice_texts(body, chat, request, choices, tools)
+        now = int(time.time())
+        if not body.stream:
+            await until_disconnect(http, collect(choices, texts, access(http)))
+            return whole_response(chat, request_id, now, choices, texts)
+        return streaming_response(body, chat, request_id, now, choices, texts, access(http))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request) -> Any:
@@ -682,21 +807,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         request = await admit(body, params, request_id, "messages",
                               messages=body.template_messages(),
                               template_kwargs=template_kwargs)
-        stream, first, timer = await start(request, "messages")
-        now = int(time.time())
-        if not body.stream:
-            text, last, lps = await until_disconnect(
-                http, collect(stream, first, timer, access(http)))
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            calls = []
-            if tools is not None:
-                message["content"], calls = tools.reply(text)
-                if calls:
-                    message["tool_calls"] = [c.as_openai() for c in calls]
-            return whole_response(body, "chat.completion", request_id, now,
-                                  {"message": message}, last, lps, bool(calls))
-        return streaming_response(body, True, request_id, now, stream, first, timer,
-                                  access(http), None if tools is None else tools.stream())
+        return await respond(body, http, True, request_id, request, "messages", tools)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request) -> Any:
@@ -705,15 +816,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         params = params_of(body)
         await check_constraint(params, body.structured_outputs()[0])
         request = await admit(body, params, request_id, "prompt", prompt=body.prompt)
-        stream, first, timer = await start(request, "prompt")
-        now = int(time.time())
-        if not body.stream:
-            text, last, lps = await until_disconnect(
-                http, collect(stream, first, timer, access(http)))
-            return whole_response(body, "text_completion", request_id, now, {"text": text},
-                                  last, lps)
-        return streaming_response(body, False, request_id, now, stream, first, timer,
-                                  access(http))
+        return await respond(body, http, False, request_id, request, "prompt")
 
     def tokenizer_for(model: str | None) -> Any:
         """The tokenizer requests are tokenized with (`model`, when given, must be ours)."""
@@ -733,11 +836,16 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         tokenizer = tokenizer_for(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
+        try:
+            kwargs = body.template_kwargs(trust_request_chat_template)
+        except BadField as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
 
         def run() -> list[int]:
             prompt = body.prompt
             if body.messages is not None:
-                prompt = render_chat_prompt(tokenizer, template_messages(body.messages))
+                prompt = render_chat_prompt(tokenizer, template_messages(body.messages),
+                                            **kwargs)
             return encode_text(tokenizer, prompt or "")
 
         try:

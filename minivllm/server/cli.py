@@ -17,6 +17,7 @@ from typing import Any
 import uvicorn
 
 from ..engine_args import EngineArgs
+from ..reasoning import REASONING_PARSERS
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, *, show_stand_in: bool = False) -> None:
@@ -75,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests replace the chat template (chat_template, or "
                    "chat_template_kwargs.chat_template): their Jinja runs in the server")
+    p.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="return a chat reply's thinking (<think>...</think>) apart, as "
+                   "`reasoning_content` (as vLLM's flag)")
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="largest request body read; larger ones get 413 unread "
                    "(default: 8 MiB)")
@@ -157,7 +161,8 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     app = build_app(frontend, model_name=name, api_key=args.api_key,
                     trust_request_chat_template=args.trust_request_chat_template,
                     max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
-                    tool_call_parser=args.tool_call_parser)
+                    tool_call_parser=args.tool_call_parser,
+                    reasoning_parser=args.reasoning_parser)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
                             access_log=False)
     server = _Server(config, frontend)

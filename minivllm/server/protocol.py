@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .errors import BadField
@@ -53,7 +54,6 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
 # Fields (OpenAI's or vLLM's extensions) that change the output and that the engine cannot
 # honour: accepted only at their neutral values.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1),
     "logit_bias": (None, {}),
     "prompt_logprobs": (None,),
     "guided_whitespace_pattern": (None,),
@@ -82,6 +82,7 @@ _TEMPLATE_RESERVED = frozenset({
 
 
 MAX_LOGPROBS = 20  # the most top tokens a request may ask for (vLLM's default cap)
+MAX_CHOICES = 64  # the most choices (`n`) one request may ask for
 
 
 def _count(name: str, value: Any) -> int | None:
@@ -136,17 +137,21 @@ class _SamplingRequest(BaseModel):
     def unknown_fields(self) -> list[str]:
         """Fields nobody here knows (ignored, as vLLM does; the server logs them)."""
         extra = self.model_extra or {}
-        return sorted(k for k in extra if k not in _NEUTRAL and k not in _HARMLESS)
+        return sorted(k for k in extra
+                      if k not in _NEUTRAL and k not in _HARMLESS and k != "best_of")
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise BadField("n", f"n={self.n}: only n=1 is supported")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise BadField("n", f"n={self.n}: must be an integer from 1 to {MAX_CHOICES}")
         extra = self.model_extra or {}
+        best_of = extra.get("best_of")
+        if best_of is not None and best_of != self.n:
+            # vLLM's best_of samples that many and returns the n most likely: not done here.
+            raise BadField("best_of", f"best_of={best_of!r}: only best_of equal to n "
+                           f"(n={self.n}) is supported (no picking the best of more samples)")
         for name, allowed in _NEUTRAL.items():
             if name in extra and not _neutral(extra[name], allowed):
                 raise BadField(name, f"{name}={extra[name]!r}: not supported by this server")
-        if self.echo:
-            raise BadField("echo", "echo: not supported")
         if self.stream_options is not None and not self.stream:
             raise BadField("stream_options", "stream_options: only allowed with stream=true")
 
@@ -240,10 +245,55 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] = Field(...)
     suffix: str | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _text_or_ids(cls, value: Any) -> Any:
+        """A string or a list of token ids; anything else is refused naming the bad item."""
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise PydanticCustomError(
+                "prompt", "must be a string or a list of token ids (integers)")
+        for i, item in enumerate(value):
+            if type(item) is not int:
+                raise PydanticCustomError(
+                    "prompt", "must be a string or a list of token ids (integers); "
+                    "item {i} ({item}) is not an integer", {"i": i, "item": repr(item)})
+        return value
+
     def check_supported(self) -> None:
         super().check_supported()
         if self.suffix:
             raise BadField("suffix", "suffix: not supported")
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """With `echo` and `logprobs`, the prompt's logprobs too (they are echoed)."""
+        params = super().sampling_params(max_tokens)
+        if self.echo and params.logprobs is not None:
+            params.prompt_logprobs = params.logprobs
+        return params
+
+
+def _template_kwargs(given: dict[str, Any] | None, chat_template: str | None,
+                     trust_chat_template: bool) -> dict[str, Any]:
+    """A request's `chat_template_kwargs` for apply_chat_template(). A template sent by
+    the request (it runs the client's Jinja in the server) is refused unless the server
+    trusts them; the arguments the server sets itself are refused always."""
+    kwargs = dict(given or {})
+    for key in kwargs:
+        if key in _TEMPLATE_RESERVED:
+            raise BadField(f"chat_template_kwargs.{key}",
+                           f"chat_template_kwargs.{key}: set by the server, not by a "
+                           "request")
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
+    if kwargs.get("chat_template") is not None and not trust_chat_template:
+        param = ("chat_template" if chat_template is not None
+                 else "chat_template_kwargs.chat_template")
+        raise BadField(param, f"{param}: this server does not accept a chat template "
+                       "from a request (start it with --trust-request-chat-template "
+                       "to allow that)")
+    return kwargs
 
 
 class TokenizeRequest(BaseModel):
@@ -254,7 +304,12 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     return_token_strs: bool = False
+
+    def template_kwargs(self, trust_chat_template: bool) -> dict[str, Any]:
+        return _template_kwargs(self.chat_template_kwargs, self.chat_template,
+                                trust_chat_template)
 
 
 class DetokenizeRequest(BaseModel):
@@ -294,24 +349,8 @@ class ChatCompletionRequest(_SamplingRequest):
         return super().requested_max_tokens()
 
     def template_kwargs(self, trust_chat_template: bool) -> dict[str, Any]:
-        """`chat_template_kwargs` for apply_chat_template(). A template sent by the request
-        (it runs the client's Jinja in the server) is refused unless the server trusts
-        them; the arguments the server sets itself are refused always."""
-        kwargs = dict(self.chat_template_kwargs or {})
-        for key in kwargs:
-            if key in _TEMPLATE_RESERVED:
-                raise BadField(f"chat_template_kwargs.{key}",
-                               f"chat_template_kwargs.{key}: set by the server, not by a "
-                               "request")
-        if self.chat_template is not None:
-            kwargs["chat_template"] = self.chat_template
-        if kwargs.get("chat_template") is not None and not trust_chat_template:
-            param = ("chat_template" if self.chat_template is not None
-                     else "chat_template_kwargs.chat_template")
-            raise BadField(param, f"{param}: this server does not accept a chat template "
-                           "from a request (start it with --trust-request-chat-template "
-                           "to allow that)")
-        return kwargs
+        return _template_kwargs(self.chat_template_kwargs, self.chat_template,
+                                trust_chat_template)
 
     top_logprobs: Any = None
 
@@ -325,6 +364,10 @@ class ChatCompletionRequest(_SamplingRequest):
             raise BadField("top_logprobs", f"top_logprobs={top}: needs logprobs=true")
         return (top or 0) if self.logprobs else None
 
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise BadField("echo", "echo: only on /v1/completions")
 
     def template_messages(self) -> list[dict[str, str]]:
         return template_messages(self.messages)
