@@ -673,9 +673,6 @@ def iter_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.
             ) from None
 
 
-# tokenizer_config.json's names for transformers' generic tokenizer over tokenizer.json.
-_GENERIC_FAST_TOKENIZERS = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
-
 # safetensors' dtype names -> torch's (torch's names, imported with torch when mapping).
 _SAFETENSORS_DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
@@ -748,13 +745,21 @@ def packed_weights_file(model_path: str | os.PathLike[str], tag: str) -> Path:
     return gguf_cache_dir() / "packed" / key / f"{tag}.safetensors"
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     """The checkpoint's fast tokenizer (never remote code).
 
-    A folder whose tokenizer_config.json names the generic fast tokenizer (what a GGUF
-    conversion writes) gets that class directly: AutoTokenizer would resolve the same class
-    after importing transformers' model configurations (seconds of a start).
+    Where tokenizer.json is there with transformers' generic class, `FastTokenizer` reads
+    it with the `tokenizers` library and renders the chat template with jinja2, as
+    transformers does, without importing transformers (seconds of a start). Elsewhere
+    transformers' own class: the generic one directly where tokenizer_config.json names it
+    (AutoTokenizer would resolve the same class after importing transformers' model
+    configurations), else AutoTokenizer.
     """
+    from .tokenizer import GENERIC_CLASSES, load_fast_tokenizer
+
+    fast = load_fast_tokenizer(path)
+    if fast is not None:
+        return fast
     from transformers import AutoTokenizer
 
     config_file = Path(path) / "tokenizer_config.json"
@@ -762,7 +767,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
         tokenizer_class = json.loads(config_file.read_text()).get("tokenizer_class")
     except (OSError, ValueError, AttributeError):
         tokenizer_class = None
-    if tokenizer_class in _GENERIC_FAST_TOKENIZERS and (Path(path) / "tokenizer.json").is_file():
+    if tokenizer_class in GENERIC_CLASSES and (Path(path) / "tokenizer.json").is_file():
         from transformers import PreTrainedTokenizerFast
 
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), trust_remote_code=False)

@@ -331,21 +331,23 @@ def test_prefill_copies_are_packed_at_first_use() -> None:
     assert torch.equal(got, expected)
 
 
-def test_converted_tokenizer_loads_without_auto_classes(tiny_checkpoint: Path) -> None:
-    """A folder whose tokenizer_config names the generic fast tokenizer loads that class
-    directly, and it tokenizes and applies the chat template as AutoTokenizer's does."""
+def test_converted_tokenizer_loads_without_transformers(tiny_checkpoint: Path) -> None:
+    """A folder whose tokenizer_config names the generic fast tokenizer (what a GGUF
+    conversion writes) loads without transformers, and it tokenizes and applies the chat
+    template as AutoTokenizer's does."""
     from transformers import AutoTokenizer
 
     from minivllm.loader import load_tokenizer
+    from minivllm.tokenizer import GENERIC_CLASSES, FastTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
     tok.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
     tok.save_pretrained(tiny_checkpoint)
     config = json.loads((tiny_checkpoint / "tokenizer_config.json").read_text())
-    assert config["tokenizer_class"] in loader._GENERIC_FAST_TOKENIZERS
+    assert config["tokenizer_class"] in GENERIC_CLASSES
 
     ours, auto = load_tokenizer(tiny_checkpoint), AutoTokenizer.from_pretrained(tiny_checkpoint)
-    assert type(ours) is type(auto)
+    assert isinstance(ours, FastTokenizer)
     for text in ("What is the capital of France?", "Paris.<|endoftext|> x\n\ny"):
         assert ours.encode(text) == auto.encode(text)
         assert ours.decode(ours.encode(text)) == auto.decode(auto.encode(text))
