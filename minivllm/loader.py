@@ -68,6 +68,9 @@ def is_smollm2_name(name: str) -> bool:
 HF_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer.model"]
 
 _INDEX_FILE = "model.safetensors.index.json"
+# Written into a folder converted from a GGUF: the source file (its weights lie on the
+# GGUF's quantization grids, which the engine's default CPU plan keeps).
+GGUF_SOURCE_FILE = "minivllm_source.json"
 
 # Markers that end an assistant turn in common chat templates. A GGUF often records
 # only the tokenizer's eos; when the template ends turns with one of these, the engine
@@ -576,7 +579,7 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
     finally:
         hf_logging.set_verbosity(verbosity)
     _fix_converted_configs(dest, tokenizer)
-    (dest / "minivllm_source.json").write_text(
+    (dest / GGUF_SOURCE_FILE).write_text(
         json.dumps(
             {
                 "gguf": str(gguf),

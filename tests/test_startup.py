@@ -356,3 +356,93 @@ def test_converted_tokenizer_loads_without_transformers(tiny_checkpoint: Path) -
         messages, tokenize=False
     )
     assert (ours.eos_token_id, ours.bos_token_id) == (auto.eos_token_id, auto.bos_token_id)
+
+
+# -- the LLMEngine default plan on a CPU ---------------------------------------------------
+
+# (flags in /proc/cpuinfo, torch's kernel level) of the CPUs the plan tells apart.
+AVX2 = (frozenset({"avx2", "fma", "f16c"}), "AVX2")
+AVX512 = (frozenset({"avx2", "avx512f", "avx512bw", "avx512_vnni"}), "AVX512")
+AVX512_BF16 = (frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}), "AVX512")
+AMX = (frozenset({"avx2", "avx512f", "amx_bf16", "amx_tile"}), "AVX512")
+BF16_FLAGS_AVX2_TORCH = (AVX512_BF16[0], "AVX2")  # ATEN_CPU_CAPABILITY=avx2 lowers torch
+
+
+@pytest.mark.parametrize(
+    ("cpu", "gguf", "weights"),
+    [
+        (AVX2, True, "compact"), (AVX2, False, "auto"),
+        (AVX512, True, "compact"), (AVX512, False, "auto"),
+        (AVX512_BF16, True, "compact"), (AVX512_BF16, False, "compact"),
+        (AMX, True, "compact"), (AMX, False, "compact"),
+        (BF16_FLAGS_AVX2_TORCH, True, "compact"), (BF16_FLAGS_AVX2_TORCH, False, "auto"),
+    ],
+)  # fmt: skip
+def test_default_cpu_weights_per_cpu(cpu: tuple, gguf: bool, weights: str) -> None:
+    """A GGUF's own weights everywhere; bf16 weights for safetensors only where the CPU
+    multiplies bf16 (and torch runs its AVX-512 kernels); else fp32."""
+    pytest.importorskip("torch")
+    from minivllm.cpu_features import default_cpu_weights
+
+    assert default_cpu_weights(gguf, *cpu) == weights
+
+
+@pytest.fixture
+def fake_cpu(monkeypatch: pytest.MonkeyPatch):
+    """Make this machine report another CPU's flags and torch kernel level."""
+    torch = pytest.importorskip("torch")
+    from minivllm import cpu_features
+
+    def fake(cpu: tuple) -> None:
+        monkeypatch.setattr(cpu_features, "cpu_flags", lambda: cpu[0])
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cpu[1])
+
+    return fake
+
+
+def _engine(path: Path, **config):
+    from minivllm import LLMEngine
+
+    return LLMEngine({"model_name_or_path": str(path), "device": "cpu", "max_model_length": 256,
+                      "max_cached_blocks": 16, "block_size": 16, **config})
+
+
+def test_engine_default_plan_on_safetensors(tiny_checkpoint: Path, fake_cpu) -> None:
+    """`LLMEngine` with nothing asked for: bf16 weights (fp32 compute, the weight-only
+    kernel) where the CPU multiplies bf16, fp32 weights where it does not; both decode."""
+    import torch
+    from minivllm.kernels import cpu_lowp_linear as kernel
+
+    from minivllm import SamplingParams
+
+    if kernel.unavailable_reason() is not None:
+        pytest.skip(f"no CPU kernel here: {kernel.unavailable_reason()}")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for cpu, weights, fmt in ((AVX512_BF16, "compact", "bfloat16"), (AVX2, "auto", None)):
+        fake_cpu(cpu)
+        llm = _engine(tiny_checkpoint)
+        try:
+            assert llm.config.cpu_weight_dtype == weights
+            assert llm.dtype == torch.float32
+            assert llm.cpu_weight_format == fmt
+            assert len(llm.generate([[1, 2, 3]], params)["token_ids"][0]) == 4
+        finally:
+            llm.exit()
+
+
+def test_engine_default_plan_on_a_gguf(smollm2_path: Path, fake_cpu) -> None:
+    """A converted GGUF (the embedded SmolLM2) keeps its own Q4_1 / Q8_0 weights by
+    default even without bf16 hardware; dtype="float32" keeps the exact fp32 weights."""
+    import torch
+    from minivllm.kernels import cpu_lowp_linear as kernel
+
+    if kernel.unavailable_reason() is not None:
+        pytest.skip(f"no CPU kernel here: {kernel.unavailable_reason()}")
+    fake_cpu(AVX2)
+    for config, fmt in (({}, "q4_1/q8_0"), ({"dtype": "float32"}, None)):
+        llm = _engine(smollm2_path, **config)
+        try:
+            assert llm.dtype == torch.float32
+            assert llm.cpu_weight_format == fmt, config
+        finally:
+            llm.exit()
