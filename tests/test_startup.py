@@ -446,3 +446,44 @@ def test_engine_default_plan_on_a_gguf(smollm2_path: Path, fake_cpu) -> None:
             assert llm.cpu_weight_format == fmt, config
         finally:
             llm.exit()
+
+
+# -- minivllm-chat's window before the engine's imports ----------------------------------
+
+WINDOW = textwrap.dedent(
+    """
+    import sys
+    import minivllm.tui.app as app
+    from minivllm.tui import cli
+
+    class Window:
+        load_error, return_code = None, 0
+
+        def run(self):  # where the real app paints its loading screen
+            heavy = ("torch", "transformers", "triton", "minivllm.engine.llm_engine")
+            print("imported:", [m for m in heavy if m in sys.modules])
+
+    app.create_app = lambda **kwargs: Window()
+    sys.stdin.isatty = sys.stdout.isatty = lambda: True
+    sys.exit(cli.main(sys.argv[1:]))
+    """
+)
+
+
+def test_chat_window_opens_before_the_engine_imports(smollm2_path: Path) -> None:
+    """With its default options `minivllm-chat` opens its window (whose loading screen
+    then shows the engine's progress) before anything imports torch or transformers."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    for args in ([], ["--model", str(smollm2_path)]):
+        proc = subprocess.run([sys.executable, "-c", WINDOW, *args], capture_output=True,
+                              text=True, env=env, cwd=REPO_ROOT, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.strip().splitlines()[-1] == "imported: []", (args, proc.stdout)
+
+
+def test_torch_gpu_build_read_without_importing_torch() -> None:
+    torch = pytest.importorskip("torch")
+    from minivllm.tui.cli import _torch_gpu_build
+
+    built = (torch.version.cuda, torch.version.hip, getattr(torch.version, "xpu", None))
+    assert _torch_gpu_build() == any(v is not None for v in built)
