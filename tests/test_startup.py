@@ -483,7 +483,71 @@ def test_chat_window_opens_before_the_engine_imports(smollm2_path: Path) -> None
 
 def test_torch_gpu_build_read_without_importing_torch() -> None:
     torch = pytest.importorskip("torch")
-    from minivllm.tui.cli import _torch_gpu_build
+    from minivllm.cli import torch_gpu_build
 
     built = (torch.version.cuda, torch.version.hip, getattr(torch.version, "xpu", None))
-    assert _torch_gpu_build() == any(v is not None for v in built)
+    assert torch_gpu_build() == any(v is not None for v in built)
+
+
+# -- `minivllm warmup`: a first start's work done at install time ---------------------------
+
+# Run in a child: `minivllm warmup` on a (stand-in) GGUF, logging the order of the kernel's
+# build and the conversion; then, in "again" mode, `minivllm generate` with the conversion,
+# the compile and the packing made to fail.
+WARMUP = textwrap.dedent(
+    """
+    import shutil, sys
+    from pathlib import Path
+
+    mode, gguf, tiny = sys.argv[1:4]
+    from minivllm import cli, loader
+    from minivllm.kernels import cpu_lowp_linear as kernel
+    from minivllm.layers import cpu_linear
+
+    order = []
+    start_build = kernel.build_in_background
+
+    def build_in_background():
+        order.append("build")
+        return start_build()
+
+    def convert(source, dest):
+        order.append("convert")
+        for f in Path(tiny).iterdir():
+            shutil.copy2(f, dest / f.name)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a start after the warm-up did this")
+
+    if mode == "warmup":
+        kernel.build_in_background, loader._convert_gguf = build_in_background, convert
+        cli.main(["warmup", "--model", gguf, "--device", "cpu"])
+        print("order:", " ".join(order))
+    else:
+        loader._convert_gguf = kernel._compile = cpu_linear._lowp_weight = fail
+        cli.main(["generate", "--model", gguf, "--device", "cpu", "--prompt", "Paris",
+                  "--max-tokens", "3", "--max-model-length", "256"])
+    """
+)
+
+
+def test_warmup_leaves_nothing_for_the_first_start(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """`minivllm warmup` starts the kernel's build before converting (the two overlap),
+    and the start after it converts, compiles and packs nothing."""
+    pytest.importorskip("torch")
+    from minivllm.kernels import cpu_lowp_linear as kernel
+
+    if kernel.unavailable_reason() is not None:
+        pytest.skip(f"the CPU kernel does not build here: {kernel.unavailable_reason()}")
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF stand-in")
+    env = {**os.environ, "MINIVLLM_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    out = {}
+    for mode in ("warmup", "again"):
+        proc = subprocess.run([sys.executable, "-c", WARMUP, mode, str(gguf), str(tiny_checkpoint)],
+                              capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[mode] = proc.stdout
+    assert "minivllm warmup: " in out["warmup"] and " ready (cpu, float32, " in out["warmup"]
+    assert out["warmup"].strip().splitlines()[-1] == "order: build convert", out["warmup"]
+    assert out["again"].strip(), "the start after the warm-up generated nothing"

@@ -10,7 +10,6 @@ import argparse
 import inspect
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -138,28 +137,13 @@ def _runs_on_cpu(device: str) -> bool:
         return True
     if device == "cuda":
         return False
-    if not _torch_gpu_build():  # known without importing torch (seconds before the window)
+    from minivllm.cli import torch_gpu_build
+
+    if not torch_gpu_build():  # known without importing torch (seconds before the window)
         return True
     import torch
 
     return not torch.cuda.is_available()
-
-
-def _torch_gpu_build() -> bool:
-    """Whether the installed torch is built for a GPU (CUDA, ROCm or XPU), read from its
-    version.py, which records None for each backend it was not built with."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    version = Path(next(iter(spec.submodule_search_locations))) / "version.py"
-    try:
-        text = version.read_text()
-    except OSError:
-        return True  # unknown: ask torch itself
-    backends = re.findall(r"^(cuda|hip|xpu)\b[^=\n]*=\s*(.+)$", text, re.MULTILINE)
-    return not backends or any(value.strip() != "None" for _, value in backends)
 
 
 def use_engine_process(args: argparse.Namespace) -> bool:
