@@ -232,7 +232,8 @@ class FastTokenizer:
         skips it (it removes real spaces there)."""
         if isinstance(token_ids, int):
             token_ids = [token_ids]
-        text = self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        ids = [int(i) for i in token_ids]  # numpy or tensor elements too
+        text = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
         if clean_up_tokenization_spaces is None:
             clean_up_tokenization_spaces = self.clean_up_tokenization_spaces
         if clean_up_tokenization_spaces and (
