@@ -32,8 +32,8 @@ SPECIAL_TOKEN_NAMES = (
 _UNSUPPORTED_KEYS = ("split_special_tokens", "fix_mistral_regex", "auto_map")
 # Model types whose tokenizer transformers patches on load (a pre-tokenizer regex).
 _PATCHED_MODEL_TYPES = ("mistral", "ministral", "voxtral", "pixtral")
-# apply_chat_template arguments handled here; any other argument of transformers' own
-# goes to transformers (template variables are passed through to the template).
+# transformers' apply_chat_template arguments not handled here: a call with one goes to
+# transformers (any other keyword argument is a template variable, passed through).
 _DELEGATED_ARGS = frozenset({
     "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors",
     "return_assistant_tokens_mask", "tokenizer_kwargs",
