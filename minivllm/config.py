@@ -39,7 +39,8 @@ CPU_DECODE_DTYPES = ("auto", "int8", "float32")
 # stores them as float8 e4m3 with a per-layer scale, half the bytes of bf16.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 # `cpu_weight_dtype` of `minivllm generate`, `minivllm-chat` and `bench latency --device cpu`
-# (EngineConfig's default stays "auto": fp32 weights keep the exact parity with transformers).
+# (EngineConfig's "auto" takes the same plan where `dtype` is "auto" too; dtype "float32"
+# keeps fp32 weights, the exact parity with transformers).
 # "compact" keeps a model converted from a Q4_1 GGUF (the embedded SmolLM2) in its own
 # Q4_1 / Q8_0 weights, exactly, with fewer bytes a token to stream than bf16 (a CPU decode
 # step is bound by them), and takes bf16 weights elsewhere (faster than fp32 at nearly its
@@ -256,8 +257,11 @@ class EngineConfig:
     max_model_length: int | None = None
     device: str = "auto"
     dtype: str = "auto"
-    # The CPU's linear weights: "auto" = in `dtype`; "bfloat16" / "int8" (per output channel)
-    # = weight-only formats with fp32 activations (needs dtype float32); ignored on CUDA.
+    # The CPU's linear weights: "auto" = the machine's plan where `dtype` is "auto" too (a
+    # GGUF's own Q4_1 / Q8_0, or bf16 weights where the CPU multiplies bf16:
+    # cpu_features.default_cpu_weights), else in `dtype`; "bfloat16" / "int8" (per output
+    # channel) = weight-only formats with fp32 activations (needs dtype float32); ignored
+    # on CUDA.
     cpu_weight_dtype: str = "auto"
     # The dtype of a prefill's products under a weight-only format: "auto" = bf16 where
     # `dtype` is "auto" and the CPU multiplies bf16 (AMX, AVX-512 BF16), else fp32 (the

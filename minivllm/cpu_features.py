@@ -49,3 +49,20 @@ def default_cpu_dtype(
 ) -> torch.dtype:
     """The CPU's dtype for `dtype="auto"`: bf16 weights and KV cache where bf16 is fast."""
     return torch.bfloat16 if has_fast_bf16(flags, capability) else torch.float32
+
+
+def default_cpu_weights(
+    gguf_source: bool, flags: frozenset[str] | None = None, capability: str | None = None
+) -> str:
+    """`cpu_weight_dtype` for an engine whose `dtype` and `cpu_weight_dtype` are both "auto"
+    on a CPU: the plan measured fastest for the machine and the checkpoint.
+
+    - A model converted from a GGUF: "compact", its own Q4_1 / Q8_0 weights, exactly (fp32
+      compute, int8 activations where the CPU has VNNI): the apps' plan, ~4x the batch-1
+      decode of bf16 compute on an AVX-512 BF16 CPU.
+    - Safetensors where the CPU multiplies bf16 (AVX-512 BF16, AMX): "compact", which
+      keeps such weights in bf16 for the weight-only kernel and the native decode step
+      (~2.8x bf16 compute's batch-1 decode), prefill products in bf16.
+    - Elsewhere "auto": fp32, the exact path (bf16 products are emulated there).
+    """
+    return "compact" if gguf_source or has_fast_bf16(flags, capability) else "auto"

@@ -42,8 +42,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("MINIVLLM_VERBOSE_BUILD", "0",
            "1: show the compiler's output while the CPU kernels build", ("0", "1")),
     EnvVar("MINIVLLM_TRITON", "0",
-           "1 with TRITON_INTERPRET=1: run the Triton kernels on the CPU under Triton's "
-           "interpreter (slow; kernel tests)", ("0", "1")),
+           "1: import Triton on a CPU build of torch too, and with TRITON_INTERPRET=1 run "
+           "the Triton kernels on the CPU under Triton's interpreter (slow; kernel tests)",
+           ("0", "1")),
     # The GPU decode path: each default is the faster setting where they differed.
     EnvVar("MINIVLLM_PDL", "all",
            "which kernels launch with programmatic dependent launch: all (the GEMVs and the "

@@ -70,6 +70,9 @@ def is_smollm2_name(name: str) -> bool:
 HF_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "tokenizer.model"]
 
 _INDEX_FILE = "model.safetensors.index.json"
+# Written into a folder converted from a GGUF: the source file (its weights lie on the
+# GGUF's quantization grids, which the engine's default CPU plan keeps).
+GGUF_SOURCE_FILE = "minivllm_source.json"
 
 # Markers that end an assistant turn in common chat templates. A GGUF often records
 # only the tokenizer's eos; when the template ends turns with one of these, the engine
@@ -578,7 +581,7 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
     finally:
         hf_logging.set_verbosity(verbosity)
     _fix_converted_configs(dest, tokenizer)
-    (dest / "minivllm_source.json").write_text(
+    (dest / GGUF_SOURCE_FILE).write_text(
         json.dumps(
             {
                 "gguf": str(gguf),
@@ -675,9 +678,6 @@ def iter_safetensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.
             ) from None
 
 
-# tokenizer_config.json's names for transformers' generic tokenizer over tokenizer.json.
-_GENERIC_FAST_TOKENIZERS = frozenset({"PreTrainedTokenizerFast", "TokenizersBackend"})
-
 # safetensors' dtype names -> torch's (torch's names, imported with torch when mapping).
 _SAFETENSORS_DTYPES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
@@ -750,13 +750,21 @@ def packed_weights_file(model_path: str | os.PathLike[str], tag: str) -> Path:
     return gguf_cache_dir() / "packed" / key / f"{tag}.safetensors"
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     """The checkpoint's fast tokenizer (never remote code).
 
-    A folder whose tokenizer_config.json names the generic fast tokenizer (what a GGUF
-    conversion writes) gets that class directly: AutoTokenizer would resolve the same class
-    after importing transformers' model configurations (seconds of a start).
+    Where tokenizer.json is there with transformers' generic class, `FastTokenizer` reads
+    it with the `tokenizers` library and renders the chat template with jinja2, as
+    transformers does, without importing transformers (seconds of a start). Elsewhere
+    transformers' own class: the generic one directly where tokenizer_config.json names it
+    (AutoTokenizer would resolve the same class after importing transformers' model
+    configurations), else AutoTokenizer.
     """
+    from .tokenizer import GENERIC_CLASSES, load_fast_tokenizer
+
+    fast = load_fast_tokenizer(path)
+    if fast is not None:
+        return fast
     from transformers import AutoTokenizer
 
     config_file = Path(path) / "tokenizer_config.json"
@@ -764,7 +772,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
         tokenizer_class = json.loads(config_file.read_text()).get("tokenizer_class")
     except (OSError, ValueError, AttributeError):
         tokenizer_class = None
-    if tokenizer_class in _GENERIC_FAST_TOKENIZERS and (Path(path) / "tokenizer.json").is_file():
+    if tokenizer_class in GENERIC_CLASSES and (Path(path) / "tokenizer.json").is_file():
         from transformers import PreTrainedTokenizerFast
 
         tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), trust_remote_code=False)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 # Names that look like files but are not: a project's name, a placeholder in an example.
-NOT_FILES = {"llama.cpp", "your_script.py"}
+NOT_FILES = {"llama.cpp", "your_script.py",
+             "version.py"}  # torch's, which the CLI reads without importing torch
 CITED = re.compile(r"(?<![\w/.$~-])((?:[\w-]+/)*[\w-]+\.(?:py|md|cpp|sh|tcss))\b")
 
 

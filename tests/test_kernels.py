@@ -574,6 +574,7 @@ def test_gemv_choice_is_per_row_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
     same kernel, so the GEMV-or-cuBLAS choice depends on the bucket (1, 2, 4, 8) only."""
     from minivllm.kernels import gemv
 
+    monkeypatch.setattr(gemv, "HAS_TRITON", True)  # loaded only with a GPU build of torch
     monkeypatch.setattr(gemv, "MEASURED_WINS", {(4, 64, 32): True, (8, 64, 32): False})
     gemv._gemv_wins.cache_clear()
     try:

@@ -331,21 +331,23 @@ def test_prefill_copies_are_packed_at_first_use() -> None:
     assert torch.equal(got, expected)
 
 
-def test_converted_tokenizer_loads_without_auto_classes(tiny_checkpoint: Path) -> None:
-    """A folder whose tokenizer_config names the generic fast tokenizer loads that class
-    directly, and it tokenizes and applies the chat template as AutoTokenizer's does."""
+def test_converted_tokenizer_loads_without_transformers(tiny_checkpoint: Path) -> None:
+    """A folder whose tokenizer_config names the generic fast tokenizer (what a GGUF
+    conversion writes) loads without transformers, and it tokenizes and applies the chat
+    template as AutoTokenizer's does."""
     from transformers import AutoTokenizer
 
     from minivllm.loader import load_tokenizer
+    from minivllm.tokenizer import GENERIC_CLASSES, FastTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_checkpoint)
     tok.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
     tok.save_pretrained(tiny_checkpoint)
     config = json.loads((tiny_checkpoint / "tokenizer_config.json").read_text())
-    assert config["tokenizer_class"] in loader._GENERIC_FAST_TOKENIZERS
+    assert config["tokenizer_class"] in GENERIC_CLASSES
 
     ours, auto = load_tokenizer(tiny_checkpoint), AutoTokenizer.from_pretrained(tiny_checkpoint)
-    assert type(ours) is type(auto)
+    assert isinstance(ours, FastTokenizer)
     for text in ("What is the capital of France?", "Paris.<|endoftext|> x\n\ny"):
         assert ours.encode(text) == auto.encode(text)
         assert ours.decode(ours.encode(text)) == auto.decode(auto.encode(text))
@@ -354,3 +356,199 @@ def test_converted_tokenizer_loads_without_auto_classes(tiny_checkpoint: Path) -
         messages, tokenize=False
     )
     assert (ours.eos_token_id, ours.bos_token_id) == (auto.eos_token_id, auto.bos_token_id)
+
+
+# -- the LLMEngine default plan on a CPU ---------------------------------------------------
+
+# (flags in /proc/cpuinfo, torch's kernel level) of the CPUs the plan tells apart.
+AVX2 = (frozenset({"avx2", "fma", "f16c"}), "AVX2")
+AVX512 = (frozenset({"avx2", "avx512f", "avx512bw", "avx512_vnni"}), "AVX512")
+AVX512_BF16 = (frozenset({"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}), "AVX512")
+AMX = (frozenset({"avx2", "avx512f", "amx_bf16", "amx_tile"}), "AVX512")
+BF16_FLAGS_AVX2_TORCH = (AVX512_BF16[0], "AVX2")  # ATEN_CPU_CAPABILITY=avx2 lowers torch
+
+
+@pytest.mark.parametrize(
+    ("cpu", "gguf", "weights"),
+    [
+        (AVX2, True, "compact"), (AVX2, False, "auto"),
+        (AVX512, True, "compact"), (AVX512, False, "auto"),
+        (AVX512_BF16, True, "compact"), (AVX512_BF16, False, "compact"),
+        (AMX, True, "compact"), (AMX, False, "compact"),
+        (BF16_FLAGS_AVX2_TORCH, True, "compact"), (BF16_FLAGS_AVX2_TORCH, False, "auto"),
+    ],
+)  # fmt: skip
+def test_default_cpu_weights_per_cpu(cpu: tuple, gguf: bool, weights: str) -> None:
+    """A GGUF's own weights everywhere; bf16 weights for safetensors only where the CPU
+    multiplies bf16 (and torch runs its AVX-512 kernels); else fp32."""
+    pytest.importorskip("torch")
+    from minivllm.cpu_features import default_cpu_weights
+
+    assert default_cpu_weights(gguf, *cpu) == weights
+
+
+@pytest.fixture
+def fake_cpu(monkeypatch: pytest.MonkeyPatch):
+    """Make this machine report another CPU's flags and torch kernel level."""
+    torch = pytest.importorskip("torch")
+    from minivllm import cpu_features
+
+    def fake(cpu: tuple) -> None:
+        monkeypatch.setattr(cpu_features, "cpu_flags", lambda: cpu[0])
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cpu[1])
+
+    return fake
+
+
+def _engine(path: Path, **config):
+    from minivllm import LLMEngine
+
+    return LLMEngine({"model_name_or_path": str(path), "device": "cpu", "max_model_length": 256,
+                      "max_cached_blocks": 16, "block_size": 16, **config})
+
+
+def test_engine_default_plan_on_safetensors(tiny_checkpoint: Path, fake_cpu) -> None:
+    """`LLMEngine` with nothing asked for: bf16 weights (fp32 compute, the weight-only
+    kernel) where the CPU multiplies bf16, fp32 weights where it does not; both decode."""
+    import torch
+
+    from minivllm import SamplingParams
+    from minivllm.kernels import cpu_lowp_linear as kernel
+
+    if kernel.unavailable_reason() is not None:
+        pytest.skip(f"no CPU kernel here: {kernel.unavailable_reason()}")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for cpu, weights, fmt in ((AVX512_BF16, "compact", "bfloat16"), (AVX2, "auto", None)):
+        fake_cpu(cpu)
+        llm = _engine(tiny_checkpoint)
+        try:
+            assert llm.config.cpu_weight_dtype == weights
+            assert llm.dtype == torch.float32
+            assert llm.cpu_weight_format == fmt
+            assert len(llm.generate([[1, 2, 3]], params)["token_ids"][0]) == 4
+        finally:
+            llm.exit()
+
+
+def test_engine_default_plan_on_a_gguf(smollm2_path: Path, fake_cpu) -> None:
+    """A converted GGUF (the embedded SmolLM2) keeps its own Q4_1 / Q8_0 weights by
+    default even without bf16 hardware; dtype="float32" keeps the exact fp32 weights."""
+    import torch
+
+    from minivllm.kernels import cpu_lowp_linear as kernel
+
+    if kernel.unavailable_reason() is not None:
+        pytest.skip(f"no CPU kernel here: {kernel.unavailable_reason()}")
+    fake_cpu(AVX2)
+    for config, fmt in (({}, "q4_1/q8_0"), ({"dtype": "float32"}, None)):
+        llm = _engine(smollm2_path, **config)
+        try:
+            assert llm.dtype == torch.float32
+            assert llm.cpu_weight_format == fmt, config
+        finally:
+            llm.exit()
+
+
+# -- minivllm-chat's window before the engine's imports ----------------------------------
+
+WINDOW = textwrap.dedent(
+    """
+    import sys
+    import minivllm.tui.app as app
+    from minivllm.tui import cli
+
+    class Window:
+        load_error, return_code = None, 0
+
+        def run(self):  # where the real app paints its loading screen
+            heavy = ("torch", "transformers", "triton", "minivllm.engine.llm_engine")
+            print("imported:", [m for m in heavy if m in sys.modules])
+
+    app.create_app = lambda **kwargs: Window()
+    sys.stdin.isatty = sys.stdout.isatty = lambda: True
+    sys.exit(cli.main(sys.argv[1:]))
+    """
+)
+
+
+def test_chat_window_opens_before_the_engine_imports(smollm2_path: Path) -> None:
+    """With its default options `minivllm-chat` opens its window (whose loading screen
+    then shows the engine's progress) before anything imports torch or transformers."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    for args in ([], ["--model", str(smollm2_path)]):
+        proc = subprocess.run([sys.executable, "-c", WINDOW, *args], capture_output=True,
+                              text=True, env=env, cwd=REPO_ROOT, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.strip().splitlines()[-1] == "imported: []", (args, proc.stdout)
+
+
+def test_torch_gpu_build_read_without_importing_torch() -> None:
+    torch = pytest.importorskip("torch")
+    from minivllm.cli import torch_gpu_build
+
+    built = (torch.version.cuda, torch.version.hip, getattr(torch.version, "xpu", None))
+    assert torch_gpu_build() == any(v is not None for v in built)
+
+
+# -- `minivllm warmup`: a first start's work done at install time ---------------------------
+
+# Run in a child: `minivllm warmup` on a (stand-in) GGUF, logging the order of the kernel's
+# build and the conversion; then, in "again" mode, `minivllm generate` with the conversion,
+# the compile and the packing made to fail.
+WARMUP = textwrap.dedent(
+    """
+    import shutil, sys
+    from pathlib import Path
+
+    mode, gguf, tiny = sys.argv[1:4]
+    from minivllm import cli, loader
+    from minivllm.kernels import cpu_lowp_linear as kernel
+    from minivllm.layers import cpu_linear
+
+    order = []
+    start_build = kernel.build_in_background
+
+    def build_in_background():
+        order.append("build")
+        return start_build()
+
+    def convert(source, dest):
+        order.append("convert")
+        for f in Path(tiny).iterdir():
+            shutil.copy2(f, dest / f.name)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a start after the warm-up did this")
+
+    if mode == "warmup":
+        kernel.build_in_background, loader._convert_gguf = build_in_background, convert
+        cli.main(["warmup", "--model", gguf, "--device", "cpu"])
+        print("order:", " ".join(order))
+    else:
+        loader._convert_gguf = kernel._compile = cpu_linear._lowp_weight = fail
+        cli.main(["generate", "--model", gguf, "--device", "cpu", "--prompt", "Paris",
+                  "--max-tokens", "3", "--max-model-length", "256"])
+    """
+)
+
+
+def test_warmup_leaves_nothing_for_the_first_start(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """`minivllm warmup` starts the kernel's build before converting (the two overlap),
+    and the start after it converts, compiles and packs nothing."""
+    pytest.importorskip("torch")
+    from minivllm.kernels import cpu_lowp_linear as kernel
+
+    if kernel.unavailable_reason() is not None:
+        pytest.skip(f"the CPU kernel does not build here: {kernel.unavailable_reason()}")
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF stand-in")
+    env = {**os.environ, "MINIVLLM_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    out = {}
+    for mode in ("warmup", "again"):
+        proc = subprocess.run([sys.executable, "-c", WARMUP, mode, str(gguf), str(tiny_checkpoint)],
+                              capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[mode] = proc.stdout
+    assert "minivllm warmup: " in out["warmup"] and " ready (cpu, float32, " in out["warmup"]
+    assert out["warmup"].strip().splitlines()[-1] == "order: build convert", out["warmup"]
+    assert out["again"].strip(), "the start after the warm-up generated nothing"

@@ -16,6 +16,10 @@ def runs_on_cpu(device: str) -> bool:
         return True
     if device == "cuda":
         return False
+    from minivllm.cli import torch_gpu_build
+
+    if not torch_gpu_build():  # known without importing torch (seconds before the window)
+        return True
     import torch
 
     return not torch.cuda.is_available()

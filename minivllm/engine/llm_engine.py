@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import gc
 import os
@@ -14,6 +15,7 @@ from collections.abc import Sequence as SeqLike
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -21,6 +23,7 @@ import torch
 from ..config import EngineConfig
 from ..layers.cpu_linear import weight_format
 from ..layers.sampler import StepSamples
+from ..loader import GGUF_SOURCE_FILE
 from ..outputs import Delta, EngineStats
 from ..sampling_params import SamplingParams, as_token_id
 from .batch import ForwardBatch, build_forward_batch
@@ -105,6 +108,7 @@ class LLMEngine:
         elif not isinstance(config, EngineConfig):
             raise TypeError(f"config: expected a dict or EngineConfig, got {type(config).__name__}")
         self.device = _resolve_device(config.device)
+        config = default_plan(config, self.device)
         self.dtype = _resolve_dtype(config.dtype, self.device, config.cpu_weight_dtype)
         # "bfloat16" / "int8" where the CPU's linears take a weight-only format, else None.
         self.cpu_weight_format = weight_format(config.cpu_weight_dtype, self.device, self.dtype)
@@ -729,6 +733,20 @@ def _resolve_device(device: str) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda': no CUDA GPU is available here")
     return torch.device(device)
+
+
+def default_plan(config: EngineConfig, device: torch.device) -> EngineConfig:
+    """`config` with the CPU's weights chosen for the machine where nothing was asked for
+    (`dtype` and `cpu_weight_dtype` "auto", real weights, one rank): see
+    `cpu_features.default_cpu_weights`. `dtype="float32"` keeps fp32 weights (exact)."""
+    if (device.type != "cpu" or config.dtype != "auto" or config.cpu_weight_dtype != "auto"
+            or config.model_path is None or config.load_format == "dummy"
+            or config.world_size > 1):
+        return config
+    from ..cpu_features import default_cpu_weights
+
+    gguf = (Path(config.model_path) / GGUF_SOURCE_FILE).is_file()
+    return dataclasses.replace(config, cpu_weight_dtype=default_cpu_weights(gguf))
 
 
 def _resolve_dtype(

@@ -29,6 +29,7 @@ import hashlib
 import os
 import shutil
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -129,10 +130,29 @@ def _compile(folder: Path) -> None:
     (folder / BUILT_MARKER).write_text(f"{torch.__version__}\n")
 
 
-@functools.cache
+_BUILD_LOCK = threading.Lock()
+
+
 def _build() -> str | None:
     """Load the library once per process, compiling it first where it is not in the
-    cache; None on success, else why not."""
+    cache; None on success, else why not. A build already running on another thread
+    (`build_in_background`) is waited for."""
+    with _BUILD_LOCK:
+        return _load_or_compile()
+
+
+def build_in_background() -> threading.Thread:
+    """Start `_build` on a thread: a first start compiles (g++, in its own processes) while
+    it does its other work, such as converting the GGUF; the first use of the kernel
+    waits for the build. The caller must use the kernel (or join the thread) before it
+    exits: a build cut short leaves torch's lock file in the build folder."""
+    thread = threading.Thread(target=_build, name="cpu-kernel-build", daemon=True)
+    thread.start()
+    return thread
+
+
+@functools.cache
+def _load_or_compile() -> str | None:
     try:
         if is_built():
             torch.ops.load_library(str(build_directory() / f"{extension_name()}.so"))

@@ -1,7 +1,10 @@
 """Which kernels to run: Triton on CUDA, the pure-torch references elsewhere.
 
-Triton is optional. Kernel modules import `triton` and `tl` from here: without Triton
-they get a stand-in whose `jit` still decorates (so the modules import and their
+Triton is optional, and imported only where it can run: a GPU build of torch, or Triton's
+interpreter asked for (TRITON_INTERPRET=1, or MINIVLLM_TRITON=1 to have it imported
+anyway). A CPU build of torch never launches a Triton kernel, so its start does not pay
+Triton's import (~0.2-0.3 s). Kernel modules import `triton` and `tl` from here: without
+Triton they get a stand-in whose `jit` still decorates (so the modules import and their
 references stay usable) and whose kernels raise a clear error if launched.
 
 NOTE: Triton reads TRITON_INTERPRET when a kernel is decorated, i.e. when its module is
@@ -11,6 +14,7 @@ first imported; set it before importing `minivllm.kernels.*` to run kernels on t
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 from typing import Any
 
@@ -18,13 +22,22 @@ import torch
 
 from ..envs import read
 
-try:
+_INSTALLED = importlib.util.find_spec("triton") is not None
+# Whether Triton is loaded here, the kernels' condition (`use_triton`).
+HAS_TRITON = _INSTALLED and bool(
+    torch.version.cuda
+    or torch.version.hip
+    or os.environ.get("TRITON_INTERPRET") == "1"
+    or read("MINIVLLM_TRITON") == "1"
+)
+
+if HAS_TRITON:
     import triton
     import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
+else:
+    _WHY = ("needs Triton: pip install triton" if not _INSTALLED else
+            "is not loaded: this torch build has no GPU (set TRITON_INTERPRET=1 and "
+            "MINIVLLM_TRITON=1 before importing minivllm to interpret it on the CPU)")
 
     class _UnavailableKernel:
         """A kernel defined without Triton: launching it says why it cannot run."""
@@ -36,10 +49,10 @@ except ImportError:
             return self
 
         def __call__(self, *args: Any, **kwargs: Any) -> None:
-            raise RuntimeError(f"Triton kernel {self.name} needs Triton: pip install triton")
+            raise RuntimeError(f"Triton kernel {self.name} {_WHY}")
 
     class _NoTriton:
-        """Stands in for `triton` and `triton.language` when Triton is not installed."""
+        """Stands in for `triton` and `triton.language` where Triton is not loaded."""
 
         def jit(self, fn: Any = None, **kwargs: Any) -> Any:
             if fn is None:
@@ -47,7 +60,7 @@ except ImportError:
             return _UnavailableKernel(fn.__name__)
 
         def __getattr__(self, name: str) -> Any:
-            raise RuntimeError(f"triton.{name} needs Triton: pip install triton")
+            raise RuntimeError(f"triton.{name} {_WHY}")
 
     triton = tl = _NoTriton()  # type: ignore[assignment]
 

@@ -305,7 +305,7 @@ def _gemv_wins(m: int, n: int, k: int, dtype: torch.dtype, wide: bool = False) -
     (no decode target there; keeps fp32 parity with transformers)."""
     if not HAS_TRITON or dtype not in (torch.bfloat16, torch.float16) or not 1 <= m <= MAX_ROWS:
         return False
-    bucket = triton.next_power_of_2(m)
+    bucket = 1 << (m - 1).bit_length()  # the next power of two
     if bucket > 1 and wide and n <= 16384:
         # MINIVLLM_GEMV_WIDE=1: several rows take the GEMV for every projection, so the
         # layer keeps its norm and SiLU fused (five launches, not eight).
