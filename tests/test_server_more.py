@@ -360,7 +360,7 @@ def test_a_client_gone_mid_stream_aborts_every_choice(smol):
                 seen.update(c["index"] for c in chunk["choices"])
             if len(seen) == 3:
                 break
-        wait_for(lambda: metric(smol, "vllm:num_requests_running") == 3, 30,
+        wait_for(lambda: metric(smol, "vllm:num_requests_running") == 3, 120,
                  "the three choices running")
     wait_for(lambda: metric(smol, "vllm:num_requests_running") == 0
              and metric(smol, "minivllm:num_kv_cache_blocks_used") == 0, 60,
