@@ -341,6 +341,11 @@ class FastTokenizer:
 
     # -- everything else: transformers ---------------------------------------------------------
 
+    def as_transformers(self) -> Any:
+        """transformers' tokenizer for the same folder (for libraries that read one, such
+        as the grammar compiler), loaded once at first need."""
+        return self._transformers()
+
     def _transformers(self) -> Any:
         """transformers' tokenizer for the same folder, loaded once at first need."""
         if self._fallback is None:

@@ -105,8 +105,13 @@ class GrammarCompiler:
         import xgrammar as xgr
 
         if self._compiler is None:
+            # xgrammar reads a transformers tokenizer: the engine's own (minivllm.tokenizer)
+            # hands over the one it stands in for, loaded here, off the engine's step.
+            tokenizer = self.tokenizer
+            if hasattr(type(tokenizer), "as_transformers"):
+                tokenizer = tokenizer.as_transformers()
             info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
             )
             # NOTE: xgrammar's own cache off: ours holds the futures, failures included.
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
