@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -269,6 +271,22 @@ def stop_process(proc: subprocess.Popen, timeout: float = 30) -> int | None:
         proc.kill()
         proc.wait(5)
         return None
+
+
+@contextlib.contextmanager
+def serving(tmp: Path, argv: list[str], *, timeout: float = 240.0, stop_timeout: float = 60,
+            clean_exit: bool = False) -> Iterator[str]:
+    """`minivllm serve <argv>` (its log in `tmp`) for the `with` block: its base URL. Then
+    stopped (`stop_process`); `clean_exit`: its exit status must be 0."""
+    from minivllm.server.launch import launch_server
+
+    proc, url = launch_server(argv, tmp / "server.log", cwd=tmp, timeout=timeout)
+    try:
+        yield url
+    finally:
+        status = stop_process(proc, stop_timeout)
+    if clean_exit:
+        assert status == 0, f"the server exited with status {status}"
 
 
 def dummy_engine(**kw):

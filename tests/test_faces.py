@@ -17,15 +17,13 @@ import time
 
 import httpx
 import pytest
-from conftest import stop_process
+from conftest import serving
 from minivllm.tui.app import create_app
 from minivllm.tui.conversation import Settings
 from minivllm.tui.engine_spec import EngineSpec, engine_process_client
 from minivllm.tui.fake_engine import GpuLikeEngine, gpu_like_reply
 from minivllm.tui.remote import RemoteClient
 from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_until
-
-from minivllm.server.launch import launch_server
 
 SIZE = (160, 48)
 QUESTIONS = ["What is the capital of France?", "Name three colours."]
@@ -39,11 +37,9 @@ SERVER_FLAGS = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "102
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_path):
-    tmp = tmp_path_factory.mktemp("faces")
-    proc, url = launch_server([str(smollm2_path), *SERVER_FLAGS, "--served-model-name",
-                               "smol"], tmp / "server.log", cwd=tmp)
-    yield url
-    stop_process(proc, 60)
+    with serving(tmp_path_factory.mktemp("faces"),
+                 [str(smollm2_path), *SERVER_FLAGS, "--served-model-name", "smol"]) as url:
+        yield url
 
 
 async def app_replies(app) -> list[tuple[str, tuple[int, int] | None]]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import wait_for
+from conftest import serving, wait_for
 from minivllm.tui.remote import RemoteClient, parse_metrics
 
 from minivllm.engine.llm_engine import encode_text
@@ -330,14 +330,9 @@ REAL = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "2048", "--b
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory, smollm2_path):
-    tmp = tmp_path_factory.mktemp("real")
-    proc, url = launch_server([str(smollm2_path), *REAL], tmp / "server.log", cwd=tmp,
-                              timeout=600)
-    try:
+    with serving(tmp_path_factory.mktemp("real"), [str(smollm2_path), *REAL], timeout=600,
+                 stop_timeout=30) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
 
 
 def test_logprobs_over_http_equal_the_engines(real, smollm2, tokenizer):

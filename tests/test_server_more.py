@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import socket
 import subprocess
 import sys
@@ -20,14 +19,13 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from conftest import wait_for
+from conftest import serving, wait_for
 from minivllm.tui.fake_engine import FakeEngine, FakeTokenizer
 from minivllm.tui.remote import RemoteClient
 
 from minivllm import SamplingParams
 from minivllm.frontend import EngineFrontend, GenerateRequest
 from minivllm.server.api import build_app
-from minivllm.server.launch import launch_server
 
 THOUGHT = "The user greets me. I should greet back, briefly."
 ANSWER = "Hello! How can I help?"
@@ -247,14 +245,9 @@ PROMPT = "Here is a list of animals: " + ", ".join(
 
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory, smollm2_path):
-    tmp = tmp_path_factory.mktemp("server_more")
-    proc, url = launch_server([str(smollm2_path), *FLAGS], tmp / "server.log", cwd=tmp,
-                              timeout=600)
-    try:
+    with serving(tmp_path_factory.mktemp("server_more"), [str(smollm2_path), *FLAGS],
+                 timeout=600) as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
 
 
 def metric(url: str, name: str) -> float:

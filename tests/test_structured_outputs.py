@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,13 +13,13 @@ import httpx
 import jsonschema
 import pytest
 import torch
+from conftest import serving
 
 from minivllm import SamplingParams, StructuredOutputsParams
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.sampler import apply_token_bitmask
-from minivllm.server.launch import launch_server
 
 SCHEMA = {
     "type": "object",
@@ -157,12 +156,10 @@ SERVER_FLAGS = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "102
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_path):
-    tmp = tmp_path_factory.mktemp("structured")
-    proc, url = launch_server([str(smollm2_path), *SERVER_FLAGS, "--served-model-name", "smol"],
-                              tmp / "server.log", cwd=tmp)
-    yield url
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) == 0
+    with serving(tmp_path_factory.mktemp("structured"),
+                 [str(smollm2_path), *SERVER_FLAGS, "--served-model-name", "smol"],
+                 clean_exit=True) as url:
+        yield url
 
 
 @pytest.fixture()

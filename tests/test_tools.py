@@ -6,13 +6,12 @@ result. The parser and the stream on their own first; then a real server on Smol
 from __future__ import annotations
 
 import json
-import signal
 
 import httpx
 import jsonschema
 import pytest
+from conftest import serving
 
-from minivllm.server.launch import launch_server
 from minivllm.server.protocol import BadField
 from minivllm.server.tools import TOOL_PARSERS, HermesToolParser, ToolStream, plan_tools
 
@@ -154,12 +153,10 @@ SERVER_FLAGS = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "102
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, smollm2_path):
-    tmp = tmp_path_factory.mktemp("tools")
-    proc, url = launch_server([str(smollm2_path), *SERVER_FLAGS, "--served-model-name", "smol"],
-                              tmp / "server.log", cwd=tmp)
-    yield url
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) == 0
+    with serving(tmp_path_factory.mktemp("tools"),
+                 [str(smollm2_path), *SERVER_FLAGS, "--served-model-name", "smol"],
+                 clean_exit=True) as url:
+        yield url
 
 
 @pytest.fixture()
