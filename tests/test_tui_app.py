@@ -216,6 +216,25 @@ async def test_ctrl_n_ctrl_w_alt_digits_and_ctrl_arrows(tmp_path):
         assert len(app.panes) == 1
 
 
+async def test_the_heap_settles_when_nothing_streams(tmp_path):
+    """The collector's full passes run when nothing streams: at start and at the end of a
+    turn the survivors are frozen (later passes, mid-stream, skip them)."""
+    import gc
+
+    gc.unfreeze()
+    app = make_app(tmp_path, conversations=2)
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_ready(pilot)
+            await wait_until(pilot, lambda: gc.get_freeze_count() > 0)  # start-up objects
+            frozen = gc.get_freeze_count()
+            await type_and_send(pilot, 0, "hello")
+            await wait_idle(pilot)
+            await wait_until(pilot, lambda: gc.get_freeze_count() > frozen)  # the turn's
+    finally:
+        gc.unfreeze()
+
+
 async def test_keymap_overrides_a_binding_by_id(tmp_path):
     app = make_app(tmp_path, keymap={"chat.new_pane": "f6", "input.send": "ctrl+s"})
     async with app.run_test(size=SIZE) as pilot:
@@ -531,6 +550,65 @@ def test_streamed_text_wraps_as_the_whole_text_does_and_keeps_every_character():
             assert "".join(line for _, line in lines).replace(" ", "") == \
                 paragraph.replace(" ", "")
             assert all(paragraph[at:].startswith(line) for at, line in lines)
+
+
+MARKDOWN_REPLY = (
+    "# Plan\n\nFirst a paragraph\nwith a kept line break.\n\n- one\n- two\n\n- three, "
+    "same list\n\n  its second paragraph\n\n```python\nx = 1\n\n\ny = 2\n```\n\n"
+    "1. first\n\n2. second\n\n    indented code\n\n> a quote\n\n| a | b |\n|---|---|\n"
+    "| 1 | 2 |\n\nThe **end**."
+)
+
+
+def test_markdown_blocks_cut_only_where_the_rest_cannot_change_them():
+    from minivllm.tui.markdown import split_blocks
+
+    blocks, rest = split_blocks(MARKDOWN_REPLY)
+    assert rest == len(MARKDOWN_REPLY)
+    assert blocks[:3] == ["# Plan", "First a paragraph\nwith a kept line break.",
+                          "- one\n- two"]
+    # An item's next paragraph, a fenced code block with blank lines in it, indented code
+    # after a list item: each stays in one block with what it belongs to.
+    assert "- three, same list\n\n  its second paragraph" in blocks
+    assert "```python\nx = 1\n\n\ny = 2\n```" in blocks
+    assert "2. second\n\n    indented code" in blocks
+    assert blocks[-1] == "The **end**."
+    assert "\n\n".join(blocks) == MARKDOWN_REPLY
+    # While the text grows, a cut waits for the whole line after it: "  " may become an
+    # indented line that continues the block.
+    assert split_blocks("para\n\n  ", final=False) == ([], 0)
+    assert split_blocks("para\n\nnext", final=False) == ([], 0)
+    assert split_blocks("para\n\nnext\n", final=False) == (["para"], 6)
+    assert split_blocks("```\na\n\nb\n", final=False) == ([], 0)  # an open fence
+
+
+def test_a_streamed_reply_ends_drawn_as_the_same_reply_loaded_from_a_session():
+    """Markdown is drawn a block at a time while a reply streams: however the text came
+    in, the finished reply's lines are those of the same text shown from a saved session,
+    and while streaming every complete block is already Markdown."""
+    import io
+    import random
+
+    from minivllm.tui.widgets.transcript import Look, Reply
+    from rich.console import Console
+    from rich.style import Style
+
+    console = Console(width=80, file=io.StringIO(), color_system="truecolor")
+    look = Look(console, Style(), Style(), Style(), Style(), Style())
+    want = [s.text for s in Reply(MARKDOWN_REPLY, status="done").lines(look, 36)]
+    assert "# Plan" not in "".join(want) and "Plan" in want[0]  # a heading, drawn
+    assert any(line.strip() == "2 second" for line in want)  # its own number
+    rng = random.Random(1)
+    for _ in range(5):
+        reply, at = Reply(), 0
+        while at < len(MARKDOWN_REPLY):
+            step = rng.randint(1, 9)
+            reply.append(MARKDOWN_REPLY[at:at + step])
+            at += step
+            streaming = [s.text for s in reply.lines(look, 36)]
+        assert "# Plan" not in streaming[0]  # the heading block was drawn as it streamed
+        reply.finish("done")
+        assert [s.text for s in reply.lines(look, 36)] == want
 
 
 async def test_a_reply_the_engine_stops_is_an_error_not_a_stop(tmp_path):

@@ -33,6 +33,7 @@ from minivllm.frontend import EngineClient, EngineUnavailable, GenerateRequest, 
 from .commands import chat_commands
 from .conversation import FINISH_TO_STATUS, Conversation, Settings, Status
 from .engine_client import EngineFactory, EngineSource, engine_info, render_prompt
+from .heap import settle
 from .keys import enable_alt_digits
 from .messages import EngineInfo, EngineReady, LoadFailed, LoadProgress, StatsSnapshot
 from .stats import StatsHistory
@@ -55,12 +56,18 @@ from .widgets.transcript import warm_up
 MAX_PANES = 9
 SWITCH_INTERVAL = 0.001  # seconds; see on_mount
 FRAME_HZ = 30  # frames a second: streams are read and new text is shown at most this often
+FULL_SETTLE_AFTER = 2.0  # seconds after a pane closes (see `_close`)
 LAGS_KEPT = 10_000  # frame lags kept for the bench (`ChatApp.frame_lags`)
 # A pane with only a little new text (under SHOW_CHARS, as at a CPU's speed: a token or two a
 # frame) waits until its oldest new token is SHOW_WITHIN old: a repaint costs the same for
 # one token as for a line of them.
 SHOW_WITHIN = 0.05
 SHOW_CHARS = 40
+# While the UI thread spends more than BUSY_SHARE of its time working, a frame is skipped
+# unless some new text has waited MAX_WAIT: fewer, fuller frames (a frame costs Textual
+# about the same however many lines it repaints), and none more than MAX_WAIT behind.
+BUSY_SHARE = 0.5
+MAX_WAIT = 0.06
 HELP = (
     "Enter sends · ctrl+j newline · Esc or ctrl+c stops · alt+a or /all sends to every pane · "
     "ctrl+r regenerates · ctrl+n/ctrl+w new/close · ctrl+o reopens · alt+1..9 focus · "
@@ -130,6 +137,7 @@ class ChatApp(App):
         # produced its oldest token it was shown (seconds; the bench reports them).
         self.frames = 0
         self.frame_lags: deque[float] = deque(maxlen=LAGS_KEPT)
+        self._shown_at = (time.monotonic(), time.thread_time())  # the last frame with text
         self._quitting = False
         self.save_sessions = save_sessions
         self.store, conversations_ = self._open_session(resume, conversations)
@@ -231,6 +239,7 @@ class ChatApp(App):
         else:
             self.push_screen(self.chat)
         self.call_after_refresh(self._poll_engine)  # the panel's first figures at once
+        self.call_after_refresh(settle, True)  # the engine's and the app's start-up objects
 
     def _connect(self) -> None:
         """Thread worker: build or connect the engine's client behind the loading screen."""
@@ -364,6 +373,15 @@ class ChatApp(App):
         for i, p in enumerate(rest):
             p.renumber(i + 1)
         self._focus(rest[min(index, len(rest) - 1)])
+        # A full pass frees the closed pane's widgets, once nothing refers to them (Textual
+        # drops its last references to a removed widget at a later refresh).
+        self.set_timer(FULL_SETTLE_AFTER, self._settle_everything)
+
+    def _settle_everything(self) -> None:
+        if any(p.busy for p in self.panes):
+            self.set_timer(FULL_SETTLE_AFTER, self._settle_everything)  # not mid-stream
+        else:
+            settle(everything=True)
 
     async def action_reopen_pane(self) -> None:
         if self.chat is None:
@@ -750,6 +768,8 @@ class ChatApp(App):
             self._no_tokens_yet.remove(request_id)
         message = await pane.finish(status, error)
         self.store.end(pane.conversation.key, status, message.content, error)
+        if not any(p.busy for p in self.panes):
+            settle()  # nothing streams: what this turn made is collected or frozen now
         if status == "error":
             self.notify(f"pane #{pane.number}: {error}", severity="error", markup=False)
         if pane.regenerate_after_stop:
@@ -800,7 +820,8 @@ class ChatApp(App):
                     timeout=30)
 
     async def _frame(self) -> None:
-        """Show every pane's new text (one repaint each), at most FRAME_HZ times a second."""
+        """Show every pane's new text (one repaint each), at most FRAME_HZ times a second;
+        fewer while the UI thread is busy (see BUSY_SHARE)."""
         self.frames += 1
         progress = getattr(self.client, "prompt_progress", None)  # a remote has none
         now = time.monotonic()
@@ -808,6 +829,12 @@ class ChatApp(App):
             if progress is not None and pane.state in ("queued", "prefill") \
                     and pane.request_id is not None:
                 pane.set_prefill_progress(progress(str(pane.request_id)))
+            pane.refresh_title()  # twice a second at most
+        waiting = [p.pending_since for p in self.panes if p.pending_since is not None]
+        if not waiting or (now - min(waiting) < MAX_WAIT and self._busy_share(now) > BUSY_SHARE):
+            return
+        self._shown_at = (now, time.thread_time())
+        for pane in self.panes:
             oldest = pane.pending_since
             if (oldest is not None and now - oldest < SHOW_WITHIN
                     and pane.pending_chars < SHOW_CHARS):
@@ -817,6 +844,12 @@ class ChatApp(App):
                 if oldest is not None:
                     self.frame_lags.append(now - oldest)
                 self.store.chunk(pane.conversation.key, text)
+
+    def _busy_share(self, now: float) -> float:
+        """The share of the time since the last frame with text that the UI thread worked
+        (that frame's drawing, reading the streams, Markdown)."""
+        at, cpu = self._shown_at
+        return (time.thread_time() - cpu) / max(now - at, 1e-3)
 
     # -- quitting --------------------------------------------------------------------------
 

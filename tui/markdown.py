@@ -8,6 +8,7 @@ rendered. Chat front ends keep them as hard breaks; so does this app, on screen
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -45,3 +46,52 @@ def hard_line_breaks(text: str) -> str:
         else:
             out.append(line + "  ")
     return "\n".join(out)
+
+
+# A fence opens or closes a code block: three or more backticks or tildes.
+_FENCE = re.compile(r" {0,3}(`{3,}|~{3,})")
+# A line after a blank line that may continue the block before it: indented (a list
+# item's next paragraph, a nested list, indented code) or HTML. A list item is not: the
+# items of a list written with blank lines between them (a "loose" list) are blocks of
+# their own, drawn a blank line apart, each with its own number.
+_CONTINUES = re.compile(r"\s|<")
+
+
+def split_blocks(text: str, final: bool = True) -> tuple[list[str], int]:
+    """Cut Markdown `text` at blank lines into blocks that render the same apart as
+    together: returns the complete blocks and where the rest starts.
+
+    A reply streams: each block is rendered once, when the next one starts, instead of
+    the whole reply when it ends. A cut is never inside a code fence nor before a line
+    that may continue the block (`_CONTINUES`); while `text` still grows (`final` False)
+    a cut also waits until the line after it is complete, so a cut made while streaming
+    is one the whole text makes too. `final`: the rest is the last block.
+    """
+    blocks: list[str] = []
+    start = pos = 0
+    fence = ""  # the open fence's marker ("" outside a code block)
+    blank_before = False
+    while pos < len(text):
+        end = text.find("\n", pos)
+        complete = end >= 0
+        end = end if complete else len(text)
+        line = text[pos:end]
+        if fence:
+            if line.strip().startswith(fence) and not line.strip().strip(fence[0]):
+                fence = ""
+        elif not line.strip():
+            blank_before = True
+        else:
+            if (blank_before and not _CONTINUES.match(line) and (complete or final)
+                    and text[start:pos].strip()):
+                blocks.append(text[start:pos].strip("\n"))
+                start = pos
+            blank_before = False
+            opened = _FENCE.match(line)
+            if opened:
+                fence = opened.group(1)
+        pos = end + 1
+    if final and text[start:].strip():
+        blocks.append(text[start:].strip("\n"))
+        start = len(text)
+    return blocks, start

@@ -61,6 +61,7 @@ class ChatScreen(Screen):
         yield EngineHeader(self.info)
         with self.panes_box:
             yield from self.initial_panes
+        self.initial_panes = []  # the box holds them now: a pane closed later can be freed
         yield self.stats_panel
         yield Footer(compact=True)
 
