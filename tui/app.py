@@ -5,8 +5,8 @@ CLI: the engine is built or connected behind a loading screen).
 
 Each request is read from the client's stream (`EngineClient.generate`) by a task on the
 app's event loop, as the server reads its requests: no thread or queue of the app's own.
-A stream is read at most once a frame, so everything the engine produced for a request
-since the last read arrives as one piece; a frame timer then shows every pane's new text.
+A stream is read once a frame, at its start, so everything the engine produced for a
+request since the last read arrives as one piece and is shown by that same frame.
 """
 
 from __future__ import annotations
@@ -63,11 +63,7 @@ LAGS_KEPT = 10_000  # frame lags kept for the bench (`ChatApp.frame_lags`)
 # one token as for a line of them.
 SHOW_WITHIN = 0.05
 SHOW_CHARS = 40
-# While the UI thread spends more than BUSY_SHARE of its time working, a frame is skipped
-# unless some new text has waited MAX_WAIT: fewer, fuller frames (a frame costs Textual
-# about the same however many lines it repaints), and none more than MAX_WAIT behind.
-BUSY_SHARE = 0.5
-MAX_WAIT = 0.06
+SETTLE_AFTER = 0.5  # seconds of nothing streaming before the heap is settled (`settle`)
 HELP = (
     "Enter sends · ctrl+j newline · Esc or ctrl+c stops · alt+a or /all sends to every pane · "
     "ctrl+r regenerates · ctrl+n/ctrl+w new/close · ctrl+o reopens · alt+1..9 focus · "
@@ -137,7 +133,7 @@ class ChatApp(App):
         # produced its oldest token it was shown (seconds; the bench reports them).
         self.frames = 0
         self.frame_lags: deque[float] = deque(maxlen=LAGS_KEPT)
-        self._shown_at = (time.monotonic(), time.thread_time())  # the last frame with text
+        self._tick = asyncio.Event()  # set as a frame starts: the streams read then
         self._quitting = False
         self.save_sessions = save_sessions
         self.store, conversations_ = self._open_session(resume, conversations)
@@ -376,6 +372,12 @@ class ChatApp(App):
         # A full pass frees the closed pane's widgets, once nothing refers to them (Textual
         # drops its last references to a removed widget at a later refresh).
         self.set_timer(FULL_SETTLE_AFTER, self._settle_everything)
+
+    def _settle(self) -> None:
+        """Nothing has streamed for a while: what the last turns made is collected or
+        frozen now, not in a frame."""
+        if not any(p.busy for p in self.panes):
+            settle()
 
     def _settle_everything(self) -> None:
         if any(p.busy for p in self.panes):
@@ -714,10 +716,10 @@ class ChatApp(App):
                       stream: AsyncIterator[RequestOutput]) -> None:
         """Read one request's stream into its pane until it ends.
 
-        After the first tokens the stream is read once a frame: what the engine produced
-        meanwhile comes as one merged output (one wake-up of this loop per frame, whatever
-        the engine's step rate). The first tokens are taken at once, so a pane's TTFT is
-        the engine's."""
+        After the first tokens the stream is read once a frame, as the frame starts: what
+        the engine produced meanwhile comes as one merged output (one wake-up of this loop
+        per frame, whatever the engine's step rate) and that frame shows it. The first
+        tokens are taken at once, so a pane's TTFT is the engine's."""
         streaming = False
         try:
             async for out in stream:
@@ -729,7 +731,7 @@ class ChatApp(App):
                     return
                 streaming = streaming or bool(out.token_ids or out.text)
                 if streaming:
-                    await asyncio.sleep(_until_next_frame())
+                    await self._tick.wait()
         except Exception as exc:  # noqa: BLE001 - a broken client fails this request only
             if self._requests.get(request_id) is pane:
                 await self._finish(pane, request_id, "error", f"{type(exc).__name__}: {exc}")
@@ -769,7 +771,7 @@ class ChatApp(App):
         message = await pane.finish(status, error)
         self.store.end(pane.conversation.key, status, message.content, error)
         if not any(p.busy for p in self.panes):
-            settle()  # nothing streams: what this turn made is collected or frozen now
+            self.set_timer(SETTLE_AFTER, self._settle)
         if status == "error":
             self.notify(f"pane #{pane.number}: {error}", severity="error", markup=False)
         if pane.regenerate_after_stop:
@@ -820,20 +822,17 @@ class ChatApp(App):
                     timeout=30)
 
     async def _frame(self) -> None:
-        """Show every pane's new text (one repaint each), at most FRAME_HZ times a second;
-        fewer while the UI thread is busy (see BUSY_SHARE)."""
+        """Show every pane's new text (one repaint each), at most FRAME_HZ times a second."""
         self.frames += 1
+        tick, self._tick = self._tick, asyncio.Event()
+        tick.set()
+        await asyncio.sleep(0)  # the streams it woke read what the engine sent since
         progress = getattr(self.client, "prompt_progress", None)  # a remote has none
         now = time.monotonic()
         for pane in self.panes:
             if progress is not None and pane.state in ("queued", "prefill") \
                     and pane.request_id is not None:
                 pane.set_prefill_progress(progress(str(pane.request_id)))
-            pane.refresh_title()  # twice a second at most
-        waiting = [p.pending_since for p in self.panes if p.pending_since is not None]
-        if not waiting or (now - min(waiting) < MAX_WAIT and self._busy_share(now) > BUSY_SHARE):
-            return
-        self._shown_at = (now, time.thread_time())
         for pane in self.panes:
             oldest = pane.pending_since
             if (oldest is not None and now - oldest < SHOW_WITHIN
@@ -844,12 +843,6 @@ class ChatApp(App):
                 if oldest is not None:
                     self.frame_lags.append(now - oldest)
                 self.store.chunk(pane.conversation.key, text)
-
-    def _busy_share(self, now: float) -> float:
-        """The share of the time since the last frame with text that the UI thread worked
-        (that frame's drawing, reading the streams, Markdown)."""
-        at, cpu = self._shown_at
-        return (time.thread_time() - cpu) / max(now - at, 1e-3)
 
     # -- quitting --------------------------------------------------------------------------
 
@@ -873,12 +866,6 @@ class ChatApp(App):
 
 def _status(out: RequestOutput) -> Status:
     return FINISH_TO_STATUS.get(out.finish_reason, "done")
-
-
-def _until_next_frame() -> float:
-    """Seconds to the next frame boundary (every stream reads on the same beat)."""
-    period = 1 / FRAME_HZ
-    return period - time.monotonic() % period
 
 
 def create_app(engine: Any = None, **options: Any) -> ChatApp:
