@@ -580,6 +580,10 @@ def test_markdown_blocks_cut_only_where_the_rest_cannot_change_them():
     assert split_blocks("para\n\nnext", final=False) == ([], 0)
     assert split_blocks("para\n\nnext\n", final=False) == (["para"], 6)
     assert split_blocks("```\na\n\nb\n", final=False) == ([], 0)  # an open fence
+    # An indented line continues a list item or indented code, nothing else.
+    assert split_blocks("para\n\n next") == (["para", " next"], 11)
+    assert split_blocks("    a = 1\n\n    b = 2")[0] == ["    a = 1\n\n    b = 2"]
+    assert split_blocks("<div>\n\n<p>x</p>")[0] == ["<div>\n\n<p>x</p>"]
 
 
 def test_a_streamed_reply_ends_drawn_as_the_same_reply_loaded_from_a_session():

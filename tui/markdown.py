@@ -50,11 +50,8 @@ def hard_line_breaks(text: str) -> str:
 
 # A fence opens or closes a code block: three or more backticks or tildes.
 _FENCE = re.compile(r" {0,3}(`{3,}|~{3,})")
-# A line after a blank line that may continue the block before it: indented (a list
-# item's next paragraph, a nested list, indented code) or HTML. A list item is not: the
-# items of a list written with blank lines between them (a "loose" list) are blocks of
-# their own, drawn a blank line apart, each with its own number.
-_CONTINUES = re.compile(r"\s|<")
+_LIST_ITEM = re.compile(r"\s*([-*+]|\d{1,9}[.)])(\s|$)")
+_CODE_INDENT = "    "
 
 
 def split_blocks(text: str, final: bool = True) -> tuple[list[str], int]:
@@ -62,15 +59,19 @@ def split_blocks(text: str, final: bool = True) -> tuple[list[str], int]:
     together: returns the complete blocks and where the rest starts.
 
     A reply streams: each block is rendered once, when the next one starts, instead of
-    the whole reply when it ends. A cut is never inside a code fence nor before a line
-    that may continue the block (`_CONTINUES`); while `text` still grows (`final` False)
-    a cut also waits until the line after it is complete, so a cut made while streaming
-    is one the whole text makes too. `final`: the rest is the last block.
+    the whole reply when it ends. A cut is never inside a code fence, nor before a line
+    that may continue the block before it: an indented line after a list item (the item's
+    next paragraph, a nested list), indented code after indented code, HTML. The items
+    of a list written with blank lines between them (a "loose" list) are blocks of their
+    own, drawn a blank line apart, each with its own number. While `text` still grows
+    (`final` False) a cut also waits until the line after it is complete, so a cut made
+    while streaming is one the whole text makes too. `final`: the rest is the last block.
     """
     blocks: list[str] = []
     start = pos = 0
     fence = ""  # the open fence's marker ("" outside a code block)
-    blank_before = False
+    blank_before = in_list = False
+    last = ""  # the block's last line that is not blank
     while pos < len(text):
         end = text.find("\n", pos)
         complete = end >= 0
@@ -82,14 +83,19 @@ def split_blocks(text: str, final: bool = True) -> tuple[list[str], int]:
         elif not line.strip():
             blank_before = True
         else:
-            if (blank_before and not _CONTINUES.match(line) and (complete or final)
+            continues = line.startswith("<") or line[0].isspace() and (
+                in_list or line.startswith(_CODE_INDENT) and last.startswith(_CODE_INDENT))
+            if (blank_before and not continues and (complete or final)
                     and text[start:pos].strip()):
                 blocks.append(text[start:pos].strip("\n"))
-                start = pos
+                start, in_list = pos, False
             blank_before = False
+            in_list = in_list or bool(_LIST_ITEM.match(line))
             opened = _FENCE.match(line)
             if opened:
                 fence = opened.group(1)
+        if line.strip():
+            last = line
         pos = end + 1
     if final and text[start:].strip():
         blocks.append(text[start:].strip("\n"))
