@@ -565,7 +565,7 @@ class ModelRunner:
         n = b.num_seqs
         # Everything below is enqueued now: a graph's logits buffer is overwritten by the
         # next step's replay, which may be launched before this one is collected.
-        out = self.sampler(logits[:n].float(), self.sampling_tensors(b))
+        out = self.sampler(logits[:n], self.sampling_tensors(b))
         tokens = out.token_ids  # [num_seqs]
         self.last_sampled = tokens
         handle = StepHandle(tokens)
