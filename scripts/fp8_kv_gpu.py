@@ -13,7 +13,6 @@ engine's pool at the same `gpu_memory_utilization`. About 3-4 minutes on an H100
 from __future__ import annotations
 
 import argparse
-import gc
 import random
 import statistics
 import sys
@@ -58,10 +57,6 @@ def measure(args: argparse.Namespace, kv: str) -> dict[str, float]:
         row = bench_throughput(bench_args(args, kv))[0]
         out["throughput"] = row.value
         print(f"bench throughput, KV {kv}: {row.value:,.0f} {row.unit}; {row.note}", flush=True)
-        # The next engine sizes its pool from the memory left free: collect what this one's
-        # reference cycles may still hold (in one H100 run without this, the second
-        # throughput engine got 399 blocks instead of 5,063, and 124 preemptions).
-        gc.collect()
     if args.skip_decode:
         return out
     length = args.long + args.new_tokens + 16
@@ -83,7 +78,6 @@ def measure(args: argparse.Namespace, kv: str) -> dict[str, float]:
             out[f"decode@{positions}"] = (args.new_tokens - 1) / statistics.median(times)
     finally:
         llm.exit()
-        gc.collect()
     return out
 
 

@@ -4,6 +4,9 @@ python3 scripts/profile_steps.py  (Qwen3-0.6B config, random weights, bf16)
 python3 scripts/profile_steps.py --decode 1x128 --decode 1x32768 --decode 8x128
     per-kernel time of one decode step (batch x context) and the bandwidth each reaches
     (--kv-cache-dtype fp8: over an fp8 KV cache)
+python3 scripts/profile_steps.py --throughput [--kv-cache-dtype fp8]
+    `bench throughput`'s workload step by step: wall and GPU busy / idle time a step in a few
+    profiled windows, and where the busy time goes
 """
 
 from __future__ import annotations
@@ -161,13 +164,115 @@ def decode_kernels(batch: int, context: int, steps: int = 5, kv_cache_dtype: str
     llm.exit()
 
 
+def kernel_group(name: str) -> str:
+    """A coarse label for a kernel of the throughput run's steps."""
+    low = name.lower()
+    if "decode_attention" in low:
+        return "decode attention"
+    if "prefill_attention" in low:
+        return "prefill attention"
+    if any(k in low for k in MATMUL_NAMES) or "splitkreduce" in low:
+        return "matrix products (cuBLAS / GEMV)"
+    if any(k in low for k in ("softmax", "exponential", "argmax", "topk", "sort", "multinomial",
+                              "div_", "reduce", "distribution", "scatter", "gather")):
+        return "sampling and reductions"
+    return name[:48]
+
+
+def throughput_windows(kv_cache_dtype: str, windows: tuple[int, ...] = (60, 300, 600, 850),
+                       steps: int = 8) -> None:
+    """`bench throughput`'s workload and engine (overlapped scheduling, CUDA graphs), driven
+    step by step: the run's wall time and steps, then at a few step indices a profiled window
+    of `steps` steps: the batch, wall ms a step, the GPU's busy time (kernel intervals'
+    union) and idle time a step, the kernel groups' busy time and the longest idle gaps.
+    Each window starts from an idle device (its first step is launched after a sync), so
+    its idle time includes that first launch: an upper bound on the steady state's."""
+    from torch.autograd import DeviceType
+
+    from minivllm.bench.common import build_engine
+    from minivllm.bench.workloads import add_arguments, throughput_workload
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["throughput", "--model", "Qwen/Qwen3-0.6B",
+                         "--kv-cache-dtype", kv_cache_dtype])
+    prompts, outs = throughput_workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    llm = build_engine(args)
+    vocab = llm.config.model.vocab_size
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8))  # warm-up
+    for prompt, n in zip(prompts, outs, strict=True):
+        llm.add_prompt([t % vocab for t in prompt],
+                       SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n))
+    rows = []
+    step = 0
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while not llm.scheduler.is_finished():
+        if step in windows:
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                batches = []
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    if llm.scheduler.is_finished():
+                        break
+                    llm.step()
+                    batches.append(llm.stats().last_batch_size)
+                torch.cuda.synchronize()
+                wall = (time.perf_counter() - t0) * 1e3 / steps
+            events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                            key=lambda e: e.time_range.start)
+            gains = time_past_earlier(events)
+            groups: dict[str, float] = defaultdict(float)
+            for e, gain in zip(events, gains, strict=True):
+                groups[kernel_group(e.name)] += gain
+            # Where the GPU waits: each idle gap charged to the kernels on either side.
+            gaps: dict[str, float] = defaultdict(float)
+            end = events[0].time_range.end
+            last = events[0].name
+            for e in events[1:]:
+                if e.time_range.start > end:
+                    gaps[f"{last[:34]} -> {e.name[:34]}"] += e.time_range.start - end
+                if e.time_range.end > end:
+                    end, last = e.time_range.end, e.name
+            for name, t in sorted(gaps.items(), key=lambda kv: -kv[1])[:3]:
+                groups[f"idle after: {name}"] = -t
+            span = (events[-1].time_range.end - events[0].time_range.start) / 1e3 / steps
+            busy = sum(gains) / 1e3 / steps
+            rows.append((step, statistics.median(batches), wall, span, busy, groups))
+            step += steps
+            continue
+        llm.step()
+        step += 1
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    generated = sum(outs)
+    print(f"\n== throughput workload, KV {kv_cache_dtype}: {step} steps in {elapsed:.2f} s "
+          f"({generated / elapsed:,.0f} output tok/s, the profiled windows' start and stop "
+          f"included) ==")
+    for at, batch, wall, span, busy, groups in rows:
+        print(f"-- steps {at}-{at + steps - 1}: batch {batch:.0f}, wall {wall:.3f} ms a step, "
+              f"GPU busy {busy:.3f} ms, idle {max(0.0, span - busy):.3f} ms within the window")
+        for name, t in sorted(groups.items(), key=lambda kv: -kv[1])[:8]:
+            print(f"   {name:52} {t / 1e3 / steps:8.3f} ms {100 * t / 1e3 / steps / busy:5.1f}%")
+        for name, t in groups.items():
+            if t < 0:
+                print(f"   {name[:90]:90} {-t / 1e3 / steps:8.3f} ms")
+    llm.exit()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--decode", action="append", default=[], metavar="BATCHxCONTEXT",
                         help="only the per-kernel decode profile of these shapes")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
                         help="--decode: the KV cache's storage")
+    parser.add_argument("--throughput", action="store_true",
+                        help="profiled windows of `bench throughput`'s workload")
     opts = parser.parse_args()
+    if opts.throughput:
+        throughput_windows(opts.kv_cache_dtype)
+        return
     if opts.decode:
         for shape in opts.decode:
             batch, context = (int(v) for v in shape.lower().split("x"))

@@ -298,6 +298,30 @@ def test_dummy_weights_need_no_checkpoint():
         llm.add_prompt([1], GREEDY)
 
 
+def test_exit_frees_the_kv_pool_and_model_a_caller_still_reaches(tiny_qwen3):
+    """A caller that still holds the runner (a benchmark's stage timers did) must not keep
+    the pool alive past exit(): a second engine in the process sizes its pool from what
+    is free, and got a tenth of the first one's blocks on a GPU."""
+    import gc
+    import weakref
+
+    llm = tiny_engine(tiny_qwen3)
+    first = llm.generate([[1, 2, 3]], GREEDY)["token_ids"]
+    runner, blocks = llm.runner, llm.runner.num_blocks
+    pool, model = weakref.ref(runner.kv_cache), weakref.ref(runner.model)
+    layer = runner.attention_layers[0]
+    llm.exit()
+    gc.collect()
+    assert pool() is None and model() is None
+    assert layer.k_cache.numel() == 0 and layer.v_cache.numel() == 0
+    second = tiny_engine(tiny_qwen3)
+    try:
+        assert second.runner.num_blocks == blocks
+        assert second.generate([[1, 2, 3]], GREEDY)["token_ids"] == first
+    finally:
+        second.exit()
+
+
 # -- the package layout -------------------------------------------------------------------
 
 

@@ -149,6 +149,35 @@ def check_fill_tokens() -> None:
         assert torch.equal(fill_tokens(ids, fill, prev), fill_tokens_ref(ids, fill, prev))
 
 
+def check_sample_rows() -> None:
+    from minivllm.kernels.sample import sample_rows
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 5000, generator=g)
+    logits[0, 100] = logits[0, 4321] = 50.0  # a tie: the first column, as torch's argmax
+    logits[3] = float("-inf")  # nothing allowed: column 0, as torch's argmax
+    greedy = torch.zeros(5)
+    assert torch.equal(sample_rows(logits, greedy, torch.tensor([1])), logits.argmax(-1))
+    assert sample_rows(logits.half(), greedy, torch.tensor([1]))[0] == 100
+    temps = torch.tensor([0.0, 0.7, 0.0, 1.0, 1.3])
+    first = sample_rows(logits, temps, torch.tensor([11]))
+    assert torch.equal(first, sample_rows(logits, temps, torch.tensor([11])))  # same seed
+    assert first[0] == 100 and first[2] == logits[2].argmax() and first[3] == 0
+    draws = torch.stack([sample_rows(logits, temps, torch.tensor([s]))[1] for s in range(20)])
+    assert draws.unique().numel() > 1  # other seeds, other draws
+    # Frequencies over 3000 rows of one distribution (one draw each): softmax(logits / T).
+    row = torch.tensor([1.0, 2.0, 0.5, -1.0, float("-inf"), 1.5])
+    t = 0.8
+    tokens = sample_rows(row.repeat(3000, 1), torch.full((3000,), t), torch.tensor([7]))
+    freq = torch.bincount(tokens, minlength=6).float() / 3000
+    assert freq[4] == 0  # a -inf logit is never drawn
+    assert (freq - torch.softmax(row / t, -1)).abs().max() < 0.04, freq
+    _expect_value_errors([
+        (lambda: sample_rows(logits, torch.zeros(4), torch.tensor([1])), "temperatures has 4"),
+        (lambda: sample_rows(logits, greedy, torch.tensor([1, 2])), "seed must hold one"),
+    ])
+
+
 # Each dtype meets each block size and each GQA group (the interpreter is too slow for the
 # full product).
 ATTENTION_CASES = [
@@ -491,6 +520,7 @@ def check_compile_sm90() -> None:
     from minivllm.kernels.decode_attention import _decode_attention_kernel
     from minivllm.kernels.gemv import _gemv_kernel
     from minivllm.kernels.qkv_rotary_store import _qkv_rotary_store_kernel
+    from minivllm.kernels.sample import BLOCK, _sample_kernel
 
     bf16 = {name: "*bf16" for name in _gemv_kernel.arg_names if name.endswith("_ptr")}
     flags = dict(NORM=True, HAS_RESIDUAL=True, HAS_BIAS=True, SILU_MUL=True,
@@ -527,13 +557,16 @@ def check_compile_sm90() -> None:
                            MIN_SPLIT_LEN=512 if prefetch else 128,
                            LATE_TRIGGER=4096 if prefetch else 0, KV_FP8=False,
                            FP8_AS_F16=False, FP8_ASM=False), 4, 2)
+    _compile_sm90(_sample_kernel, dict(logits_ptr="*bf16", temps_ptr="*fp32",
+                                       seed_ptr="*i64", out_ptr="*i64"),
+                  dict(BLOCK=BLOCK), num_warps=8)
 
 
 # Subprocess groups: each start costs seconds (torch + triton imports), so the cheap
 # kernels share one.
 CHECKS = {
     "elementwise": [check_store_kvcache, check_rms_norm, check_rotary, check_silu_and_mul,
-                    check_fill_tokens, check_wrapper_errors],
+                    check_fill_tokens, check_wrapper_errors, check_sample_rows],
     "prefill_attention": [check_prefill_attention],
     "decode_attention": [check_decode_attention, check_decode_attention_many_splits],
     "fused_decode": [check_gemv, check_qkv_rotary_store, check_fused_wrapper_errors],

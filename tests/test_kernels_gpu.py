@@ -627,3 +627,28 @@ def test_fill_tokens() -> None:
         ids = torch.randint(0, 151936, (n,), device=DEVICE)
         fill = torch.randint(-1, 256, (n,), device=DEVICE)
         assert torch.equal(fill_tokens(ids, fill, prev), fill_tokens_ref(ids, fill, prev))
+
+
+def test_sample_rows() -> None:
+    """Greedy rows are torch's argmax of the bf16 logits; sampled rows follow softmax(x / T)
+    wherever in a 151,936-token vocabulary the likely tokens lie."""
+    from minivllm.kernels.sample import sample_rows
+
+    vocab = 151936
+    logits = torch.randn(256, vocab, device=DEVICE).to(torch.bfloat16) * 4
+    greedy = torch.zeros(256, device=DEVICE)
+    seed = torch.tensor([5], device=DEVICE)
+    assert torch.equal(sample_rows(logits, greedy, seed), logits.float().argmax(-1))
+    # Eight likely tokens spread over the vocabulary (other blocks, other loop steps), the
+    # rest 30 nats below: the draws' frequencies are the eight's softmax at T = 0.7.
+    cols = torch.tensor([3, 1500, 4097, 20000, 65536, 100003, 151000, 151935], device=DEVICE)
+    x = torch.linspace(-1.0, 1.0, 8, device=DEVICE).to(torch.bfloat16).float()
+    rows = 20000
+    big = torch.full((rows, vocab), -30.0, device=DEVICE, dtype=torch.bfloat16)
+    big[:, cols] = x.to(torch.bfloat16)
+    temps = torch.full((rows,), 0.7, device=DEVICE)
+    tokens = sample_rows(big, temps, seed)
+    assert torch.isin(tokens, cols).all()
+    freq = (tokens[:, None] == cols[None, :]).float().mean(0)
+    assert (freq - torch.softmax(x / 0.7, -1)).abs().max() < 0.012, freq
+    assert not torch.equal(tokens, sample_rows(big, temps, seed + 1))

@@ -132,6 +132,7 @@ def _time_host_work(llm: LLMEngine) -> dict[str, float]:
 def _untime_host_work(llm: LLMEngine) -> None:
     for obj, name, _ in llm._timed_stages:  # type: ignore[attr-defined]
         delattr(obj, name)
+    del llm._timed_stages  # type: ignore[attr-defined]  # it references the runner
 
 
 # -- latency --------------------------------------------------------------------------------

@@ -676,7 +676,8 @@ class LLMEngine:
         self._compiling.clear()
         if self.workers is not None:
             self.workers.close()
-        self.runner = None  # drops the model, the KV pool and the CUDA graphs
+        self.runner.release()  # the model, the KV pool and the CUDA graphs
+        self.runner = None
         if self.device.type == "cuda":
             gc.collect()
             torch.cuda.empty_cache()

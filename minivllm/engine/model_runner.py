@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -246,6 +247,7 @@ class ModelRunner:
         """
         self.progress("warming up", 0.45)
         torch.cuda.synchronize(self.device)
+        gc.collect()  # an earlier engine's unreachable cycles may still hold its pool
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self.warm_up()
@@ -305,6 +307,20 @@ class ModelRunner:
         if self.device.type == "cpu":
             self.progress("compiling the CPU decode step", 0.8)
             self.cpu_step = cpu_decode_step(self.model, self.kv_cache, self.config.enforce_eager)
+
+    def release(self) -> None:
+        """Drop the KV pool, the CUDA graphs and the model. What still references this
+        runner afterwards (a caller's wrapper, a reference cycle not yet collected) no
+        longer holds their memory, so a later engine in the process can size its pool."""
+        for attn in self.attention_layers:
+            attn.k_cache = attn.v_cache = torch.empty(0)
+        self.attention_layers = []
+        self.kv_cache = None
+        self.num_blocks = 0
+        self.graphs = None
+        self.cpu_step = None
+        self.last_sampled = None
+        self.model = None
 
     @torch.inference_mode()
     def compile_kernels(self) -> None:
@@ -549,7 +565,7 @@ class ModelRunner:
         n = b.num_seqs
         # Everything below is enqueued now: a graph's logits buffer is overwritten by the
         # next step's replay, which may be launched before this one is collected.
-        out = self.sampler(logits[:n].float(), self.sampling_tensors(b))
+        out = self.sampler(logits[:n], self.sampling_tensors(b))
         tokens = out.token_ids  # [num_seqs]
         self.last_sampled = tokens
         handle = StepHandle(tokens)

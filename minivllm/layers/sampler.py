@@ -150,17 +150,28 @@ class Sampler:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
-        """logits: [num_seqs, vocab] -> token ids [num_seqs] (int64, on device), plus
-        their logprobs when `t.num_logprobs >= 0`."""
-        if t.penalties is not None:
-            logits = apply_penalties(logits.float(), t.penalties)
-        if t.banned is not None:
-            logits = logits.index_put(t.banned, torch.tensor(float("-inf"), device=logits.device))
-        if t.token_bitmask is not None:
-            apply_token_bitmask(logits, t.token_bitmask, t.bitmask_rows)
-        token_ids = self._sample(logits, t)
+        """logits: [num_seqs, vocab] in any float dtype -> token ids [num_seqs] (int64, on
+        device), plus their logprobs when `t.num_logprobs >= 0`."""
+        if _takes_fused_kernel(logits, t):
+            # Greedy and plain temperature rows on CUDA: one kernel reads the logits once
+            # (the steps below make an fp32 copy and pass over it about eight times).
+            from minivllm.kernels.sample import sample_rows
+
+            seed = torch.randint(1 << 62, (1,), device=logits.device, generator=self.generator)
+            token_ids = sample_rows(logits, t.temperatures, seed, check=False)
+        else:
+            logits = logits.float()
+            if t.penalties is not None:
+                logits = apply_penalties(logits, t.penalties)
+            if t.banned is not None:
+                logits = logits.index_put(
+                    t.banned, torch.tensor(float("-inf"), device=logits.device))
+            if t.token_bitmask is not None:
+                apply_token_bitmask(logits, t.token_bitmask, t.bitmask_rows)
+            token_ids = self._sample(logits, t)
         logprobs = None
         if t.num_logprobs >= 0:
+            logits = logits.float()
             if not t.all_greedy:
                 logits = logits / torch.where(t.temperatures > 0, t.temperatures, 1.0)[:, None]
             logprobs = compute_logprobs(logits, token_ids, t.num_logprobs)
@@ -250,6 +261,22 @@ def candidate_nucleus(
         fits |= ~k_on & (probs.sum(dim=-1) >= top_ps)
         vals = vals.masked_fill(before >= top_ps[:, None], float("-inf"))
     return vals, idx, fits
+
+
+def _takes_fused_kernel(logits: torch.Tensor, t: SamplingTensors) -> bool:
+    """Whether `kernels/sample.py` samples this batch: CUDA, some row at a temperature,
+    nothing that changes the logits or cuts the vocabulary, and no per-request seed (a
+    seeded row draws torch's noise from its own generator)."""
+    return (
+        logits.is_cuda
+        and not t.all_greedy
+        and not (t.needs_top_k or t.needs_top_p or t.needs_min_p)
+        and t.penalties is None
+        and t.banned is None
+        and t.token_bitmask is None
+        and all(seed is None for seed in t.seeds)
+        and logits.stride(-1) == 1
+    )
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:  # [rows, n] -> [rows] int64
