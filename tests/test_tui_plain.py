@@ -8,13 +8,15 @@ import os
 import subprocess
 import sys
 
-from minivllm.tui.fake_engine import FakeEngine
 from minivllm.tui.plain import run_plain
 from minivllm.tui.store import latest_session, load_session
 
+from minivllm.server.standin import ScriptedEngine
+
 
 def test_plain_mode_from_a_fake_stdin(tmp_path):
-    engine = FakeEngine(reply=["First reply.", "Second \x1b[31mreply\x1b[0m."], step_delay=0.001)
+    engine = ScriptedEngine(reply=["First reply.", "Second \x1b[31mreply\x1b[0m."],
+                            step_delay=0.001)
     out, err = io.StringIO(), io.StringIO()
     stdin = io.StringIO("hello\n/stats\n\n/system Be brief.\ntwo \\\nlines\n/reset\n/stats\n")
     code = run_plain(engine=engine, stdin=stdin, stdout=out, stderr=err, interactive=False,

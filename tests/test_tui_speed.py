@@ -19,11 +19,16 @@ import pytest
 from minivllm.tui.app import SWITCH_INTERVAL, create_app
 from minivllm.tui.cli import use_engine_process
 from minivllm.tui.engine_spec import EngineSpec, engine_process_client
-from minivllm.tui.fake_engine import FakeEngine, GpuLikeEngine, WordTokenizer, gpu_like_reply
 from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_until
 
 from minivllm.frontend import GenerateRequest
 from minivllm.sampling_params import SamplingParams
+from minivllm.server.standin import (
+    ScriptedEngine,
+    WordTokenizer,
+    gpu_like_engine,
+    gpu_like_reply,
+)
 
 SIZE = (160, 48)
 
@@ -202,7 +207,7 @@ async def test_switch_interval_is_short_while_the_app_runs_and_restored_after():
     before = sys.getswitchinterval()
     sys.setswitchinterval(0.005)
     try:
-        app = create_app(FakeEngine(), save_sessions=False)
+        app = create_app(ScriptedEngine(), save_sessions=False)
         async with app.run_test(size=SIZE) as pilot:
             await wait_ready(pilot)
             assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL)
@@ -213,21 +218,23 @@ async def test_switch_interval_is_short_while_the_app_runs_and_restored_after():
 
 
 def test_gpu_like_engine_makes_markdown_prose_at_its_timing():
-    engine = GpuLikeEngine(host_s=0.0, device_s=0.0)
+    engine = gpu_like_engine(host_ms=0.0, device_ms=0.0)
     assert isinstance(engine.tokenizer, WordTokenizer)
     reply = gpu_like_reply(3)
     assert "```python" in reply and "\n- **" in reply and reply.startswith("## ")
     ids = engine.tokenizer.encode(reply)
     assert engine.tokenizer.decode(ids) == reply and len(reply) / len(ids) > 3
+    engine.pop_deltas()  # streaming on: finished requests wait to be reported
     seq = engine.add_prompt("hi", SamplingParams(max_tokens=5))
     steps = 0
     while not engine.scheduler.is_finished():
         engine.step()
         steps += 1
     (delta,) = [d for d in engine.pop_deltas() if d.seq_id == seq]
-    assert steps == 5 and len(delta.token_ids) == 5
-    with pytest.raises(ValueError, match="host_s=-1"):
-        GpuLikeEngine(host_s=-1)
+    # Overlapped scheduling, as on a GPU: the step after the fifth token's reads it.
+    assert steps == 6 and len(delta.token_ids) == 5
+    with pytest.raises(ValueError, match="host_ms=-1"):
+        gpu_like_engine(host_ms=-1)
 
 
 @pytest.mark.slow

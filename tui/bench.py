@@ -13,9 +13,9 @@ headless rounds' mean): until every pane is idle (the replies rendered as Markdo
 engine side, until the engine produced the last token (what the app costs the engine);
 and the UI thread's CPU time per generated token (steadier than tok/s on a shared machine).
 
-`--engine gpu-like` measures the GPU case on a CPU: a stand-in engine
-(`fake_engine.GpuLikeEngine`) whose step holds the GIL `--host-ms` (0.3) and then waits
-`--device-ms` (1.0) with it released, as a CUDA sync does, ~3,000 tok/s with 4 panes.
+`--engine gpu-like` measures the GPU case on a CPU: the real engine over a scripted model
+runner (`minivllm.server.standin.gpu_like_engine`) whose step holds the GIL `--host-ms`
+(0.3) and then waits `--device-ms` (1.0) with it released, as a CUDA sync does.
 
 `--engine-process on` runs the engine in a child process (`EngineProcessClient`, what
 `minivllm-chat --engine-process` does); headless rounds then send the requests to that
@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default="real", choices=["real", "gpu-like"],
                    help="real: the model (default); gpu-like: a stand-in with a GPU engine's "
                    "timing (each step holds the GIL --host-ms, then waits --device-ms with it "
-                   "released; ~3,000 tok/s with 4 panes), to measure the GPU case on a CPU")
+                   "released), to measure the GPU case on a CPU")
     p.add_argument("--host-ms", type=float, default=0.3,
                    help="gpu-like: host (GIL-held) ms per step (default 0.3)")
     p.add_argument("--device-ms", type=float, default=1.0,
@@ -242,8 +242,8 @@ def engine_spec(args: argparse.Namespace) -> Any:
     from .engine_spec import EngineSpec
 
     if args.engine == "gpu-like":
-        return EngineSpec("gpu-like", options={"host_s": args.host_ms / 1000,
-                                               "device_s": args.device_ms / 1000},
+        return EngineSpec("gpu-like", options={"host_ms": args.host_ms,
+                                               "device_ms": args.device_ms},
                           threads=args.threads)
     return EngineSpec("llm", engine_config(args), bench_tokenizer=True, threads=args.threads)
 

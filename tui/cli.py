@@ -118,9 +118,9 @@ def engine_factory(args: argparse.Namespace, config: dict[str, Any]) -> EngineFa
                 return engine_process_client(EngineSpec("fake", config, FAKE_OPTIONS))
             return engine_process_client(EngineSpec("llm", config))
         if args.fake:
-            from .fake_engine import FakeEngine
+            from minivllm.server.standin import ScriptedEngine
 
-            return FakeEngine(config, on_progress, **FAKE_OPTIONS)
+            return ScriptedEngine(config, on_progress, **FAKE_OPTIONS)
         from minivllm import LLMEngine
         from minivllm.frontend import EngineFrontend
 
