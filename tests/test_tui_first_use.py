@@ -399,6 +399,35 @@ async def test_unknown_slash_command_is_reported_not_sent(started):
         assert pane.conversation.messages[0].content.startswith("/usr/bin/env")
 
 
+async def test_the_app_takes_every_slash_command_of_the_shared_table(started):
+    from minivllm.tui.commands import SLASH_COMMANDS
+
+    engine = ScriptedEngine(reply="r", step_delay=0.001)
+    async with started(engine) as (app, pilot):
+        pane = app.panes[0]
+        await type_and_send(pilot, 0, "/help")
+        await wait_until(pilot, lambda: any("/exit" in n for n in notices(app)))
+        (help_text,) = [n for n in notices(app) if "/exit" in n]
+        assert all(c.usage in help_text and c.help in help_text for c in SLASH_COMMANDS)
+        await type_and_send(pilot, 0, "/rep 1.25")
+        await wait_until(pilot, lambda: pane.conversation.settings.repetition_penalty == 1.25)
+        await type_and_send(pilot, 0, "/rep -1")
+        await wait_until(pilot, lambda: any("not set: " in n for n in notices(app)))
+        assert pane.conversation.settings.repetition_penalty == 1.25
+        await type_and_send(pilot, 0, "/all")  # needs TEXT: kept in the input
+        await wait_until(pilot, lambda: any("/all needs TEXT" in n for n in notices(app)))
+        assert pane.input.text == "/all"
+        pane.input.text = ""
+        await type_and_send(pilot, 0, "/stats")
+        await wait_until(pilot, lambda: any("stats are in the panel" in n for n in notices(app)))
+        await type_and_send(pilot, 0, "hello")
+        await wait_idle(pilot)
+        await type_and_send(pilot, 0, "/reset")  # /clear's other name, as in plain mode
+        await wait_until(pilot, lambda: pane.conversation.messages == [])
+        await type_and_send(pilot, 0, "/exit")
+        await wait_until(pilot, lambda: not app.is_running)
+
+
 async def test_think_on_a_model_without_thinking_says_so(started):
     engine = ScriptedEngine(step_delay=0.001)
     engine.tokenizer.chat_template = "{{ messages }}"  # no enable_thinking switch
