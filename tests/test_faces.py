@@ -207,7 +207,7 @@ def test_sse_client_that_leaves_is_aborted(server):
 
 @pytest.mark.slow
 def test_bench_serve_clients_spread_over_processes_see_every_token(server):
-    from minivllm.server.bench import run_http_processes, workload
+    from minivllm.bench.serve import run_http_processes, workload
 
     prompts = workload(4, 8, 10000, seed=1)
     wall, traces = run_http_processes(server, prompts, 6, processes=2, model="smol")

@@ -241,7 +241,7 @@ def test_gpu_like_engine_makes_markdown_prose_at_its_timing():
 def test_bench_runs_on_the_gpu_like_stand_in_both_ways(capsys):
     """`minivllm-chat --bench --engine gpu-like --engine-process both`: headless, app and
     app-with-engine-process rounds, and their ratios."""
-    from minivllm.tui.bench import main as bench_main
+    from minivllm.bench.chat_app import main as bench_main
 
     assert bench_main(["--engine", "gpu-like", "--panes", "2", "--max-tokens", "24",
                        "--rounds", "1", "--engine-process", "both"]) == 0
@@ -254,7 +254,7 @@ def test_bench_runs_on_the_gpu_like_stand_in_both_ways(capsys):
 
 
 def test_bench_rejects_bad_counts(capsys):
-    from minivllm.tui.bench import main as bench_main
+    from minivllm.bench.chat_app import main as bench_main
 
     assert bench_main(["--engine", "gpu-like", "--panes", "0"]) == 1
     assert "--panes=0" in capsys.readouterr().out
@@ -265,7 +265,7 @@ def test_bench_rejects_bad_counts(capsys):
 def test_bench_round_that_hangs_fails_with_the_stacks(capsys):
     """A round past --round-timeout ends the bench (status 1) saying so, instead of
     hanging a GPU job until its wall-clock limit."""
-    from minivllm.tui.bench import main as bench_main
+    from minivllm.bench.chat_app import main as bench_main
 
     assert bench_main(["--engine", "gpu-like", "--panes", "1", "--max-tokens", "5000",
                        "--device-ms", "5", "--round-timeout", "0.05"]) == 1
@@ -278,8 +278,7 @@ def test_bench_lends_the_engine_process_as_a_client_on_every_python():
     must define every `EngineClient` member itself or the app takes it for an engine."""
     import inspect
 
-    from minivllm.tui.bench import _Borrowed
-
+    from minivllm.bench.chat_app import _Borrowed
     from minivllm.frontend import EngineClient
 
     members = [n for n in vars(EngineClient) if not n.startswith("_")]

@@ -9,7 +9,7 @@ reads each request's stream from it on its own event loop), engine_spec (what
 messages (what the loading thread posts to the UI), conversation / store (data and the session file:
 created at the first message, validated on replay, memory-only when it cannot be
 written), thinking / sanitize / stats (pure helpers), widgets/ (one widget per module),
-app (wiring), bench (`minivllm-chat --bench`: the app's cost). The scripted engine of the
+app (wiring); `minivllm-chat --bench` is `minivllm.bench.chat_app`. The scripted engine of the
 tests, the demo and the bench's GPU-like case is `minivllm.server.standin`'s.
 """
 

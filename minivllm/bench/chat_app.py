@@ -44,11 +44,10 @@ from typing import Any
 from minivllm.config import APP_CPU_WEIGHT_DTYPE
 from minivllm.engine_args import EngineArgs
 from minivllm.sampling_params import SamplingParams
-
-from .bench_tokenizer import BenchTokenizer
-from .conversation import Settings
-from .engine_client import render_prompt
-from .engine_defaults import CPU_STEP_TOKENS, runs_on_cpu
+from minivllm.tui.bench_tokenizer import BenchTokenizer
+from minivllm.tui.conversation import Settings
+from minivllm.tui.engine_client import render_prompt
+from minivllm.tui.engine_defaults import CPU_STEP_TOKENS, runs_on_cpu
 
 TOPICS = ["a lighthouse keeper", "a robot learning to paint", "a city under the sea",
           "a dragon who collects books", "a time-travelling cat", "the first Mars colony",
@@ -169,8 +168,8 @@ async def run_app(engine: Any, users: list[str], max_tokens: int,
                   timeout: float = 3600.0) -> AppRound:
     """One round through the app (the engine in this process, or a started `client`);
     appends the UI thread's CPU seconds to `ui_cpu`."""
-    from .app import create_app
-    from .testing import wait_idle, wait_ready
+    from minivllm.tui.app import create_app
+    from minivllm.tui.testing import wait_idle, wait_ready
 
     settings = Settings(temperature=0.0, top_p=1.0, max_tokens=max_tokens)
     options: dict[str, Any] = {"conversations": len(users), "save_sessions": False,
@@ -239,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_spec(args: argparse.Namespace) -> Any:
-    from .engine_spec import EngineSpec
+    from minivllm.tui.engine_spec import EngineSpec
 
     if args.engine == "gpu-like":
         return EngineSpec("gpu-like", options={"host_ms": args.host_ms,
@@ -254,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minivllm-chat --bench: error: --panes={args.panes}, --max-tokens="
               f"{args.max_tokens} and --rounds={args.rounds} must be >= 1")
         return 1
-    from .engine_spec import build_engine, engine_process_client
+    from minivllm.tui.engine_spec import build_engine, engine_process_client
 
     spec = engine_spec(args)
     engine: Any = None
