@@ -231,8 +231,7 @@ def test_gpu_like_engine_makes_markdown_prose_at_its_timing():
         engine.step()
         steps += 1
     (delta,) = [d for d in engine.pop_deltas() if d.seq_id == seq]
-    # Overlapped scheduling, as on a GPU: the step after the fifth token's reads it.
-    assert steps == 6 and len(delta.token_ids) == 5
+    assert steps == 5 and len(delta.token_ids) == 5
     with pytest.raises(ValueError, match="host_ms=-1"):
         gpu_like_engine(host_ms=-1)
 

@@ -68,6 +68,9 @@ class StandInRunner:
         # (seq id, prompt length) of each row of the step being launched (the engine's
         # `_launch` sets it: a forward batch carries no sequence ids).
         self.rows: list[tuple[int, int]] = []
+        # When the engine began the step being launched, if it says (`ScriptedEngine`): the
+        # host part then counts its own scheduling, and the launch holds the GIL the rest.
+        self.step_started: float | None = None
 
     def size_kv_pool(self) -> int:
         if self.config.max_cached_blocks is not None:
@@ -81,7 +84,7 @@ class StandInRunner:
 
     def launch(self, batch: Any) -> _Handle:
         now = time.perf_counter()
-        end = now + self.host_s
+        end = (self.step_started or now) + self.host_s
         while time.perf_counter() < end:  # Python holding the GIL, as a launch does
             pass
         # The device runs steps in order: this one starts when the previous one is done.
@@ -206,9 +209,9 @@ class ScriptTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False,
                clean_up_tokenization_spaces: bool = False) -> str:
         pieces = self._pieces
-        if skip_special_tokens:
-            return "".join(pieces[i] for i in ids if i != self.eos_token_id)
-        return "".join(pieces[i] for i in ids)
+        if skip_special_tokens and self.eos_token_id in ids:
+            ids = [i for i in ids if i != self.eos_token_id]
+        return "".join([pieces[i] for i in ids])
 
     def apply_chat_template(
         self,
@@ -297,9 +300,11 @@ class ScriptedEngine(LLMEngine):
     by `ScriptTokenizer`, then the end token.
 
     `step_delay`: seconds each step waits with the GIL free (a device's compute);
-    `load_delay`: seconds of a loading bar before it is ready. `hold_at`: a test's pause,
-    every request stops after that many tokens, still running, until `release()`, so a
-    test acts on a reply that surely streams however fast or slow the machine.
+    `host_ms`: milliseconds each step holds the GIL, its scheduling included (a GPU
+    engine's host work); `load_delay`: seconds of a loading bar before it is ready.
+    `hold_at`: a test's pause, every request stops after that many tokens, still running,
+    until `release()`, so a test acts on a reply that surely streams however fast or slow
+    the machine.
     """
 
     def __init__(
@@ -385,6 +390,7 @@ class ScriptedEngine(LLMEngine):
         return super()._launch(out)
 
     def step(self) -> tuple[list[tuple[int, list[int]]], int, bool]:
+        self.runner.step_started = time.perf_counter()
         hold = self.hold_at
         if hold is None:
             return super().step()
@@ -412,14 +418,13 @@ def gpu_like_engine(config: dict[str, Any] | None = None,
                     on_progress: Callable[[str, float], None] | None = None, *,
                     host_ms: float = 0.3, device_ms: float = 1.0) -> ScriptedEngine:
     """A scripted engine with a GPU engine's timing, for `minivllm-chat --bench --engine
-    gpu-like` on a machine without one: each step holds the GIL `host_ms`, then waits
-    `device_ms` with it released, with overlapped scheduling on, as on a GPU. Replies are
+    gpu-like` on a machine without one: each step holds the GIL `host_ms` (the engine's own
+    scheduling included), then waits `device_ms` with it released. Replies are
     Markdown-ish prose (`gpu_like_reply`) cut into words (`WordTokenizer`). The defaults
     are the step of Qwen3-0.6B on an H200 with 4 panes streaming."""
     if host_ms < 0 or device_ms < 0:
         raise ValueError(f"host_ms={host_ms}, device_ms={device_ms}: must be >= 0")
-    config = {"model_name_or_path": "fake/gpu-like", **(config or {}),
-              "async_scheduling": True}
+    config = {"model_name_or_path": "fake/gpu-like", **(config or {})}
     return ScriptedEngine(config, on_progress, reply=[gpu_like_reply(s) for s in range(8)],
                           step_delay=device_ms / 1e3, host_ms=host_ms,
                           tokenizer=WordTokenizer())
