@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(serve(argv[1:]))
     if argv[:2] == ["bench", "serve"]:
-        from .server.bench import main as bench_serve
+        from .bench.serve import main as bench_serve
 
         sys.exit(bench_serve(argv[2:]))
     parser = build_parser(with_bench=argv[:1] == ["bench"])

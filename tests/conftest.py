@@ -289,6 +289,17 @@ def serving(tmp: Path, argv: list[str], *, timeout: float = 240.0, stop_timeout:
         assert status == 0, f"the server exited with status {status}"
 
 
+@pytest.fixture()
+def client(request, server):
+    """An OpenAI client of the test module's `server` fixture (its base URL), with the
+    module's `API_KEY` if it has one."""
+    import openai
+
+    api_key = getattr(request.module, "API_KEY", "none")
+    with openai.OpenAI(base_url=f"{server}/v1", api_key=api_key, max_retries=0) as c:
+        yield c
+
+
 def dummy_engine(**kw):
     """Qwen3-0.6B's config with random weights on the GPU (the GPU tests' engine)."""
     from minivllm import LLMEngine

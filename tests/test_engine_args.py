@@ -48,7 +48,7 @@ def _serve() -> argparse.ArgumentParser:
 
 
 def _bench_serve() -> argparse.ArgumentParser:
-    from minivllm.server.bench import build_parser
+    from minivllm.bench.serve import build_parser
 
     return build_parser()
 
@@ -60,7 +60,7 @@ def _chat() -> argparse.ArgumentParser:
 
 
 def _chat_bench() -> argparse.ArgumentParser:
-    from minivllm.tui.bench import build_parser
+    from minivllm.bench.chat_app import build_parser
 
     return build_parser()
 

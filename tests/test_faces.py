@@ -21,9 +21,10 @@ from conftest import serving
 from minivllm.tui.app import create_app
 from minivllm.tui.conversation import Settings
 from minivllm.tui.engine_spec import EngineSpec, engine_process_client
-from minivllm.tui.fake_engine import GpuLikeEngine, gpu_like_reply
 from minivllm.tui.remote import RemoteClient
 from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_until
+
+from minivllm.server.standin import gpu_like_engine, gpu_like_reply
 
 SIZE = (160, 48)
 QUESTIONS = ["What is the capital of France?", "Name three colours."]
@@ -96,7 +97,7 @@ async def test_every_face_gives_the_same_text_and_usage(server, smollm2_path, tm
 
 async def test_fast_streams_reach_every_pane_once_a_frame_and_esc_is_prompt(tmp_path):
     # ~5,000 tokens/s over four panes: each step holds the GIL 0.2 ms and "computes" 0.6 ms.
-    engine = GpuLikeEngine(host_s=0.0002, device_s=0.0006)
+    engine = gpu_like_engine(host_ms=0.2, device_ms=0.6)
     users = [f"story {i}" for i in range(4)]
     max_tokens = 400
     # The stand-in's replies, in the order requests reach it, cut at max_tokens.
@@ -206,7 +207,7 @@ def test_sse_client_that_leaves_is_aborted(server):
 
 @pytest.mark.slow
 def test_bench_serve_clients_spread_over_processes_see_every_token(server):
-    from minivllm.server.bench import run_http_processes, workload
+    from minivllm.bench.serve import run_http_processes, workload
 
     prompts = workload(4, 8, 10000, seed=1)
     wall, traces = run_http_processes(server, prompts, 6, processes=2, model="smol")

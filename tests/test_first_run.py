@@ -19,12 +19,12 @@ from conftest import write_tiny_checkpoint
 from markdown_it import MarkdownIt
 from minivllm.tui.app import create_app
 from minivllm.tui.conversation import ChatMessage, Conversation
-from minivllm.tui.fake_engine import FakeEngine
 from minivllm.tui.markdown import hard_line_breaks
 from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_until
 
 from minivllm import LLMEngine, SamplingParams
 from minivllm.chat_defaults import SMALL_MODEL_REPETITION_PENALTY
+from minivllm.server.standin import ScriptedEngine
 
 SIZE = (120, 40)
 POEM = "Roses are red,\nviolets are blue,\nsugar is sweet.\n\nAnd so are you."
@@ -38,7 +38,7 @@ def rendered_lines(widget) -> list[str]:
 async def test_a_streamed_poem_keeps_its_line_breaks_in_the_finished_pane_and_export(
     tmp_path: Path,
 ):
-    engine = FakeEngine(reply=POEM, step_delay=0.001)
+    engine = ScriptedEngine(reply=POEM, step_delay=0.001)
     app = create_app(engine, data_root=tmp_path / "data", export_dir=tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)

@@ -6,6 +6,7 @@ without a GPU (conftest.py)."""
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -45,6 +46,42 @@ def _fp8_cache(seq_lens, num_kv_heads, head_dim, block_size):
     k64 = dequantize_kv(cache.k_cache, torch.float64, k_scale)
     v64 = dequantize_kv(cache.v_cache, torch.float64, v_scale)
     return cache, k64, v64
+
+
+class _DecodeStep(NamedTuple):
+    positions: torch.Tensor
+    qkv: torch.Tensor
+    table: torch.Tensor
+    slots: torch.Tensor
+    norms: dict
+    want: torch.Tensor  # float64 attention over the cache with the reference's store
+
+
+def _decode_step(cache, heads: tuple, block_size: int, max_position: int, k_scale: float,
+                 v_scale: float) -> _DecodeStep:
+    """One decode token for each sequence of `cache` (at its last position): the qkv and
+    its slots, and the reference: the q/k norm + rotary + store of the references into a
+    copy of the cache, then float64 attention over that copy dequantized."""
+    from minivllm.kernels.decode_attention import decode_attention_ref
+    from minivllm.kernels.qkv_rotary_store import qkv_rotary_store_ref
+
+    num_heads, num_kv_heads, head_dim = heads
+    n = len(cache.seq_lens)
+    table = cos_sin_table(max_position, head_dim, device=DEVICE)
+    norms = qk_norm_weights(head_dim, torch.bfloat16, DEVICE)
+    qkv = torch.randn(n, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE).bfloat16()
+    positions = (cache.seq_lens - 1).long()
+    rows = torch.arange(n, device=DEVICE)
+    slots = (cache.block_tables[rows, positions // block_size].long() * block_size
+             + positions % block_size)
+    k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
+    q = qkv_rotary_store_ref(positions, qkv, num_heads, table, k_ref, v_ref, slots,
+                             norms["q_norm_weight"], norms["k_norm_weight"], 1e-6,
+                             k_scale, v_scale)
+    want = decode_attention_ref(q.double(), dequantize_kv(k_ref, torch.float64, k_scale),
+                                dequantize_kv(v_ref, torch.float64, v_scale),
+                                cache.seq_lens, cache.block_tables, head_dim**-0.5)
+    return _DecodeStep(positions, qkv, table, slots, norms, want)
 
 
 def _check(name: str, out: torch.Tensor, ref: torch.Tensor, tol: float = 1e-2) -> None:
@@ -113,35 +150,20 @@ def test_fp8_decode_attention(block_size: int, heads: tuple) -> None:
 def test_fp8_qkv_decode_attention(block_size: int, heads: tuple) -> None:
     """The one-launch decode (q/k norm + rotary + fp8 store, then attention) against the
     reference's store, then float64 attention over the dequantized cache."""
-    from minivllm.kernels.decode_attention import decode_attention_ref, qkv_decode_attention
-    from minivllm.kernels.qkv_rotary_store import qkv_rotary_store_ref
+    from minivllm.kernels.decode_attention import qkv_decode_attention
 
     num_heads, num_kv_heads, head_dim = heads
     k_scale, v_scale = SCALES
     cache, _, _ = _fp8_cache(SEQ_LENS, num_kv_heads, head_dim, block_size)
-    n = len(SEQ_LENS)
-    table = cos_sin_table(16384, head_dim, device=DEVICE)
-    norms = qk_norm_weights(head_dim, torch.bfloat16, DEVICE)
-    qkv = torch.randn(n, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE).bfloat16()
-    positions = (cache.seq_lens - 1).long()
-    rows = torch.arange(n, device=DEVICE)
-    slots = (cache.block_tables[rows, positions // block_size].long() * block_size
-             + positions % block_size)
-    k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
-    q = qkv_rotary_store_ref(positions, qkv, num_heads, table, k_ref, v_ref, slots,
-                             norms["q_norm_weight"], norms["k_norm_weight"], 1e-6,
-                             k_scale, v_scale)
-    want = decode_attention_ref(q.double(), dequantize_kv(k_ref, torch.float64, k_scale),
-                                dequantize_kv(v_ref, torch.float64, v_scale),
-                                cache.seq_lens, cache.block_tables, head_dim**-0.5)
+    d = _decode_step(cache, heads, block_size, 16384, k_scale, v_scale)
     for splits, prefetch in ((None, False), (1, True), (8, True)):
         k_c, v_c = cache.k_cache.clone(), cache.v_cache.clone()
-        got = qkv_decode_attention(positions, qkv, num_heads, table, k_c, v_c, slots,
+        got = qkv_decode_attention(d.positions, d.qkv, num_heads, d.table, k_c, v_c, d.slots,
                                    cache.seq_lens, cache.block_tables, head_dim**-0.5,
-                                   norms["q_norm_weight"], norms["k_norm_weight"], 1e-6,
+                                   d.norms["q_norm_weight"], d.norms["k_norm_weight"], 1e-6,
                                    num_splits=splits, prefetch=prefetch, k_scale=k_scale,
                                    v_scale=v_scale)
-        _check(f"qkv decode splits={splits} prefetch={prefetch}", got, want)
+        _check(f"qkv decode splits={splits} prefetch={prefetch}", got, d.want)
 
 
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
@@ -150,13 +172,7 @@ def test_loaded_decode_launch(kv: str) -> None:
     without the early first tile, and an fp8 cache is read through the PTX upcast to fp16:
     the engine's default launch and a small-grid tiling (prefetch on) both match float64
     attention over the (dequantized) cache the kernel stored into."""
-    from minivllm.kernels.decode_attention import (
-        _tile_config,
-        decode_attention_ref,
-        is_loaded,
-        qkv_decode_attention,
-    )
-    from minivllm.kernels.qkv_rotary_store import qkv_rotary_store_ref
+    from minivllm.kernels.decode_attention import _tile_config, is_loaded, qkv_decode_attention
 
     num_heads, num_kv_heads, head_dim = HEADS[0]
     block_size = 256
@@ -166,31 +182,17 @@ def test_loaded_decode_launch(kv: str) -> None:
         cache, _, _ = _fp8_cache(seq_lens, num_kv_heads, head_dim, block_size)
     else:
         cache = paged_kv(seq_lens, num_kv_heads, head_dim, block_size, torch.bfloat16, DEVICE)
-    n = len(seq_lens)
-    assert is_loaded(n, num_kv_heads, 1, torch.device(DEVICE))
-    table = cos_sin_table(4096, head_dim, device=DEVICE)
-    norms = qk_norm_weights(head_dim, torch.bfloat16, DEVICE)
-    qkv = torch.randn(n, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE).bfloat16()
-    positions = (cache.seq_lens - 1).long()
-    rows = torch.arange(n, device=DEVICE)
-    slots = (cache.block_tables[rows, positions // block_size].long() * block_size
-             + positions % block_size)
-    k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
-    q = qkv_rotary_store_ref(positions, qkv, num_heads, table, k_ref, v_ref, slots,
-                             norms["q_norm_weight"], norms["k_norm_weight"], 1e-6,
-                             k_scale, v_scale)
-    want = decode_attention_ref(q.double(), dequantize_kv(k_ref, torch.float64, k_scale),
-                                dequantize_kv(v_ref, torch.float64, v_scale),
-                                cache.seq_lens, cache.block_tables, head_dim**-0.5)
+    assert is_loaded(len(seq_lens), num_kv_heads, 1, torch.device(DEVICE))
+    d = _decode_step(cache, HEADS[0], block_size, 4096, k_scale, v_scale)
     for name, extra in (("default", {}),
                         ("small-grid tiles", dict(tile_config=_tile_config(torch.bfloat16),
                                                   prefetch=True))):
         k_c, v_c = cache.k_cache.clone(), cache.v_cache.clone()
-        got = qkv_decode_attention(positions, qkv, num_heads, table, k_c, v_c, slots,
+        got = qkv_decode_attention(d.positions, d.qkv, num_heads, d.table, k_c, v_c, d.slots,
                                    cache.seq_lens, cache.block_tables, head_dim**-0.5,
-                                   norms["q_norm_weight"], norms["k_norm_weight"], 1e-6,
+                                   d.norms["q_norm_weight"], d.norms["k_norm_weight"], 1e-6,
                                    num_splits=1, k_scale=k_scale, v_scale=v_scale, **extra)
-        _check(f"{kv} loaded decode, {name}", got, want)
+        _check(f"{kv} loaded decode, {name}", got, d.want)
 
 
 @pytest.mark.parametrize("block_size,heads", CASES)

@@ -10,10 +10,10 @@ import asyncio
 import threading
 
 import pytest
-from minivllm.tui.fake_engine import FakeEngine
 
 from minivllm import SamplingParams
 from minivllm.frontend import EngineClient, EngineFrontend, GenerateRequest, RequestOutput
+from minivllm.server.standin import ScriptedEngine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 
@@ -27,13 +27,14 @@ def collect(frontend: EngineFrontend, request: GenerateRequest) -> list[RequestO
 
 @pytest.fixture()
 def fake():
-    engine = FakeEngine(reply="one two three four five six seven eight nine ten",
-                        step_delay=0.001)
+    engine = ScriptedEngine(reply="one two three four five six seven eight nine ten",
+                            step_delay=0.001)
     frontend = EngineFrontend(engine, owns_engine=True)
     frontend.start()
     yield frontend
     frontend.close()
-    assert engine.exited
+    with pytest.raises(RuntimeError, match="shut down"):  # the front end closed its engine
+        engine.add_prompt("hi")
 
 
 def test_is_an_engine_client_and_streams_with_caller_ids(fake):
@@ -50,8 +51,8 @@ def test_is_an_engine_client_and_streams_with_caller_ids(fake):
 
 
 def test_bad_input_is_rejected_alone_and_the_engine_keeps_serving(fake):
-    fake.engine.reject_prompts_containing = "BAD"
-    outs = collect(fake, GenerateRequest("a", GREEDY, prompt="BAD prompt"))
+    # Longer than the engine's max_model_length (4096 tokens).
+    outs = collect(fake, GenerateRequest("a", GREEDY, prompt="BAD prompt " * 2000))
     assert len(outs) == 1 and outs[0].rejected and outs[0].finish_reason == "error"
     assert outs[0].error
     assert collect(fake, GenerateRequest("b", GREEDY, prompt="fine"))[-1].finish_reason
@@ -141,7 +142,7 @@ def test_an_engine_built_on_the_engine_thread_is_stepped_there():
     and a factory that fails makes `start()` raise its error."""
     threads = {}
 
-    class Recording(FakeEngine):
+    class Recording(ScriptedEngine):
         def step(self):
             threads.setdefault("step", threading.current_thread())
             return super().step()
@@ -162,7 +163,8 @@ def test_an_engine_built_on_the_engine_thread_is_stepped_there():
         assert threads["step"] is threads["build"]
     finally:
         frontend.close()
-    assert frontend.engine.exited
+    with pytest.raises(RuntimeError, match="shut down"):
+        frontend.engine.add_prompt("hi")
 
     def broken(on_progress):
         raise ValueError("max_model_length=0: must be >= 1")

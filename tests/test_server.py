@@ -54,14 +54,6 @@ def server(tmp_path_factory, smollm2_path):
     assert stop_server(proc) == 0
 
 
-@pytest.fixture()
-def client(server):
-    import openai
-
-    with openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0) as c:
-        yield c
-
-
 _HTTP = httpx.Client(timeout=30)  # one client: building one per call costs ~0.1-0.7 s here
 
 

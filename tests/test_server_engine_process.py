@@ -1,7 +1,7 @@
 """The server's fast path, without a model: the engine in its own process, merged SSE
 chunks, the API key check, and the benchmark's stand-in engine.
 
-The engine process runs the scripted `FakeEngine` (one child interpreter per client, a
+The engine process runs the scripted `ScriptedEngine` (one child interpreter per client, a
 few seconds each); the HTTP checks drive the app in process through the real `openai`
 client over an ASGI transport.
 """
@@ -19,7 +19,6 @@ import time
 
 import httpx
 import pytest
-from minivllm.tui.fake_engine import FakeEngine
 
 from minivllm import SamplingParams
 from minivllm.frontend import EngineClient, EngineInfo, GenerateRequest, RequestOutput
@@ -27,7 +26,7 @@ from minivllm.frontend.engine_frontend import stream_outputs
 from minivllm.frontend.engine_process import EngineProcessClient
 from minivllm.server.api import build_app
 from minivllm.server.cli import build_engine
-from minivllm.server.standin import stand_in_engine
+from minivllm.server.standin import ScriptedEngine, stand_in_engine
 
 REPLY = "one two three four five six seven eight nine ten"
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -61,7 +60,7 @@ class Sink:
 
 
 def fake_factory(**kw):
-    return functools.partial(FakeEngine, {}, reply=REPLY, step_delay=0.002, **kw)
+    return functools.partial(ScriptedEngine, {}, reply=REPLY, step_delay=0.002, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +68,7 @@ def proc_client():
     stages: list[str] = []
     client = EngineProcessClient(fake_factory())
     client.start(lambda stage, fraction: stages.append(stage))
-    assert "capturing CUDA graphs" in stages  # the child's progress reached us
+    assert "sizing the KV cache" in stages  # the child's progress reached us
     yield client
     client.close()
     assert client._process.poll() is not None, "the engine process is gone after close()"

@@ -20,18 +20,18 @@ import httpx
 import pytest
 import uvicorn
 from conftest import serving, wait_for
-from minivllm.tui.fake_engine import FakeEngine, FakeTokenizer
 from minivllm.tui.remote import RemoteClient
 
 from minivllm import SamplingParams
 from minivllm.frontend import EngineFrontend, GenerateRequest
 from minivllm.server.api import build_app
+from minivllm.server.standin import ScriptedEngine, ScriptTokenizer
 
 THOUGHT = "The user greets me. I should greet back, briefly."
 ANSWER = "Hello! How can I help?"
 
 
-class _Tokenizer(FakeTokenizer):
+class _Tokenizer(ScriptTokenizer):
     bos_token_id = None  # read by the server's tokenizing; the scripted one has no BOS
 
 
@@ -49,7 +49,7 @@ def scripted_app(reply: Any, parser: str | None = "qwen3", tokenizer: type = _To
                  thinking: bool = True):
     # A step every few ms: the stream's chunks hold a token or a few, so the tags are cut
     # across chunks (the scripted tokens are 1-3 characters).
-    engine = FakeEngine(reply=reply, thinking=thinking, step_delay=0.005)
+    engine = ScriptedEngine(reply=reply, thinking=thinking, step_delay=0.005)
     engine.tokenizer = tokenizer()
     frontend = EngineFrontend(engine)
     frontend.start()

@@ -162,14 +162,6 @@ def server(tmp_path_factory, smollm2_path):
         yield url
 
 
-@pytest.fixture()
-def client(server):
-    import openai
-
-    with openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0) as c:
-        yield c
-
-
 @pytest.mark.slow
 def test_server_json_schema_20_requests_at_temperature_0_8_all_validate(client):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}

@@ -159,14 +159,6 @@ def server(tmp_path_factory, smollm2_path):
         yield url
 
 
-@pytest.fixture()
-def client(server):
-    import openai
-
-    with openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0) as c:
-        yield c
-
-
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from minivllm.tui.app import create_app
 from minivllm.tui.conversation import Settings
-from minivllm.tui.fake_engine import FakeEngine
 from minivllm.tui.messages import StatsSnapshot
 from minivllm.tui.stats import StatsHistory
 from minivllm.tui.store import latest_session, load_session
@@ -23,13 +22,14 @@ from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_unti
 from minivllm.tui.widgets.transcript import Reply
 
 from minivllm.outputs import EngineStats
+from minivllm.server.standin import ScriptedEngine
 
 SIZE = (160, 48)
 LONG = " ".join(f"w{i}" for i in range(300))  # ~900 fake tokens, under max_tokens
 
 
-def make_app(tmp_path: Path, engine: FakeEngine | None = None, **kw):
-    engine = engine or FakeEngine(step_delay=0.002)
+def make_app(tmp_path: Path, engine: ScriptedEngine | None = None, **kw):
+    engine = engine or ScriptedEngine(step_delay=0.002)
     kw.setdefault("data_root", tmp_path / "data")
     kw.setdefault("export_dir", tmp_path)
     return create_app(engine, **kw)
@@ -45,7 +45,7 @@ def records(tmp_path: Path) -> list[dict]:
 
 
 async def test_first_input_focused_enter_sends_and_ctrl_j_inserts_newline(tmp_path):
-    app = make_app(tmp_path, FakeEngine(reply="Hello **there**.", step_delay=0.002))
+    app = make_app(tmp_path, ScriptedEngine(reply="Hello **there**.", step_delay=0.002))
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
         await pilot.press("h", "i", "ctrl+j", "y", "o")
@@ -66,7 +66,7 @@ async def test_first_input_focused_enter_sends_and_ctrl_j_inserts_newline(tmp_pa
 
 async def test_thinking_goes_to_a_collapsible_expanded_then_collapsed(tmp_path):
     thinking = " ".join(["pondering"] * 150)
-    engine = FakeEngine(reply=f"<think>\n{thinking}\n</think>\n\nThe answer.", step_delay=0.003)
+    engine = ScriptedEngine(reply=f"<think>\n{thinking}\n</think>\n\nThe answer.", step_delay=0.003)
     app = make_app(tmp_path, engine)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
@@ -95,7 +95,7 @@ async def test_thinking_goes_to_a_collapsible_expanded_then_collapsed(tmp_path):
 
 
 async def test_think_and_no_think_switch_the_template_per_pane(tmp_path):
-    engine = FakeEngine(thinking=True, step_delay=0.001)
+    engine = ScriptedEngine(thinking=True, step_delay=0.001)
     seen: list[str] = []
     real = engine.add_prompt
     engine.add_prompt = lambda prompt, params=None: (seen.append(prompt), real(prompt, params))[1]
@@ -122,14 +122,23 @@ async def test_think_and_no_think_switch_the_template_per_pane(tmp_path):
 
 async def test_alt_a_and_slash_all_send_to_every_pane_streaming_at_once(tmp_path):
     reply = LONG[:400]
-    engine = FakeEngine(reply=reply, step_delay=0.002)
+    engine = ScriptedEngine(reply=reply, step_delay=0.002)
+    batches = []
+    step = engine.step
+
+    def recording_step():
+        out = step()
+        batches.append(engine.stats().last_batch_size)
+        return out
+
+    engine.step = recording_step
     app = make_app(tmp_path, engine, conversations=3)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
         app.panes[0].input.text = "everyone"
         await pilot.press("alt+a")  # (the pilot waits here until the UI is quiet)
         await wait_idle(pilot)
-        assert engine.peak_running == 3  # the three requests ran in the same steps
+        assert max(batches) == 3  # the three requests ran in the same steps
         for p in app.panes:
             assert [m.content for m in p.conversation.messages] == ["everyone", reply]
         assert app.panes[0].input.text == ""
@@ -144,7 +153,7 @@ async def test_alt_a_and_slash_all_send_to_every_pane_streaming_at_once(tmp_path
 
 
 async def test_esc_stops_keeps_partial_reply_and_frees_blocks(tmp_path):
-    engine = FakeEngine(reply=LONG, step_delay=0.003)
+    engine = ScriptedEngine(reply=LONG, step_delay=0.003)
     app = make_app(tmp_path, engine, stats_interval=0.05)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
@@ -168,7 +177,7 @@ async def test_esc_stops_keeps_partial_reply_and_frees_blocks(tmp_path):
 
 
 async def test_ctrl_r_regenerates_the_last_reply(tmp_path):
-    engine = FakeEngine(reply=["first answer", "second answer", "third"], step_delay=0.001)
+    engine = ScriptedEngine(reply=["first answer", "second answer", "third"], step_delay=0.001)
     app = make_app(tmp_path, engine)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
@@ -249,7 +258,7 @@ async def test_keymap_overrides_a_binding_by_id(tmp_path):
 
 
 async def test_command_palette_settings_modal_and_export(tmp_path):
-    app = make_app(tmp_path, FakeEngine(reply="Exported *reply*.", step_delay=0.001))
+    app = make_app(tmp_path, ScriptedEngine(reply="Exported *reply*.", step_delay=0.001))
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
         await pilot.press("ctrl+p")
@@ -281,7 +290,7 @@ async def test_command_palette_settings_modal_and_export(tmp_path):
 
 
 async def test_persistence_quit_and_resume_shows_the_same_messages(tmp_path):
-    engine = FakeEngine(reply=["one **1**", "two", "three", LONG], step_delay=0.001)
+    engine = ScriptedEngine(reply=["one **1**", "two", "three", LONG], step_delay=0.001)
     app = make_app(tmp_path, engine, settings=Settings(system_prompt="sys"))
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
@@ -295,7 +304,7 @@ async def test_persistence_quit_and_resume_shows_the_same_messages(tmp_path):
                   for p in app.panes]
         await pilot.press("ctrl+q")
     assert before[0][1][1] == "one **1**"
-    app2 = make_app(tmp_path, FakeEngine(), resume=True)
+    app2 = make_app(tmp_path, ScriptedEngine(), resume=True)
     async with app2.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
         after = [[(m.role, m.content, m.status) for m in p.conversation.messages]
@@ -311,7 +320,7 @@ async def test_persistence_quit_and_resume_shows_the_same_messages(tmp_path):
 
 
 async def test_quit_mid_reply_keeps_the_partial_text(tmp_path):
-    app = make_app(tmp_path, FakeEngine(reply=LONG, step_delay=0.003))
+    app = make_app(tmp_path, ScriptedEngine(reply=LONG, step_delay=0.003))
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
         await type_and_send(pilot, 0, "long please")
@@ -333,11 +342,11 @@ def test_kill_9_mid_stream_then_resume(tmp_path):
         import asyncio, sys
         from pathlib import Path
         from minivllm.tui.app import create_app
-        from minivllm.tui.fake_engine import FakeEngine
+        from minivllm.server.standin import ScriptedEngine
         from minivllm.tui.testing import type_and_send, wait_ready, wait_until
 
         async def main():
-            app = create_app(FakeEngine(reply={LONG!r}, step_delay=0.01),
+            app = create_app(ScriptedEngine(reply={LONG!r}, step_delay=0.01),
                              data_root=Path({str(tmp_path / "data")!r}))
             async with app.run_test(size=(160, 48)) as pilot:
                 await wait_ready(pilot)
@@ -386,17 +395,22 @@ async def test_resume_marks_the_interrupted_reply(tmp_path):
 
 
 async def test_bad_input_and_step_failure_show_in_their_pane_and_the_app_stays_up(tmp_path):
-    engine = FakeEngine(reply="fine", step_delay=0.001)
-    engine.reject_prompts_containing = "FORBIDDEN"
+    engine = ScriptedEngine({"max_model_length": 200}, reply="fine", step_delay=0.001)
     app = make_app(tmp_path, engine)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
-        await type_and_send(pilot, 0, "FORBIDDEN words")
+        await type_and_send(pilot, 0, "too many words " * 40)  # over max_model_length
         pane = app.panes[0]
         await wait_until(pilot, lambda: pane.state == "error")
         assert "prompt" in pane.conversation.messages[-1].error
         assert app.panes[1].state == "idle"
-        engine.fail_steps = 1
+        launch = engine.runner.launch
+
+        def fail_once(batch):  # the next step fails on the device
+            engine.runner.launch = launch
+            raise RuntimeError("injected step failure")
+
+        engine.runner.launch = fail_once
         await type_and_send(pilot, 1, "boom")
         await wait_until(pilot, lambda: app.panes[1].state == "error")
         assert "injected step failure" in app.panes[1].conversation.messages[-1].error
@@ -409,7 +423,7 @@ async def test_bad_input_and_step_failure_show_in_their_pane_and_the_app_stays_u
 
 
 async def test_engine_thread_death_shows_in_every_pane_with_text_kept(tmp_path):
-    engine = FakeEngine(reply=LONG, step_delay=0.003)
+    engine = ScriptedEngine(reply=LONG, step_delay=0.003)
     app = make_app(tmp_path, engine)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
@@ -433,7 +447,7 @@ async def test_engine_thread_death_shows_in_every_pane_with_text_kept(tmp_path):
 
 async def test_model_output_is_plain_text_without_control_sequences(tmp_path):
     evil = "\x1b[2J\x1b]0;pwned\x07[bold red]not markup[/] \x1b[31mred\x1b[0m done"
-    app = make_app(tmp_path, FakeEngine(reply=evil, step_delay=0.001))
+    app = make_app(tmp_path, ScriptedEngine(reply=evil, step_delay=0.001))
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
         await type_and_send(pilot, 0, "[b]user text[/b]")
@@ -453,7 +467,8 @@ FROZEN = EngineStats(
 
 
 async def test_stats_panel_shows_exactly_what_stats_gives(tmp_path):
-    engine = FakeEngine(frozen_stats=FROZEN)
+    engine = ScriptedEngine()
+    engine.stats = lambda: FROZEN
     app = make_app(tmp_path, engine, stats_interval=3600)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
@@ -498,7 +513,7 @@ async def test_loading_screen_then_chat(tmp_path, stage):
             on_progress(name, (i + 1) / 3)
             if name == stage:
                 seen.wait(30)  # the load goes on once the screen has shown this stage
-        return FakeEngine(on_progress=on_progress)
+        return ScriptedEngine(on_progress=on_progress)
 
     app = create_app(engine_factory=factory, model="fake/model", data_root=tmp_path / "d")
     async with app.run_test(size=SIZE) as pilot:
@@ -618,7 +633,7 @@ def test_a_streamed_reply_ends_drawn_as_the_same_reply_loaded_from_a_session():
 async def test_a_reply_the_engine_stops_is_an_error_not_a_stop(tmp_path):
     # A server shutting down (or an engine closing) ends a reply with "abort" that nobody
     # in the app asked for: the pane says so instead of showing it as the user's stop.
-    engine = FakeEngine(hold_at=3)
+    engine = ScriptedEngine(hold_at=3)
     app = make_app(tmp_path, engine)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
@@ -643,7 +658,7 @@ async def test_a_long_streaming_reply_repaints_only_its_new_lines(tmp_path):
     # view follows the end in jumps: the last line is always on screen.
     paragraphs = [f"Paragraph {i}: " + "word " * 40 for i in range(30)]
     long = "\n".join(paragraphs)
-    engine = FakeEngine(reply=long, step_delay=0.001)
+    engine = ScriptedEngine(reply=long, step_delay=0.001)
     app = make_app(tmp_path, engine, settings=Settings(max_tokens=4096))
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)

@@ -20,17 +20,18 @@ from minivllm.tui.app import create_app
 from minivllm.tui.cli import load_keymap
 from minivllm.tui.cli import main as chat_main
 from minivllm.tui.conversation import Settings
-from minivllm.tui.fake_engine import FakeEngine
 from minivllm.tui.store import latest_session, load_session, session_files
 from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_until
+
+from minivllm.server.standin import ScriptedEngine
 
 SIZE = (160, 48)
 LONG = " ".join(f"w{i}" for i in range(300))
 
 
-def make_app(tmp_path: Path, engine: FakeEngine | None = None, **kw):
+def make_app(tmp_path: Path, engine: ScriptedEngine | None = None, **kw):
     kw.setdefault("data_root", tmp_path / "data")
-    app = create_app(engine or FakeEngine(step_delay=0.002), **kw)
+    app = create_app(engine or ScriptedEngine(step_delay=0.002), **kw)
     app.seen = []  # every notification, also those whose toast has timed out
     notify = app.notify
 
@@ -52,7 +53,7 @@ def started(tmp_path):
     engine (data under tmp_path), its chat screen up and the first input focused."""
 
     @asynccontextmanager
-    async def start(engine: FakeEngine | None = None, size=SIZE, **kw):
+    async def start(engine: ScriptedEngine | None = None, size=SIZE, **kw):
         app = make_app(tmp_path, engine, **kw)
         async with app.run_test(size=size) as pilot:
             await wait_ready(pilot)
@@ -67,7 +68,7 @@ def started(tmp_path):
 async def test_close_asks_when_the_pane_holds_a_conversation_and_reopen_brings_it_back(
     started, tmp_path
 ):
-    engine = FakeEngine(reply="kept reply", step_delay=0.001)
+    engine = ScriptedEngine(reply="kept reply", step_delay=0.001)
     async with started(engine, conversations=3) as (app, pilot):
         await type_and_send(pilot, 0, "remember me")
         await wait_idle(pilot)
@@ -113,7 +114,7 @@ async def test_close_asks_when_the_pane_holds_a_conversation_and_reopen_brings_i
 
 
 async def test_closing_a_streaming_pane_keeps_its_reply_for_reopen(started):
-    engine = FakeEngine(reply=LONG, hold_at=20)  # streams 20 tokens, then holds
+    engine = ScriptedEngine(reply=LONG, hold_at=20)  # streams 20 tokens, then holds
     async with started(engine) as (app, pilot):
         await type_and_send(pilot, 0, "long one")
         await wait_until(pilot, lambda: app.panes[0].tokens == 20)
@@ -170,7 +171,7 @@ def test_sessions_lists_and_resume_id_is_checked(tmp_path, monkeypatch, capsys):
 
 
 async def test_a_long_conversation_drops_its_oldest_turns_with_a_marker(started, tmp_path):
-    engine = FakeEngine({"max_model_length": 160}, reply="short reply here", step_delay=0.001)
+    engine = ScriptedEngine({"max_model_length": 160}, reply="short reply here", step_delay=0.001)
     settings = Settings(system_prompt="Be kind.", max_tokens=16)
     async with started(engine, settings=settings) as (app, pilot):
         pane = app.panes[0]
@@ -196,7 +197,7 @@ async def test_a_long_conversation_drops_its_oldest_turns_with_a_marker(started,
 
 
 async def test_the_context_figure_fits_three_pane_titles_at_80_columns(started):
-    engine = FakeEngine({"max_model_length": 8192}, reply="a reply", step_delay=0.001)
+    engine = ScriptedEngine({"max_model_length": 8192}, reply="a reply", step_delay=0.001)
     async with started(engine, size=(80, 24), conversations=3) as (app, pilot):
         await type_and_send(pilot, 0, "a question " * 150)
         await wait_idle(pilot)
@@ -269,7 +270,7 @@ async def test_unwritable_data_dir_warns_keeps_chatting_and_export_still_works(
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.chdir(tmp_path)
-    engine = FakeEngine(reply="still here", step_delay=0.001)
+    engine = ScriptedEngine(reply="still here", step_delay=0.001)
     async with started(engine, data_root=blocker / "data") as (app, pilot):
         await type_and_send(pilot, 0, "hello")
         await wait_idle(pilot)
@@ -306,7 +307,7 @@ async def test_resume_skips_bad_records_with_a_notice(started, tmp_path):
 
 
 async def test_ctrl_c_stops_the_focused_reply_and_never_quits(started):
-    engine = FakeEngine(reply=LONG, hold_at=20)  # both replies hold, streaming, at 20 tokens
+    engine = ScriptedEngine(reply=LONG, hold_at=20)  # both replies hold, streaming, at 20 tokens
     async with started(engine) as (app, pilot):
         await type_and_send(pilot, 0, "go")
         await type_and_send(pilot, 1, "go too")
@@ -356,7 +357,7 @@ def test_plain_mode_turns_echo_off_while_a_reply_streams():
 
 
 async def test_80x24_condenses_stats_shows_quit_and_the_settings_modal_scrolls(started):
-    async with started(FakeEngine(step_delay=0.001), size=(80, 24)) as (app, pilot):
+    async with started(ScriptedEngine(step_delay=0.001), size=(80, 24)) as (app, pilot):
         panel = app.chat.stats_panel
         await wait_until(pilot, lambda: panel.lines)
         assert panel.compact and len(panel.lines) == 2
@@ -378,7 +379,7 @@ async def test_80x24_condenses_stats_shows_quit_and_the_settings_modal_scrolls(s
         await pilot.press("enter")  # Enter in a field saves
         await wait_until(pilot, lambda: app.screen is app.chat)
         assert app.panes[0].conversation.settings.temperature == 0.25
-    async with started(FakeEngine(step_delay=0.001)) as (app, pilot):
+    async with started(ScriptedEngine(step_delay=0.001)) as (app, pilot):
         await wait_until(pilot, lambda: app.chat.stats_panel.lines)
         assert not app.chat.stats_panel.compact and len(app.chat.stats_panel.lines) == 3
 
@@ -387,7 +388,7 @@ async def test_80x24_condenses_stats_shows_quit_and_the_settings_modal_scrolls(s
 
 
 async def test_unknown_slash_command_is_reported_not_sent(started):
-    engine = FakeEngine(reply="r", step_delay=0.001)
+    engine = ScriptedEngine(reply="r", step_delay=0.001)
     async with started(engine) as (app, pilot):
         await type_and_send(pilot, 0, "/sytem be brief")
         await wait_until(pilot, lambda: any("unknown command /sytem" in n for n in notices(app)))
@@ -398,8 +399,37 @@ async def test_unknown_slash_command_is_reported_not_sent(started):
         assert pane.conversation.messages[0].content.startswith("/usr/bin/env")
 
 
+async def test_the_app_takes_every_slash_command_of_the_shared_table(started):
+    from minivllm.tui.commands import SLASH_COMMANDS
+
+    engine = ScriptedEngine(reply="r", step_delay=0.001)
+    async with started(engine) as (app, pilot):
+        pane = app.panes[0]
+        await type_and_send(pilot, 0, "/help")
+        await wait_until(pilot, lambda: any("/exit" in n for n in notices(app)))
+        (help_text,) = [n for n in notices(app) if "/exit" in n]
+        assert all(c.usage in help_text and c.help in help_text for c in SLASH_COMMANDS)
+        await type_and_send(pilot, 0, "/rep 1.25")
+        await wait_until(pilot, lambda: pane.conversation.settings.repetition_penalty == 1.25)
+        await type_and_send(pilot, 0, "/rep -1")
+        await wait_until(pilot, lambda: any("not set: " in n for n in notices(app)))
+        assert pane.conversation.settings.repetition_penalty == 1.25
+        await type_and_send(pilot, 0, "/all")  # needs TEXT: kept in the input
+        await wait_until(pilot, lambda: any("/all needs TEXT" in n for n in notices(app)))
+        assert pane.input.text == "/all"
+        pane.input.text = ""
+        await type_and_send(pilot, 0, "/stats")
+        await wait_until(pilot, lambda: any("stats are in the panel" in n for n in notices(app)))
+        await type_and_send(pilot, 0, "hello")
+        await wait_idle(pilot)
+        await type_and_send(pilot, 0, "/reset")  # /clear's other name, as in plain mode
+        await wait_until(pilot, lambda: pane.conversation.messages == [])
+        await type_and_send(pilot, 0, "/exit")
+        await wait_until(pilot, lambda: not app.is_running)
+
+
 async def test_think_on_a_model_without_thinking_says_so(started):
-    engine = FakeEngine(step_delay=0.001)
+    engine = ScriptedEngine(step_delay=0.001)
     engine.tokenizer.chat_template = "{{ messages }}"  # no enable_thinking switch
     async with started(engine) as (app, pilot):
         await type_and_send(pilot, 0, "/no_think")
@@ -434,7 +464,7 @@ def test_keymap_errors_name_the_file(tmp_path):
 
 async def test_copy_reply_page_keys_export_path_and_theme_kept(started, tmp_path):
     reply = "<think>\nhmm\n</think>\n\n" + "\n\n".join(f"paragraph {i}" for i in range(60))
-    async with started(FakeEngine(reply=reply, step_delay=0.0005)) as (app, pilot):
+    async with started(ScriptedEngine(reply=reply, step_delay=0.0005)) as (app, pilot):
         await type_and_send(pilot, 0, "long answer please")
         await wait_idle(pilot)
         await pilot.press("alt+c")
@@ -464,7 +494,7 @@ async def test_copy_reply_page_keys_export_path_and_theme_kept(started, tmp_path
 
 
 async def test_streaming_reply_is_plain_text_then_markdown_once(started):
-    engine = FakeEngine(reply="**bold** " + LONG, step_delay=0.003)
+    engine = ScriptedEngine(reply="**bold** " + LONG, step_delay=0.003)
     async with started(engine) as (app, pilot):
         await type_and_send(pilot, 0, "go")
         pane = app.panes[0]

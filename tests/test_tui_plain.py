@@ -8,13 +8,15 @@ import os
 import subprocess
 import sys
 
-from minivllm.tui.fake_engine import FakeEngine
 from minivllm.tui.plain import run_plain
 from minivllm.tui.store import latest_session, load_session
 
+from minivllm.server.standin import ScriptedEngine
+
 
 def test_plain_mode_from_a_fake_stdin(tmp_path):
-    engine = FakeEngine(reply=["First reply.", "Second \x1b[31mreply\x1b[0m."], step_delay=0.001)
+    engine = ScriptedEngine(reply=["First reply.", "Second \x1b[31mreply\x1b[0m."],
+                            step_delay=0.001)
     out, err = io.StringIO(), io.StringIO()
     stdin = io.StringIO("hello\n/stats\n\n/system Be brief.\ntwo \\\nlines\n/reset\n/stats\n")
     code = run_plain(engine=engine, stdin=stdin, stdout=out, stderr=err, interactive=False,
@@ -71,3 +73,27 @@ def test_plain_mode_ctrl_c_stops_the_reply_and_keeps_going(tmp_path):
     assert "You said: second" in second
     conv = load_session(latest_session(tmp_path)).conversations[0]
     assert [m.status for m in conv.messages] == ["done", "stopped", "done", "done"]
+
+
+def test_plain_mode_takes_every_slash_command_of_the_shared_table(tmp_path):
+    from minivllm.tui.commands import SLASH_COMMANDS
+
+    engine = ScriptedEngine(reply="ok", step_delay=0.001)
+    lines = ["/help", "/rep 1.3", "/rep", "/rep often", "/all to everyone", "/sytem x",
+             "/no_think hi", "/all", "/quit", "never read"]
+    out, err = io.StringIO(), io.StringIO()
+    code = run_plain(engine=engine, stdin=io.StringIO("\n".join(lines) + "\n"), stdout=out,
+                     stderr=err, interactive=False, data_root=tmp_path)
+    assert code == 0
+    text = out.getvalue()
+    for command in SLASH_COMMANDS:  # /help lists the table
+        assert command.usage in text and command.help in text
+    assert "(repetition penalty set to 1.3)" in text and "(repetition penalty: 1.3)" in text
+    assert "(not set: repetition_penalty='often': not a number)" in text
+    assert "(unknown command /sytem (/help lists the commands))" in text
+    assert "(/all needs TEXT: /all TEXT)" in text
+    assert "(thinking off)" in text
+    conv = load_session(latest_session(tmp_path)).conversations[0]
+    # /all sends to the one conversation; /no_think sends the rest; /quit ends the input.
+    assert [m.content for m in conv.messages] == ["to everyone", "ok", "hi", "ok"]
+    assert conv.settings.repetition_penalty == 1.3 and not conv.settings.thinking

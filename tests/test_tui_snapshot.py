@@ -10,9 +10,9 @@ import json
 
 from minivllm.tui.app import create_app
 from minivllm.tui.conversation import Settings
-from minivllm.tui.fake_engine import FakeEngine
 
 from minivllm.outputs import EngineStats
+from minivllm.server.standin import ScriptedEngine
 
 FROZEN = EngineStats(
     block_size=256, num_blocks=2047, num_used_blocks=612, num_running=3, num_waiting=1,
@@ -45,7 +45,9 @@ def test_layout_snapshot(snap_compare, tmp_path):
     folder = tmp_path / "data" / "sessions"
     folder.mkdir(parents=True)
     (folder / "snapshot.jsonl").write_text("".join(json.dumps(r) + "\n" for r in SESSION))
-    app = create_app(FakeEngine(frozen_stats=FROZEN), data_root=tmp_path / "data",
+    engine = ScriptedEngine()
+    engine.stats = lambda: FROZEN
+    app = create_app(engine, data_root=tmp_path / "data",
                      resume=True, stats_interval=3600)
 
     async def settle(pilot):

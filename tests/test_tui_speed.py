@@ -19,11 +19,16 @@ import pytest
 from minivllm.tui.app import SWITCH_INTERVAL, create_app
 from minivllm.tui.cli import use_engine_process
 from minivllm.tui.engine_spec import EngineSpec, engine_process_client
-from minivllm.tui.fake_engine import FakeEngine, GpuLikeEngine, WordTokenizer, gpu_like_reply
 from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_until
 
 from minivllm.frontend import GenerateRequest
 from minivllm.sampling_params import SamplingParams
+from minivllm.server.standin import (
+    ScriptedEngine,
+    WordTokenizer,
+    gpu_like_engine,
+    gpu_like_reply,
+)
 
 SIZE = (160, 48)
 
@@ -202,7 +207,7 @@ async def test_switch_interval_is_short_while_the_app_runs_and_restored_after():
     before = sys.getswitchinterval()
     sys.setswitchinterval(0.005)
     try:
-        app = create_app(FakeEngine(), save_sessions=False)
+        app = create_app(ScriptedEngine(), save_sessions=False)
         async with app.run_test(size=SIZE) as pilot:
             await wait_ready(pilot)
             assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL)
@@ -213,12 +218,13 @@ async def test_switch_interval_is_short_while_the_app_runs_and_restored_after():
 
 
 def test_gpu_like_engine_makes_markdown_prose_at_its_timing():
-    engine = GpuLikeEngine(host_s=0.0, device_s=0.0)
+    engine = gpu_like_engine(host_ms=0.0, device_ms=0.0)
     assert isinstance(engine.tokenizer, WordTokenizer)
     reply = gpu_like_reply(3)
     assert "```python" in reply and "\n- **" in reply and reply.startswith("## ")
     ids = engine.tokenizer.encode(reply)
     assert engine.tokenizer.decode(ids) == reply and len(reply) / len(ids) > 3
+    engine.pop_deltas()  # streaming on: finished requests wait to be reported
     seq = engine.add_prompt("hi", SamplingParams(max_tokens=5))
     steps = 0
     while not engine.scheduler.is_finished():
@@ -226,15 +232,15 @@ def test_gpu_like_engine_makes_markdown_prose_at_its_timing():
         steps += 1
     (delta,) = [d for d in engine.pop_deltas() if d.seq_id == seq]
     assert steps == 5 and len(delta.token_ids) == 5
-    with pytest.raises(ValueError, match="host_s=-1"):
-        GpuLikeEngine(host_s=-1)
+    with pytest.raises(ValueError, match="host_ms=-1"):
+        gpu_like_engine(host_ms=-1)
 
 
 @pytest.mark.slow
 def test_bench_runs_on_the_gpu_like_stand_in_both_ways(capsys):
     """`minivllm-chat --bench --engine gpu-like --engine-process both`: headless, app and
     app-with-engine-process rounds, and their ratios."""
-    from minivllm.tui.bench import main as bench_main
+    from minivllm.bench.chat_app import main as bench_main
 
     assert bench_main(["--engine", "gpu-like", "--panes", "2", "--max-tokens", "24",
                        "--rounds", "1", "--engine-process", "both"]) == 0
@@ -247,7 +253,7 @@ def test_bench_runs_on_the_gpu_like_stand_in_both_ways(capsys):
 
 
 def test_bench_rejects_bad_counts(capsys):
-    from minivllm.tui.bench import main as bench_main
+    from minivllm.bench.chat_app import main as bench_main
 
     assert bench_main(["--engine", "gpu-like", "--panes", "0"]) == 1
     assert "--panes=0" in capsys.readouterr().out
@@ -258,7 +264,7 @@ def test_bench_rejects_bad_counts(capsys):
 def test_bench_round_that_hangs_fails_with_the_stacks(capsys):
     """A round past --round-timeout ends the bench (status 1) saying so, instead of
     hanging a GPU job until its wall-clock limit."""
-    from minivllm.tui.bench import main as bench_main
+    from minivllm.bench.chat_app import main as bench_main
 
     assert bench_main(["--engine", "gpu-like", "--panes", "1", "--max-tokens", "5000",
                        "--device-ms", "5", "--round-timeout", "0.05"]) == 1
@@ -271,8 +277,7 @@ def test_bench_lends_the_engine_process_as_a_client_on_every_python():
     must define every `EngineClient` member itself or the app takes it for an engine."""
     import inspect
 
-    from minivllm.tui.bench import _Borrowed
-
+    from minivllm.bench.chat_app import _Borrowed
     from minivllm.frontend import EngineClient
 
     members = [n for n in vars(EngineClient) if not n.startswith("_")]

@@ -1,6 +1,6 @@
 """minivllm-chat: several conversations side by side against one engine, with live stats.
 
-`create_app(engine=...)` builds the Textual app around an engine (real or fake);
+`create_app(engine=...)` builds the Textual app around an engine (real or scripted);
 `minivllm.tui.cli:main` is the `minivllm-chat` console script; `--plain` runs
 `minivllm.tui.plain`. Module map: engine_client (where the app's `EngineClient` comes
 from: an engine served by the shared front end, an engine process or a server; the app
@@ -9,8 +9,8 @@ reads each request's stream from it on its own event loop), engine_spec (what
 messages (what the loading thread posts to the UI), conversation / store (data and the session file:
 created at the first message, validated on replay, memory-only when it cannot be
 written), thinking / sanitize / stats (pure helpers), widgets/ (one widget per module),
-app (wiring), bench (`minivllm-chat --bench`: the app's cost), fake_engine (a scripted
-engine for tests and demos, and the bench's GPU-like stand-in).
+app (wiring); `minivllm-chat --bench` is `minivllm.bench.chat_app`. The scripted engine of the
+tests, the demo and the bench's GPU-like case is `minivllm.server.standin`'s.
 """
 
 from __future__ import annotations

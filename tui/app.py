@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import re
 import sys
 import time
 import traceback
@@ -30,7 +29,12 @@ from textual.theme import Theme
 
 from minivllm.frontend import EngineClient, EngineUnavailable, GenerateRequest, RequestOutput
 
-from .commands import chat_commands
+from .commands import (
+    chat_commands,
+    commands_help,
+    parse_repetition_penalty,
+    parse_slash,
+)
 from .conversation import FINISH_TO_STATUS, Conversation, Settings, Status
 from .engine_client import EngineFactory, EngineSource, engine_info, render_prompt
 from .heap import settle
@@ -67,12 +71,8 @@ SETTLE_AFTER = 0.5  # seconds of nothing streaming before the heap is settled (`
 HELP = (
     "Enter sends · ctrl+j newline · Esc or ctrl+c stops · alt+a or /all sends to every pane · "
     "ctrl+r regenerates · ctrl+n/ctrl+w new/close · ctrl+o reopens · alt+1..9 focus · "
-    "alt+c copies the reply · PgUp/PgDn scroll · ctrl+p commands · "
-    "/think /no_think /system TEXT /clear /help"
+    "alt+c copies the reply · PgUp/PgDn scroll · ctrl+p commands\n" + commands_help()
 )
-COMMANDS = ("/all", "/think", "/no_think", "/system", "/clear", "/help")
-# A first word like `/sytem` is a (mistyped) command; `/usr/bin/env ...` is text.
-COMMAND_WORD = re.compile(r"/[A-Za-z_]+")
 
 
 class ChatApp(App):
@@ -580,38 +580,56 @@ class ChatApp(App):
     async def _slash_command(
         self, pane: ConversationPane, text: str
     ) -> tuple[bool, str | None]:
-        """Returns (handled, text to send; None for an unknown command). `/all X`,
-        `/think [X]`, `/no_think [X]`, `/system [TEXT]`, `/clear`, `/help`; a first word
-        that is not a command word (`/usr/bin ...`) is sent as typed."""
-        word, _, rest = text.partition(" ")
-        rest = rest.strip()
-        if word == "/all" and rest:
+        """Returns (handled, text to send; None for an unknown or incomplete command,
+        which stays in the input for fixing). The commands are `commands.SLASH_COMMANDS`;
+        a first word that is not a command word (`/usr/bin ...`) is sent as typed."""
+        slash = parse_slash(text)
+        if slash is None:
+            return False, text
+        if slash.error is not None:
+            self.notify(slash.error, severity="warning", markup=False)
+            return True, None
+        name, rest = slash.command.name, slash.rest
+        if name == "/all":
             await self.broadcast(rest)
-            return True, ""
-        if word in ("/think", "/no_think"):
-            self._set_thinking(pane, word == "/think")
+        elif name in ("/think", "/no_think"):
+            self._set_thinking(pane, name == "/think")
             return (not rest), rest
-        if word == "/system":
-            if rest:
-                new = copy.deepcopy(pane.conversation.settings)
-                new.system_prompt = rest
-                self._apply_settings(pane, new)
-                self.notify(f"pane #{pane.number}: system prompt set")
-            else:
-                self.action_settings("system")
-            return True, ""
-        if word == "/clear":
+        elif name == "/system" and rest:
+            new = copy.deepcopy(pane.conversation.settings)
+            new.system_prompt = rest
+            self._apply_settings(pane, new)
+            self.notify(f"pane #{pane.number}: system prompt set")
+        elif name == "/system":
+            self.action_settings("system")
+        elif name == "/rep":
+            self._set_repetition_penalty(pane, rest)
+        elif name == "/clear":
             self._focus(pane)
             await self.action_clear()
-            return True, ""
-        if word == "/help":
-            self.notify(HELP, timeout=10)
-            return True, ""
-        if COMMAND_WORD.fullmatch(word):
-            self.notify(f"unknown command {word} (commands: {' '.join(COMMANDS)}; "
-                        "/help explains)", severity="warning", markup=False)
-            return True, None
-        return False, text
+        elif name == "/stats":
+            self.notify("the engine's stats are in the panel at the bottom")
+        elif name == "/help":
+            self.notify(HELP, timeout=10, markup=False)
+        elif name == "/exit":
+            await self.action_quit()
+        return True, ""
+
+    def _set_repetition_penalty(self, pane: ConversationPane, rest: str) -> None:
+        settings = pane.conversation.settings
+        if not rest:
+            self.notify(f"pane #{pane.number}: repetition penalty "
+                        f"{settings.repetition_penalty:g}")
+            return
+        try:
+            value = parse_repetition_penalty(rest)
+        except ValueError as exc:
+            self.notify(f"not set: {exc}", severity="warning", markup=False)
+            return
+        new = copy.deepcopy(settings)
+        new.repetition_penalty = value
+        self._apply_settings(pane, new)
+        self.notify(f"pane #{pane.number}: repetition penalty set to {value:g}")
 
     async def _submit(self, pane: ConversationPane) -> None:
         request_id = self._next_request

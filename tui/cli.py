@@ -118,9 +118,9 @@ def engine_factory(args: argparse.Namespace, config: dict[str, Any]) -> EngineFa
                 return engine_process_client(EngineSpec("fake", config, FAKE_OPTIONS))
             return engine_process_client(EngineSpec("llm", config))
         if args.fake:
-            from .fake_engine import FakeEngine
+            from minivllm.server.standin import ScriptedEngine
 
-            return FakeEngine(config, on_progress, **FAKE_OPTIONS)
+            return ScriptedEngine(config, on_progress, **FAKE_OPTIONS)
         from minivllm import LLMEngine
         from minivllm.frontend import EngineFrontend
 
@@ -206,7 +206,7 @@ def fail(error: BaseException | str) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--bench" in argv:  # the app's benchmark, with its own options
-        from .bench import main as bench_main
+        from minivllm.bench.chat_app import main as bench_main
 
         return bench_main([a for a in argv if a != "--bench"])
     args = build_parser().parse_args(argv)

@@ -21,7 +21,7 @@ from minivllm.frontend.protocol import ProgressFn
 @dataclass(frozen=True)
 class EngineSpec:
     """What the child builds: `kind` "llm" (`LLMEngine(config)`), "gpu-like" (the bench's
-    `GpuLikeEngine(**options)`) or "fake" (`FakeEngine(config, **options)`).
+    `gpu_like_engine(config, **options)`) or "fake" (`ScriptedEngine(config, **options)`).
     `bench_tokenizer`: give a tokenizer-less engine (random weights) the bench's."""
 
     kind: str
@@ -41,13 +41,13 @@ def build_engine(spec: EngineSpec, on_progress: ProgressFn) -> Any:
 
         torch.set_num_threads(spec.threads)
     if spec.kind == "gpu-like":
-        from .fake_engine import GpuLikeEngine
+        from minivllm.server.standin import gpu_like_engine
 
-        engine: Any = GpuLikeEngine(spec.config, on_progress, **spec.options)
+        engine: Any = gpu_like_engine(spec.config, on_progress, **spec.options)
     elif spec.kind == "fake":
-        from .fake_engine import FakeEngine
+        from minivllm.server.standin import ScriptedEngine
 
-        engine = FakeEngine(spec.config, on_progress, **spec.options)
+        engine = ScriptedEngine(spec.config, on_progress, **spec.options)
     else:
         import inspect
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import queue
-import re
 import sys
 import time
 from collections.abc import Iterator
@@ -22,8 +21,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from minivllm.frontend import EngineClient, EngineUnavailable, GenerateRequest, RequestOutput
-from minivllm.sampling_params import SamplingParams
 
+from .commands import commands_help, parse_repetition_penalty, parse_slash
 from .conversation import FINISH_TO_STATUS, ChatMessage, Conversation, Settings
 from .engine_client import EngineFactory, EngineSource
 from .sanitize import StreamCleaner
@@ -32,11 +31,8 @@ from .store import SessionStore, data_dir, new_session_path
 from .thinking import ThinkParser
 from .widgets.header import header_text
 
-HELP = (
-    "Enter sends; Esc Enter or ctrl+j: newline; Ctrl-C stops the reply; Ctrl-D exits.\n"
-    "/stats  engine stats   /reset  forget the conversation   /system [TEXT]  system prompt\n"
-    "/think /no_think  thinking on/off (Qwen3)   /rep [X]  repetition penalty (1 = off)   /exit"
-)
+HELP = ("Enter sends; Esc Enter or ctrl+j: newline; Ctrl-C stops the reply; Ctrl-D exits.\n"
+        + commands_help())
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
 
@@ -96,39 +92,44 @@ class PlainChat:
     # -- commands ----------------------------------------------------------------------
 
     def command(self, text: str) -> bool:
-        """Handle a /command; returns False to exit."""
-        word, _, rest = text.partition(" ")
-        rest = rest.strip()
-        if word in ("/exit", "/quit"):
+        """Handle a message that may start with a slash command
+        (`commands.SLASH_COMMANDS`); returns False to exit."""
+        slash = parse_slash(text)
+        if slash is None:
+            return self.send(text)
+        if slash.error is not None:
+            self._say(f"({slash.error})")
+            return True
+        name, rest = slash.command.name, slash.rest
+        if name == "/exit":
             return False
-        if word == "/stats":
+        if name == "/all":  # every conversation of plain mode is this one
+            return self.send(rest)
+        if name == "/stats":
             self.print_stats()
-        elif word == "/reset":
+        elif name == "/clear":
             self.conv.messages.clear()
             if self.store is not None:
                 self.store.clear(1)
             self._say("(conversation reset)")
-        elif word == "/system":
-            if rest:
-                self._set(system_prompt=rest)
-                self._say("(system prompt set)")
-            else:
-                self._say(f"(system prompt: {self.conv.settings.system_prompt or 'none'})")
-        elif word in ("/think", "/no_think"):
+        elif name == "/system" and rest:
+            self._set(system_prompt=rest)
+            self._say("(system prompt set)")
+        elif name == "/system":
+            self._say(f"(system prompt: {self.conv.settings.system_prompt or 'none'})")
+        elif name in ("/think", "/no_think"):
             if not self.supports_thinking:
                 self._say("(this model has no thinking mode: its chat template has no "
                           "enable_thinking switch)")
-            else:
-                self._set(thinking=word == "/think")
-                self._say(f"(thinking {'on' if word == '/think' else 'off'})")
-        elif word == "/rep":
+                return True
+            self._set(thinking=name == "/think")
+            self._say(f"(thinking {'on' if name == '/think' else 'off'})")
+            if rest:
+                return self.send(rest)
+        elif name == "/rep":
             self._set_repetition_penalty(rest)
-        elif word == "/help":
+        elif name == "/help":
             self._say(HELP)
-        elif re.fullmatch(r"/[A-Za-z_]+", word):
-            self._say(f"(unknown command {word}; /help lists the commands)")
-        else:
-            return self.send(text)
         return True
 
     @property
@@ -152,8 +153,7 @@ class PlainChat:
             self._say(f"(repetition penalty: {self.conv.settings.repetition_penalty:g})")
             return
         try:
-            value = float(rest)
-            SamplingParams(repetition_penalty=value)  # the engine's own check
+            value = parse_repetition_penalty(rest)
         except ValueError as exc:
             self._say(f"(not set: {exc})")
             return

@@ -34,7 +34,7 @@ def sync(llm: LLMEngine) -> None:
         torch.cuda.synchronize(llm.device)
 
 
-# -- the throughput workload (nano-vllm's bench.py) ---------------------------------------
+# -- the throughput workload (nano-vllm's benchmark script) -------------------------------
 
 
 def throughput_workload(num_seqs: int, max_input: int, max_output: int):

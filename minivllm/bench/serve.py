@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .cli import add_engine_arguments, build_engine
-from .launch import descendants, launch_server
+from ..server.cli import add_engine_arguments, build_engine
+from ..server.launch import descendants, launch_server
 
 # What the constrained clients ask for: an object whose array of strings can go on for as
 # long as the model likes (the stand-in's random tokens close it late, if ever).

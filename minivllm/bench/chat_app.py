@@ -13,9 +13,9 @@ headless rounds' mean): until every pane is idle (the replies rendered as Markdo
 engine side, until the engine produced the last token (what the app costs the engine);
 and the UI thread's CPU time per generated token (steadier than tok/s on a shared machine).
 
-`--engine gpu-like` measures the GPU case on a CPU: a stand-in engine
-(`fake_engine.GpuLikeEngine`) whose step holds the GIL `--host-ms` (0.3) and then waits
-`--device-ms` (1.0) with it released, as a CUDA sync does, ~3,000 tok/s with 4 panes.
+`--engine gpu-like` measures the GPU case on a CPU: the real engine over a scripted model
+runner (`minivllm.server.standin.gpu_like_engine`) whose step holds the GIL `--host-ms`
+(0.3) and then waits `--device-ms` (1.0) with it released, as a CUDA sync does.
 
 `--engine-process on` runs the engine in a child process (`EngineProcessClient`, what
 `minivllm-chat --engine-process` does); headless rounds then send the requests to that
@@ -44,11 +44,10 @@ from typing import Any
 from minivllm.config import APP_CPU_WEIGHT_DTYPE
 from minivllm.engine_args import EngineArgs
 from minivllm.sampling_params import SamplingParams
-
-from .bench_tokenizer import BenchTokenizer
-from .conversation import Settings
-from .engine_client import render_prompt
-from .engine_defaults import CPU_STEP_TOKENS, runs_on_cpu
+from minivllm.tui.bench_tokenizer import BenchTokenizer
+from minivllm.tui.conversation import Settings
+from minivllm.tui.engine_client import render_prompt
+from minivllm.tui.engine_defaults import CPU_STEP_TOKENS, runs_on_cpu
 
 TOPICS = ["a lighthouse keeper", "a robot learning to paint", "a city under the sea",
           "a dragon who collects books", "a time-travelling cat", "the first Mars colony",
@@ -169,8 +168,8 @@ async def run_app(engine: Any, users: list[str], max_tokens: int,
                   timeout: float = 3600.0) -> AppRound:
     """One round through the app (the engine in this process, or a started `client`);
     appends the UI thread's CPU seconds to `ui_cpu`."""
-    from .app import create_app
-    from .testing import wait_idle, wait_ready
+    from minivllm.tui.app import create_app
+    from minivllm.tui.testing import wait_idle, wait_ready
 
     settings = Settings(temperature=0.0, top_p=1.0, max_tokens=max_tokens)
     options: dict[str, Any] = {"conversations": len(users), "save_sessions": False,
@@ -209,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default="real", choices=["real", "gpu-like"],
                    help="real: the model (default); gpu-like: a stand-in with a GPU engine's "
                    "timing (each step holds the GIL --host-ms, then waits --device-ms with it "
-                   "released; ~3,000 tok/s with 4 panes), to measure the GPU case on a CPU")
+                   "released), to measure the GPU case on a CPU")
     p.add_argument("--host-ms", type=float, default=0.3,
                    help="gpu-like: host (GIL-held) ms per step (default 0.3)")
     p.add_argument("--device-ms", type=float, default=1.0,
@@ -239,11 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_spec(args: argparse.Namespace) -> Any:
-    from .engine_spec import EngineSpec
+    from minivllm.tui.engine_spec import EngineSpec
 
     if args.engine == "gpu-like":
-        return EngineSpec("gpu-like", options={"host_s": args.host_ms / 1000,
-                                               "device_s": args.device_ms / 1000},
+        return EngineSpec("gpu-like", options={"host_ms": args.host_ms,
+                                               "device_ms": args.device_ms},
                           threads=args.threads)
     return EngineSpec("llm", engine_config(args), bench_tokenizer=True, threads=args.threads)
 
@@ -254,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"minivllm-chat --bench: error: --panes={args.panes}, --max-tokens="
               f"{args.max_tokens} and --rounds={args.rounds} must be >= 1")
         return 1
-    from .engine_spec import build_engine, engine_process_client
+    from minivllm.tui.engine_spec import build_engine, engine_process_client
 
     spec = engine_spec(args)
     engine: Any = None
