@@ -82,6 +82,9 @@ class StandInRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         pass
 
+    def release(self) -> None:
+        pass  # no pool, graphs or weights to free
+
     def launch(self, batch: Any) -> _Handle:
         now = time.perf_counter()
         end = (self.step_started or now) + self.host_s
