@@ -225,6 +225,7 @@ class ChatApp(App):
 
     def _show_chat(self, info: EngineInfo) -> None:
         self.info = info
+        settle(everything=True)  # the engine's and the app's start-up objects, before the chat
         panes = [ConversationPane(c, i + 1) for i, c in enumerate(self._initial)]
         for pane in panes:
             self._count_context(pane)
@@ -235,7 +236,6 @@ class ChatApp(App):
         else:
             self.push_screen(self.chat)
         self.call_after_refresh(self._poll_engine)  # the panel's first figures at once
-        self.call_after_refresh(settle, True)  # the engine's and the app's start-up objects
 
     def _connect(self) -> None:
         """Thread worker: build or connect the engine's client behind the loading screen."""
