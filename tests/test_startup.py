@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from minivllm import loader
+from minivllm.loader import gguf as gguf_loader
 from minivllm.loader import resolve_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def conversions(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
         calls.append(gguf)
         _fake_checkpoint(dest)
 
-    monkeypatch.setattr(loader, "_convert_gguf", convert)
+    monkeypatch.setattr(gguf_loader, "_convert_gguf", convert)
     return calls
 
 
@@ -87,14 +87,14 @@ def test_failed_conversion_leaves_no_lock_and_no_entry(
         (dest / "model.safetensors").write_bytes(b"half of the weigh")
         raise ValueError(f"{gguf} cannot be read as a GGUF checkpoint")
 
-    monkeypatch.setattr(loader, "_convert_gguf", fail_midway)
+    monkeypatch.setattr(gguf_loader, "_convert_gguf", fail_midway)
     with pytest.raises(ValueError, match="cannot be read as a GGUF checkpoint"):
         resolve_model(str(gguf), progress=False)
     root = cache / "gguf"
     assert sorted(p.name for p in root.iterdir()) == ["digests"]  # no lock, no folder
 
     # The next attempt is not blocked by anything the failed one left behind.
-    monkeypatch.setattr(loader, "_convert_gguf", lambda g, d: _fake_checkpoint(d))
+    monkeypatch.setattr(gguf_loader, "_convert_gguf", lambda g, d: _fake_checkpoint(d))
     folder = resolve_model(str(gguf), progress=False)
     assert sorted(p.name for p in root.iterdir()) == ["digests", folder.name]
 
@@ -108,7 +108,7 @@ def test_lock_excludes_and_is_removed(tmp_path: Path) -> None:
     release = threading.Event()
 
     def hold(name: str) -> None:
-        with loader._exclusive(path):
+        with gguf_loader._exclusive(path):
             holders.append(f"{name} in")
             entered.set()
             release.wait(30)
@@ -172,10 +172,10 @@ START = textwrap.dedent(
     from pathlib import Path
 
     mode, gguf, tiny = sys.argv[1:4]
-    from minivllm import loader
     from minivllm.engine import model_runner
     from minivllm.kernels import cpu_lowp_linear as kernel
     from minivllm.layers import cpu_linear, embed_head, linear
+    from minivllm.loader import gguf as gguf_loader
 
     def convert(source, dest):
         for f in Path(tiny).iterdir():
@@ -185,9 +185,9 @@ START = textwrap.dedent(
         raise AssertionError("a start with warm caches did this")
 
     if mode == "first":
-        loader._convert_gguf = convert
+        gguf_loader._convert_gguf = convert
     else:
-        loader._convert_gguf = kernel._compile = fail
+        gguf_loader._convert_gguf = kernel._compile = fail
         model_runner.lowp_linears = cpu_linear._lowp_weight = fail
         for cls in (linear.LinearBase, linear.ColumnParallelLinear,
                     linear.MergedColumnParallelLinear, linear.QKVParallelLinear,
@@ -614,9 +614,10 @@ WARMUP = textwrap.dedent(
     from pathlib import Path
 
     mode, gguf, tiny = sys.argv[1:4]
-    from minivllm import cli, loader
+    from minivllm import cli
     from minivllm.kernels import cpu_lowp_linear as kernel
     from minivllm.layers import cpu_linear
+    from minivllm.loader import gguf as gguf_loader
 
     order = []
     start_build = kernel.build_in_background
@@ -634,11 +635,12 @@ WARMUP = textwrap.dedent(
         raise AssertionError("a start after the warm-up did this")
 
     if mode == "warmup":
-        kernel.build_in_background, loader._convert_gguf = build_in_background, convert
+        kernel.build_in_background, gguf_loader._convert_gguf = build_in_background, convert
         cli.main(["warmup", "--model", gguf, "--device", "cpu"])
         print("order:", " ".join(order))
     else:
-        loader._convert_gguf = kernel._compile = cpu_linear._lowp_weight = fail
+        gguf_loader._convert_gguf = kernel._compile = cpu_linear._lowp_weight = fail
+        cpu_linear.LowpWeight.dequantized = fail  # the prefill's copies: cached too
         cli.main(["generate", "--model", gguf, "--device", "cpu", "--prompt", "Paris",
                   "--max-tokens", "3", "--max-model-length", "256"])
     """
