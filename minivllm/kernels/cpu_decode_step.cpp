@@ -9,6 +9,7 @@
 // Built after cpu_lowp_linear.cpp as one translation unit (one extension): it calls that
 // file's `lowp_linear` / `group_linear` and adds its op to the same `minivllm_cpu` library.
 
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/linear.h>
 
 #include <algorithm>

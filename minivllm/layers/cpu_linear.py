@@ -21,6 +21,8 @@ import contextlib
 import hashlib
 import itertools
 import os
+import sys
+import threading
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -112,7 +114,10 @@ class LowpWeight(NamedTuple):
         """The product on the wide copy: x in the copy's dtype (bf16: rounded; fp32: as
         is), fp32 sums, out in that dtype, as fp32."""
         wide = self.wide.get() if isinstance(self.wide, WideCopy) else self.wide
-        y = torch.ops.mkldnn._linear_pointwise(x.to(wide.dtype), wide, None, "none", [], "")
+        if wide.layout == torch.strided:  # a plain fp32 weight (`WideCopy`): MKL's product
+            y = F.linear(x.to(wide.dtype), wide)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x.to(wide.dtype), wide, None, "none", [], "")
         y = y.float()
         return y if bias is None else y + bias
 
@@ -137,25 +142,95 @@ class LowpWeight(NamedTuple):
 
 
 class WideCopy:
-    """A weight-only linear's oneDNN-packed `dtype` copy, made at its first product.
+    """A weight-only linear's `dtype` copy for a prefill's products, made at its first use.
 
-    Packing every layer's copy takes seconds (dequantize, then oneDNN's reorder); made
-    when a prefill first needs it, a start and the decode-only requests never pay it.
+    The copy is the weight dense in `dtype` (what the weight-only one stands for) from the
+    model's `DenseCopies`, used as it is in fp32 (MKL's products of many rows on a plain
+    weight run as fast as oneDNN's on a packed one: AVX2, 128-512 rows) and packed by
+    oneDNN in bf16. Made when a prefill first needs it, a start and the decode-only
+    requests never pay for it.
     """
 
-    def __init__(self, weight: LowpWeight, dtype: torch.dtype) -> None:
+    def __init__(self, weight: LowpWeight, dtype: torch.dtype,
+                 dense: DenseCopies | None = None, name: str = "") -> None:
         self.dtype = dtype
         self._weight: LowpWeight | None = weight._replace(wide=None)
+        self._dense, self._name = dense, name
         self._packed: torch.Tensor | None = None
 
     def get(self) -> torch.Tensor:
         if self._packed is None:
             assert self._weight is not None
-            packed = pack_weight(self._weight.dequantized().to(self.dtype))
+            if self._dense is not None:
+                weight = self._dense.get(self._name)
+            else:
+                weight = self._weight.dequantized().to(self.dtype)
+            packed = weight if self.dtype == torch.float32 else pack_weight(weight)
             if packed is None:  # `add_wide_copies` checked that oneDNN packs this dtype
                 raise RuntimeError(f"oneDNN cannot pack a {self.dtype} weight here")
-            self._packed, self._weight = packed, None
+            self._packed, self._weight, self._dense = packed, None, None
         return self._packed
+
+
+class DenseCopies:
+    """Every weight-only linear's weight dense in `dtype` ([out, in], what its weight-only
+    copy stands for), made for the model's first prefill, all at once: mapped from `file`
+    where an earlier start wrote it (SmolLM2-135M in fp32: 425 MB, the OS reads pages as
+    they are used), else dequantized (seconds) and written to `file` for the next start.
+    A file that cannot be read, or is not this model's, is written again with a one-line
+    note on stderr."""
+
+    def __init__(self, weights: dict[str, LowpWeight], dtype: torch.dtype,
+                 file: Path | None) -> None:
+        self.dtype, self.file = dtype, file
+        self._weights: dict[str, LowpWeight] | None = weights
+        self._dense: dict[str, torch.Tensor] | None = None
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> torch.Tensor:
+        with self._lock:
+            if self._dense is None:
+                self._dense = self._read() or self._make()
+                self._weights = None
+            return self._dense[name]
+
+    def _read(self) -> dict[str, torch.Tensor] | None:
+        from ..loader import map_safetensors
+
+        if self.file is None or not self.file.is_file():
+            return None
+        assert self._weights is not None
+        try:
+            tensors, _ = map_safetensors(self.file)
+        except ValueError:
+            size = self.file.stat().st_size
+            _note(f"{self.file}: unreadable ({size} bytes); dequantizing the weights again")
+            return None
+        if set(tensors) != set(self._weights) or any(
+            tensors[name].dtype != self.dtype
+            or tuple(tensors[name].shape) != (lowp.out_features, lowp.packed.shape[1])
+            for name, lowp in self._weights.items()
+        ):
+            _note(f"{self.file}: not this model's prefill weights; dequantizing them again")
+            return None
+        return tensors
+
+    def _make(self) -> dict[str, torch.Tensor]:
+        assert self._weights is not None
+        dense = {
+            name: lowp.dequantized().to(self.dtype).contiguous()
+            for name, lowp in self._weights.items()
+        }
+        if self.file is not None:
+            with contextlib.suppress(OSError):  # a read-only cache: dequantize next time
+                _save_atomically(dense, {}, self.file)
+                # The file's pages instead of the copies: the OS may drop them when idle.
+                return self._read() or dense
+        return dense
+
+
+def _note(message: str) -> None:
+    print(f"minivllm: {message}", file=sys.stderr, flush=True)
 
 
 def _ops_available() -> bool:
@@ -320,22 +395,29 @@ def int8_activations(model: torch.nn.Module) -> int:
     return count
 
 
-def add_wide_copies(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Give every weight-only linear but the LM head (one row a sequence) a oneDNN-packed
-    `dtype` copy of its weight for a prefill's products, packed at its first use
-    (`WideCopy`); returns how many took one (none where oneDNN cannot pack `dtype` here).
-    Costs 2 bytes a weight in bf16, 4 in fp32 (SmolLM2-135M: ~210 / ~420 MB), once used."""
+def add_wide_copies(
+    model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, cache: Path | None = None
+) -> int:
+    """Give every weight-only linear but the LM head (one row a sequence) a `dtype` copy of
+    its weight for a prefill's products, made at its first use (`WideCopy`) from the
+    model's dense copies, cached in a file beside `cache` (the packed weights' file; None:
+    nothing cached); returns how many took one (none where oneDNN cannot pack `dtype`
+    here). Costs 2 bytes a weight in bf16, 4 in fp32 (SmolLM2-135M: ~210 / ~420 MB), once
+    used."""
     if pack_weight(torch.zeros(16, 64, dtype=dtype)) is None:  # oneDNN refuses the dtype
         return 0
     head = getattr(model, "lm_head", None)
-    count = 0
-    for module in model.modules():
-        lowp = getattr(module, "lowp", None)
-        if lowp is None or module is head:
-            continue
-        module.lowp = lowp._replace(wide=WideCopy(lowp, dtype))
-        count += 1
-    return count
+    slots = {
+        name: module for name, module in model.named_modules()
+        if getattr(module, "lowp", None) is not None and module is not head
+    }
+    file = None if cache is None else cache.with_name(
+        f"{cache.stem}-prefill-{str(dtype).removeprefix('torch.')}.safetensors"
+    )
+    dense = DenseCopies({name: m.lowp for name, m in slots.items()}, dtype, file)
+    for name, module in slots.items():
+        module.lowp = module.lowp._replace(wide=WideCopy(module.lowp, dtype, dense, name))
+    return len(slots)
 
 
 # -- the packed weights cached on disk ---------------------------------------------------
@@ -376,8 +458,6 @@ def replaced_weights(model: torch.nn.Module) -> frozenset[str]:
 
 def save_lowp_linears(model: torch.nn.Module, file: Path) -> None:
     """Write every linear's weight-only copy to `file` (written aside, then renamed)."""
-    from safetensors.torch import save_file
-
     tensors: dict[str, torch.Tensor] = {}
     metadata: dict[str, str] = {}
     for name, module in model.named_modules():
@@ -388,8 +468,17 @@ def save_lowp_linears(model: torch.nn.Module, file: Path) -> None:
         for part in ("packed", "scales", "mins"):
             if getattr(lowp, part) is not None:
                 tensors[f"{name}.{part}"] = getattr(lowp, part)
+    _save_atomically(tensors, metadata, file)
+
+
+def _save_atomically(tensors: dict[str, torch.Tensor], metadata: dict[str, str],
+                     file: Path) -> None:
+    """Write a safetensors file aside, then rename it into place: a reader never maps a
+    half-written file, and two writers leave one whole file."""
+    from safetensors.torch import save_file
+
     file.parent.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+    tmp = file.with_name(f".{file.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         save_file(tensors, str(tmp), metadata=metadata)
         os.replace(tmp, file)
@@ -399,7 +488,8 @@ def save_lowp_linears(model: torch.nn.Module, file: Path) -> None:
 
 def read_lowp_linears(model: torch.nn.Module, file: Path) -> dict[str, LowpWeight] | None:
     """The weight-only copies `save_lowp_linears` wrote for this model, as views of the
-    mapped file; None where the file is missing, unreadable or not this model's."""
+    mapped file; None where the file is missing, or (with a one-line note: the caller
+    packs and writes it again) unreadable or not this model's."""
     from ..loader import map_safetensors
 
     if not file.is_file():
@@ -407,19 +497,21 @@ def read_lowp_linears(model: torch.nn.Module, file: Path) -> dict[str, LowpWeigh
     try:
         tensors, metadata = map_safetensors(file)
     except ValueError:
+        _note(f"{file}: unreadable ({file.stat().st_size} bytes); packing the weights again")
         return None
     slots = lowp_slots(model)
-    if set(metadata) != set(slots):
-        return None
     copies: dict[str, LowpWeight] = {}
     for name, module in slots.items():
-        fmt, _, n = metadata[name].partition(":")
+        fmt, _, n = metadata.get(name, "").partition(":")
         packed = tensors.get(f"{name}.packed")
         if packed is None or not n.isdigit() or int(n) != module.weight.shape[0]:
-            return None
+            break
         copies[name] = LowpWeight(
             packed, tensors.get(f"{name}.scales"), int(n), tensors.get(f"{name}.mins"), fmt
         )
+    if set(metadata) != set(slots) or len(copies) != len(slots):
+        _note(f"{file}: not this model's packed weights; packing them again")
+        return None
     return copies
 
 
