@@ -6,6 +6,7 @@ import atexit
 import dataclasses
 import functools
 import gc
+import importlib.util
 import os
 import threading
 import time
@@ -28,7 +29,7 @@ from ..outputs import Delta, EngineStats
 from ..sampling_params import SamplingParams, as_token_id
 from .batch import ForwardBatch, build_forward_batch
 from .block_manager import BlockManager
-from .model_runner import ModelRunner, StepHandle
+from .model_runner import LaunchedForward, ModelRunner, StepHandle
 from .output_processor import OutputProcessor
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
@@ -65,11 +66,22 @@ class EngineDeadError(RuntimeError):
 
 
 @dataclass
+class _MaskedForward:
+    """A step with rows under a grammar: its forward is launched, its sampling waits for
+    their bitmask, which a thread fills meanwhile (`mask`) where the matchers already hold
+    every token sampled, else the engine fills it once the step before is applied."""
+
+    forward: LaunchedForward
+    rows: list[int]
+    mask: Future | None
+
+
+@dataclass
 class _InFlight:
     """A launched step whose sampled tokens have not been read yet."""
 
     out: SchedulerOutput
-    handle: StepHandle
+    handle: StepHandle | _MaskedForward
 
 
 def encode_text(tokenizer: Any, prompt: str) -> list[int]:
@@ -227,17 +239,33 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs: needs the model's tokenizer; this "
                                  "model has none")
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(
-                    self.tokenizer, self.config.model.vocab_size, sorted(self.eos_token_ids)
-                )
+            future = self._grammar_compiler().compile(params.structured_outputs)
             seq.awaiting_grammar = True
-            self._compiling[seq.seq_id] = (seq, self._grammars.compile(params.structured_outputs))
+            self._compiling[seq.seq_id] = (seq, future)
         self._next_seq_id += 1
         self.output_processor.add(seq)
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
+
+    @_locked
+    def prepare_structured_outputs(self) -> bool:
+        """Start building the grammar backend's view of the vocabulary (xgrammar's
+        tokenizer info: 1-2 s on a CPU) on its thread, so that the first constrained
+        request does not wait for it (the server calls this once the engine is loaded).
+        Returns at once; False where there is nothing to prepare (no tokenizer, or
+        xgrammar not installed: the first constrained request then says so)."""
+        if self.tokenizer is None or importlib.util.find_spec("xgrammar") is None:
+            return False
+        self._grammar_compiler().prepare()
+        return True
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(
+                self.tokenizer, self.config.model.vocab_size, sorted(self.eos_token_ids)
+            )
+        return self._grammars
 
     def num_prompt_tokens(self, seq_id: int) -> int:
         """The prompt length of a request not yet reported as finished (0 if unknown)."""
@@ -295,21 +323,20 @@ class LLMEngine:
         launched = None
         if not out.is_empty:
             launched = _InFlight(out, self._guarded([out], self._launch, out))
-        done = []
-        if self._in_flight is not None:
-            done.append(self._in_flight)
-            self._in_flight = None
+        finished = failed
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            finished += self._apply(previous, start)
         if launched is not None:
+            if isinstance(launched.handle, _MaskedForward):
+                # The grammars now hold the previous step's tokens: sample under the mask.
+                launched.handle = self._guarded([out], self._sample_masked, launched)
             # A step with penalties, min_tokens or logprobs is read at once: those read
             # the sequence's tokens on the host (the newest must not be in flight) and
             # its logprobs are copied back whole.
-            if self.async_scheduling and not _needs_sync(out):
-                self._in_flight = launched
-            else:
-                done.append(launched)
-        finished = failed
-        for step in done:
-            finished += self._apply(step, start)
+            if not self.async_scheduling or _needs_sync(out):
+                self._in_flight = None
+                finished += self._apply(launched, start)
         if self._in_flight is not None and self.scheduler.is_finished():
             # Everything ended (or was aborted) while the last step ran: nothing will
             # read it; wait for it so an idle engine leaves no work on the device.
@@ -403,27 +430,48 @@ class LLMEngine:
             return local(), []
         return self.workers.run(command, local)
 
-    def _launch(self, out: SchedulerOutput) -> StepHandle:
+    def _launch(self, out: SchedulerOutput) -> StepHandle | _MaskedForward:
+        """Launch a step: forward and sampling, or where rows sample under a grammar, the
+        forward only (the engine samples it once their bitmask is filled)."""
         batch = build_forward_batch(out, self.config.block_size, self.eos_token_ids)
+        rows = []
         if self._grammars is not None:
-            self._fill_token_bitmask(out, batch)
+            rows = [i for i, item in enumerate(out.scheduled)
+                    if item.samples and item.seq.grammar is not None]
+        mask = None
+        if rows:
+            batch.bitmask_rows = rows
+            if all(out.scheduled[i].fill_from is None for i in rows):
+                # Their matchers hold every token sampled (none is in flight): a thread
+                # fills the mask while the forward runs.
+                mask = self._fill_bitmask(out, rows, wait=False)
+        local: Callable[[], Any] = functools.partial(
+            self.runner.forward if rows else self.runner.launch, batch)
         if self.workers is None:
             self.scheduler.finished_ids.clear()  # only tensor-parallel workers need them
-            return self.runner.launch(batch)
-        return self.workers.run_nowait(
-            self._step_input(out, batch), lambda: self.runner.launch(batch)
-        )
+            launched = local()
+        else:
+            launched = self.workers.run_nowait(self._step_input(out, batch), local)
+        return _MaskedForward(launched, rows, mask) if rows else launched
 
-    def _fill_token_bitmask(self, out: SchedulerOutput, batch: ForwardBatch) -> None:
-        """The allowed tokens of each row that samples under a grammar (none: no work)."""
-        rows = [i for i, item in enumerate(out.scheduled)
-                if item.samples and item.seq.grammar is not None]
-        if rows:
-            assert self._grammars is not None
-            matchers = [out.scheduled[i].seq.grammar for i in rows]
-            batch.token_bitmask = self._grammars.fill_bitmask(len(out.scheduled), rows,
-                                                               matchers)
-            batch.bitmask_rows = rows
+    def _fill_bitmask(self, out: SchedulerOutput, rows: list[int], wait: bool) -> Any:
+        """The bitmask of `rows` (each under a grammar) of a step: filled here (`wait`) or
+        a future of it, filled on the grammar thread. A row whose sequence ended since
+        its step was scheduled (its token will be dropped) is left all ones."""
+        assert self._grammars is not None
+        live = [i for i in rows if not out.scheduled[i].seq.is_finished]
+        matchers = [out.scheduled[i].seq.grammar for i in live]
+        fill = self._grammars.fill_bitmask if wait else self._grammars.fill_bitmask_async
+        return fill(len(out.scheduled), live, matchers)
+
+    def _sample_masked(self, step: _InFlight) -> StepHandle:
+        masked = step.handle
+        assert isinstance(masked, _MaskedForward)
+        if masked.mask is not None:
+            bitmask = masked.mask.result()
+        else:
+            bitmask = self._fill_bitmask(step.out, masked.rows, wait=True)
+        return self.runner.sample(masked.forward, bitmask)
 
     def _step_input(self, out: SchedulerOutput, batch: ForwardBatch) -> StepInput:
         """What the workers need for this step beyond what they hold already."""
@@ -683,10 +731,10 @@ class LLMEngine:
 
 
 def _needs_sync(out: SchedulerOutput) -> bool:
-    """Whether a step must be read before the next one is scheduled (see `step`). A
-    sequence under a grammar needs its token before its next mask can be filled."""
-    return any(item.seq.params.needs_extras or item.seq.grammar is not None
-               for item in out.scheduled)
+    """Whether a step must be read before the next one is scheduled (see `step`). (A
+    sequence under a grammar need not: the next step's forward runs while its token is
+    read, and only that step's sampling waits for the mask.)"""
+    return any(item.seq.params.needs_extras for item in out.scheduled)
 
 
 def _record_logprobs(out: SchedulerOutput, sampled: StepSamples) -> None:
