@@ -68,12 +68,14 @@ class EngineDeadError(RuntimeError):
 @dataclass
 class _MaskedForward:
     """A step with rows under a grammar: its forward is launched, its sampling waits for
-    their bitmask, which a thread fills meanwhile (`mask`) where the matchers already hold
-    every token sampled, else the engine fills it once the step before is applied."""
+    their bitmask, which the mask thread fills (`mask`) once their matchers hold every
+    token sampled before: at launch if none is in flight, else once the step before is
+    applied. The sampling is launched when something needs it: the next step's forward,
+    or reading this step."""
 
     forward: LaunchedForward
     rows: list[int]
-    mask: Future | None
+    mask: Future | None = None
 
 
 @dataclass
@@ -322,15 +324,20 @@ class LLMEngine:
         out = self.scheduler.schedule()
         launched = None
         if not out.is_empty:
+            if self._in_flight is not None:
+                # Its sampling goes before this step's forward (which reads its tokens).
+                self._sample_if_masked(self._in_flight, [out])
             launched = _InFlight(out, self._guarded([out], self._launch, out))
         finished = failed
         previous, self._in_flight = self._in_flight, launched
         if previous is not None:
             finished += self._apply(previous, start)
         if launched is not None:
-            if isinstance(launched.handle, _MaskedForward):
-                # The grammars now hold the previous step's tokens: sample under the mask.
-                launched.handle = self._guarded([out], self._sample_masked, launched)
+            masked = launched.handle
+            if isinstance(masked, _MaskedForward) and masked.mask is None:
+                # The grammars now hold the previous step's tokens: the mask thread fills
+                # this step's mask while the device runs its forward.
+                masked.mask = self._fill_bitmask(out, masked.rows)
             # A step with penalties, min_tokens or logprobs is read at once: those read
             # the sequence's tokens on the host (the newest must not be in flight) and
             # its logprobs are copied back whole.
@@ -378,6 +385,7 @@ class LLMEngine:
         """Read a launched step's tokens and apply them; returns the sequences it ended."""
         out = step.out
         pending = [out] if self._in_flight is None else [out, self._in_flight.out]
+        self._sample_if_masked(step, pending)
         sampled = self._guarded(pending, self._collect, step.handle)
         prompt_tokens = sum(s.num_tokens for s in out.scheduled if s.is_prefill)
         _record_logprobs(out, sampled)
@@ -442,9 +450,9 @@ class LLMEngine:
         if rows:
             batch.bitmask_rows = rows
             if all(out.scheduled[i].fill_from is None for i in rows):
-                # Their matchers hold every token sampled (none is in flight): a thread
-                # fills the mask while the forward runs.
-                mask = self._fill_bitmask(out, rows, wait=False)
+                # Their matchers hold every token sampled (none is in flight): the mask
+                # thread fills it while the forward runs.
+                mask = self._fill_bitmask(out, rows)
         local: Callable[[], Any] = functools.partial(
             self.runner.forward if rows else self.runner.launch, batch)
         if self.workers is None:
@@ -454,24 +462,25 @@ class LLMEngine:
             launched = self.workers.run_nowait(self._step_input(out, batch), local)
         return _MaskedForward(launched, rows, mask) if rows else launched
 
-    def _fill_bitmask(self, out: SchedulerOutput, rows: list[int], wait: bool) -> Any:
-        """The bitmask of `rows` (each under a grammar) of a step: filled here (`wait`) or
-        a future of it, filled on the grammar thread. A row whose sequence ended since
-        its step was scheduled (its token will be dropped) is left all ones."""
+    def _fill_bitmask(self, out: SchedulerOutput, rows: list[int]) -> Future:
+        """A future of the bitmask of `rows` (each under a grammar) of a step, filled on
+        the mask thread. A row whose sequence ended since its step was scheduled (its
+        token will be dropped) is left all ones. Until the future is done, nothing else
+        may use those matchers: their next tokens come from this step's sampling."""
         assert self._grammars is not None
         live = [i for i in rows if not out.scheduled[i].seq.is_finished]
         matchers = [out.scheduled[i].seq.grammar for i in live]
-        fill = self._grammars.fill_bitmask if wait else self._grammars.fill_bitmask_async
-        return fill(len(out.scheduled), live, matchers)
+        return self._grammars.fill_bitmask_async(len(out.scheduled), live, matchers)
 
-    def _sample_masked(self, step: _InFlight) -> StepHandle:
+    def _sample_if_masked(self, step: _InFlight, outs: list[SchedulerOutput]) -> None:
+        """Launch a masked step's sampling (waiting for its mask) if it is still due."""
         masked = step.handle
-        assert isinstance(masked, _MaskedForward)
-        if masked.mask is not None:
-            bitmask = masked.mask.result()
-        else:
-            bitmask = self._fill_bitmask(step.out, masked.rows, wait=True)
-        return self.runner.sample(masked.forward, bitmask)
+        if isinstance(masked, _MaskedForward):
+            step.handle = self._guarded([step.out, *outs], self._sample_masked, masked)
+
+    def _sample_masked(self, masked: _MaskedForward) -> StepHandle:
+        assert masked.mask is not None
+        return self.runner.sample(masked.forward, masked.mask.result())
 
     def _step_input(self, out: SchedulerOutput, batch: ForwardBatch) -> StepInput:
         """What the workers need for this step beyond what they hold already."""
