@@ -33,7 +33,7 @@ from .model_runner import LaunchedForward, ModelRunner, StepHandle
 from .output_processor import OutputProcessor
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
-from .structured_outputs import GrammarCompiler, GrammarError
+from .structured_outputs import GrammarCompiler, GrammarError, MaskFill
 from .worker import (
     AllocateKVCache,
     Command,
@@ -75,7 +75,7 @@ class _MaskedForward:
 
     forward: LaunchedForward
     rows: list[int]
-    mask: Future | None = None
+    mask: MaskFill | None = None
 
 
 @dataclass
@@ -462,7 +462,7 @@ class LLMEngine:
             launched = self.workers.run_nowait(self._step_input(out, batch), local)
         return _MaskedForward(launched, rows, mask) if rows else launched
 
-    def _fill_bitmask(self, out: SchedulerOutput, rows: list[int]) -> Future:
+    def _fill_bitmask(self, out: SchedulerOutput, rows: list[int]) -> MaskFill:
         """A future of the bitmask of `rows` (each under a grammar) of a step, filled on
         the mask thread. A row whose sequence ended since its step was scheduled (its
         token will be dropped) is left all ones. Until the future is done, nothing else

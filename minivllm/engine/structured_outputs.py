@@ -15,6 +15,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -160,11 +161,26 @@ class GrammarCompiler:
             m.fill_next_token_bitmask(bitmask, row)
         return bitmask
 
-    def fill_bitmask_async(self, num_rows: int, rows: list[int], matchers: list[Any]) -> Future:
-        """`fill_bitmask` on the mask thread (xgrammar releases the GIL while it fills)."""
-        return self._filler.submit(self.fill_bitmask, num_rows, rows, matchers)
+    def fill_bitmask_async(self, num_rows: int, rows: list[int], matchers: list[Any]) -> MaskFill:
+        """`fill_bitmask` on the mask thread."""
+        return MaskFill(self._filler, self.fill_bitmask, num_rows, rows, matchers)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._filler.shutdown(wait=False, cancel_futures=True)
 
+
+
+class MaskFill:
+    """A bitmask being filled on the mask thread. `result()` fills it on the calling thread
+    instead if the mask thread has not started: while the engine thread runs Python, the
+    mask thread waits for the GIL, and handing it over would only add a wake-up."""
+
+    def __init__(self, pool: ThreadPoolExecutor, fill: Callable[..., Any], *args: Any) -> None:
+        self._fill, self._args = fill, args
+        self._future = pool.submit(fill, *args)
+
+    def result(self) -> Any:
+        if self._future.cancel():
+            return self._fill(*self._args)
+        return self._future.result()
