@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -346,6 +347,20 @@ def test_gpu_constrained_rows_are_masked_outside_the_graphs_and_plain_rows_untou
 
 
 SMOL_CONFIG_ENV = "MINIVLLM_TEST_SMOL_CONFIG"
+
+
+def test_random_weights_take_the_architecture_of_a_folder_without_weights(smollm2_path,
+                                                                          tmp_path):
+    """The GPU test's and the benchmark's model: SmolLM2's config.json and tokenizer files
+    with `load_format="dummy"` (no safetensors) is SmolLM2's architecture and eos."""
+    from minivllm import EngineConfig
+
+    for name in ("config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json"):
+        shutil.copy(smollm2_path / name, tmp_path / name)
+    dummy = EngineConfig.from_dict({"model_name_or_path": str(tmp_path), "load_format": "dummy"})
+    real = EngineConfig.from_dict({"model_name_or_path": str(smollm2_path)})
+    assert dummy.model == real.model and dummy.eos_token_ids == real.eos_token_ids
 
 
 @pytest.mark.gpu

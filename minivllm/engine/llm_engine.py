@@ -132,11 +132,14 @@ class LLMEngine:
             self.device = tp_device(self.device, config.world_size)  # rank 0's; checks GPUs
 
         self.tokenizer = None
-        if config.model_path is not None and _has_tokenizer(config.model_path):
+        tokenizer_path = config.model_path
+        if config.load_format == "dummy" and os.path.isdir(config.model_name_or_path):
+            tokenizer_path = config.model_name_or_path  # random weights, the folder's tokenizer
+        if tokenizer_path is not None and _has_tokenizer(tokenizer_path):
             from ..loader import load_tokenizer
 
             progress("loading the tokenizer", 0.05)
-            self.tokenizer = load_tokenizer(config.model_path)
+            self.tokenizer = load_tokenizer(tokenizer_path)
 
         self.workers: WorkerGroup | None = None  # tensor-parallel ranks 1..N-1
         try:
