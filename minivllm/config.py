@@ -445,6 +445,8 @@ def _dummy_model_config(name: str, given: dict[str, Any]) -> ModelConfig:
     base: ModelConfig | None = None
     if name in KNOWN_CONFIGS:
         base = ModelConfig.from_hf_config(KNOWN_CONFIGS[name])
+    elif (Path(name) / "config.json").is_file():  # a config (and tokenizer), no weights
+        base = ModelConfig.from_checkpoint(name)
     else:
         try:
             base = ModelConfig.from_checkpoint(resolve_model(name, allow_download=False))

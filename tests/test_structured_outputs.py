@@ -5,7 +5,10 @@ vLLM's `structured_outputs` and the older `guided_*` fields onto it. SmolLM2 on 
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +22,7 @@ from minivllm import SamplingParams, StructuredOutputsParams
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.structured_outputs import GrammarCompiler
 from minivllm.layers.sampler import apply_token_bitmask
 
 SCHEMA = {
@@ -131,6 +135,64 @@ def test_engine_json_schema_regex_and_choice_hold_beside_an_unconstrained_reques
     assert out["text"][4] in ("yes", "no", "maybe")
     assert re.fullmatch(r"[A-Z]{3}-\d{4}", out["text"][5])
     assert out["text"][6] == alone
+
+
+def test_engine_constrained_steps_overlap_the_read_of_the_step_before(engine, monkeypatch):
+    """With overlapped scheduling, a step with constrained rows launches its forward
+    before the previous step's tokens are read; only its sampling waits for the mask."""
+    runner, events = engine.runner, []
+    for name in ("forward", "sample", "collect"):
+        real = getattr(runner, name)
+
+        def spy(*args, _real=real, _name=name):
+            events.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(runner, name, spy)
+    out = engine.generate(["Is water wet? Answer yes or no.", "The capital of France is"],
+                          [constrained(12, regex=r"(yes|no), because [a-z ]{4,20}\."),
+                           SamplingParams(temperature=0, max_tokens=12)])
+    assert re.fullmatch(r"(yes|no), because [a-z ]{4,20}\.", out["text"][0])
+    # forward (N), collect (N-1), sample (N): decode after decode, the read came between.
+    steps = "".join(e[0] for e in events)
+    assert "fcs" in steps, steps
+
+
+def test_engine_fills_masks_on_a_thread_without_overlapped_scheduling(engine, monkeypatch):
+    """Synchronous steps (the CPU's default): the mask is filled on the mask thread beside
+    the forward, and the constrained and plain replies are those of the overlapped engine."""
+    plain = SamplingParams(temperature=0, max_tokens=16)
+    prompts = [PERSON, "A product code:", "The capital of France is"]
+    params = [constrained(60, json=SCHEMA), constrained(16, regex=r"[A-Z]{3}-\d{4}"), plain]
+    overlapped = engine.generate(prompts, params)["text"]
+    monkeypatch.setattr(engine, "async_scheduling", False)
+    threads = []
+    fill = engine._grammars.fill_bitmask
+
+    def spy(*args):
+        threads.append(threading.current_thread().name)
+        return fill(*args)
+
+    monkeypatch.setattr(engine._grammars, "fill_bitmask", spy)
+    out = engine.generate(prompts, params)["text"]
+    assert out == overlapped
+    jsonschema.validate(json.loads(out[0]), SCHEMA)
+    # The mask thread takes the fill while the forward (GIL-free torch ops) runs.
+    assert any(t.startswith("minivllm-bitmask") for t in threads), threads
+
+
+def test_compiled_grammars_are_cached_per_schema_and_the_vocabulary_read_ahead(engine):
+    compiler = GrammarCompiler(engine.tokenizer, engine.config.model.vocab_size, [2])
+    try:
+        assert compiler.prepare().result(timeout=120) is not None  # xgrammar's compiler
+        first = compiler.compile(StructuredOutputsParams(json={"type": "object",
+                                                               "required": ["a"]}))
+        again = compiler.compile(StructuredOutputsParams(json={"required": ["a"],
+                                                               "type": "object"}))
+        assert again is first and first.result(timeout=120) is not None
+        assert compiler.compile(StructuredOutputsParams(regex="a+")) is not first
+    finally:
+        compiler.close()
 
 
 def test_engine_grammar_error_fails_the_request_and_the_engine_serves_on(engine):
@@ -272,5 +334,56 @@ def test_gpu_constrained_rows_are_masked_outside_the_graphs_and_plain_rows_untou
             jsonschema.validate(json.loads(text), SCHEMA)
         assert re.fullmatch(r"[A-Z]{3}-\d{4}", out["text"][8])
         assert out["text"][9] == alone
+    finally:
+        llm.exit()
+
+
+SMOL_CONFIG_ENV = "MINIVLLM_TEST_SMOL_CONFIG"
+
+
+def test_random_weights_take_the_architecture_of_a_folder_without_weights(smollm2_path,
+                                                                          tmp_path):
+    """The GPU test's and the benchmark's model: SmolLM2's config.json and tokenizer files
+    with `load_format="dummy"` (no safetensors) is SmolLM2's architecture and eos."""
+    from minivllm import EngineConfig
+
+    for name in ("config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json"):
+        shutil.copy(smollm2_path / name, tmp_path / name)
+    dummy = EngineConfig.from_dict({"model_name_or_path": str(tmp_path), "load_format": "dummy"})
+    real = EngineConfig.from_dict({"model_name_or_path": str(smollm2_path)})
+    assert dummy.model == real.model and dummy.eos_token_ids == real.eos_token_ids
+
+
+@pytest.mark.gpu
+def test_gpu_random_weights_constrained_batch_with_graphs_and_overlap():
+    """SmolLM2's architecture with random weights on CUDA (graphs, overlapped
+    scheduling): JSON schema, regex and choice rows masked in the same steps as greedy
+    plain rows; each constrained reply holds, each plain reply is the one it gets alone."""
+    folder = os.environ.get(SMOL_CONFIG_ENV)
+    if not folder:
+        pytest.skip(f"{SMOL_CONFIG_ENV} is unset: set it to a folder holding SmolLM2's "
+                    "config.json and tokenizer files (the weights are random)")
+    from minivllm import LLMEngine
+
+    llm = LLMEngine({"model_name_or_path": folder, "load_format": "dummy", "device": "cuda",
+                     "dtype": "float32", "max_model_length": 1024, "max_num_sequences": 16})
+    try:
+        assert llm.async_scheduling and llm.runner.graphs is not None
+        plain_prompts = ["The capital of France is", "Tell me a story.", "1, 2, 3,",
+                         "Write a haiku about rain."]
+        plain = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+        alone = [llm.generate([p], plain)["text"][0] for p in plain_prompts]
+        regex = r"[A-Z]{3}-\d{4}"
+        params = [constrained(200, json=SCHEMA), constrained(200, 0.8, seed=1, json=SCHEMA),
+                  constrained(16, regex=regex), constrained(8, choice=["yes", "no", "maybe"])]
+        prompts = [PERSON, PERSON, "A product code:", "Is water wet?"]
+        out = llm.generate(prompts * 2 + plain_prompts, params * 2 + [plain] * 4)
+        texts = out["text"]
+        for i in (0, 1, 4, 5):
+            jsonschema.validate(json.loads(texts[i]), SCHEMA)
+        assert re.fullmatch(regex, texts[2]) and re.fullmatch(regex, texts[6])
+        assert texts[3] in ("yes", "no", "maybe") and texts[7] in ("yes", "no", "maybe")
+        assert texts[8:] == alone
     finally:
         llm.exit()

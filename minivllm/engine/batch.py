@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
 
 from .scheduler import SchedulerOutput
 
@@ -50,10 +49,9 @@ class ForwardBatch:
     # the token the previous step sampled in its row fill_from[i]; filled on the device.
     fill_rows: list[int] = field(default_factory=list)
     fill_from: list[int] = field(default_factory=list)
-    # Structured outputs (rank 0 only): the rows that sample under a grammar, and the
-    # step's [num_seqs, ceil(vocab / 32)] int32 bitmask (a CPU tensor) of allowed tokens.
+    # Structured outputs (rank 0 only): the rows that sample under a grammar (their
+    # bitmask, filled while the forward runs, is handed to the runner's `sample`).
     bitmask_rows: list[int] = field(default_factory=list)
-    token_bitmask: Any = None
 
     @property
     def num_seqs(self) -> int:

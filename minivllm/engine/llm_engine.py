@@ -6,6 +6,7 @@ import atexit
 import dataclasses
 import functools
 import gc
+import importlib.util
 import os
 import threading
 import time
@@ -28,11 +29,11 @@ from ..outputs import Delta, EngineStats
 from ..sampling_params import SamplingParams, as_token_id
 from .batch import ForwardBatch, build_forward_batch
 from .block_manager import BlockManager
-from .model_runner import ModelRunner, StepHandle
+from .model_runner import LaunchedForward, ModelRunner, StepHandle
 from .output_processor import OutputProcessor
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
-from .structured_outputs import GrammarCompiler, GrammarError
+from .structured_outputs import GrammarCompiler, GrammarError, MaskFill
 from .worker import (
     AllocateKVCache,
     Command,
@@ -65,11 +66,24 @@ class EngineDeadError(RuntimeError):
 
 
 @dataclass
+class _MaskedForward:
+    """A step with rows under a grammar: its forward is launched, its sampling waits for
+    their bitmask, which the mask thread fills (`mask`) once their matchers hold every
+    token sampled before: at launch if none is in flight, else once the step before is
+    applied. The sampling is launched when something needs it: the next step's forward,
+    or reading this step."""
+
+    forward: LaunchedForward
+    rows: list[int]
+    mask: MaskFill | None = None
+
+
+@dataclass
 class _InFlight:
     """A launched step whose sampled tokens have not been read yet."""
 
     out: SchedulerOutput
-    handle: StepHandle
+    handle: StepHandle | _MaskedForward
 
 
 def encode_text(tokenizer: Any, prompt: str) -> list[int]:
@@ -118,11 +132,14 @@ class LLMEngine:
             self.device = tp_device(self.device, config.world_size)  # rank 0's; checks GPUs
 
         self.tokenizer = None
-        if config.model_path is not None and _has_tokenizer(config.model_path):
+        tokenizer_path = config.model_path
+        if config.load_format == "dummy" and os.path.isdir(config.model_name_or_path):
+            tokenizer_path = config.model_name_or_path  # random weights, the folder's tokenizer
+        if tokenizer_path is not None and _has_tokenizer(tokenizer_path):
             from ..loader import load_tokenizer
 
             progress("loading the tokenizer", 0.05)
-            self.tokenizer = load_tokenizer(config.model_path)
+            self.tokenizer = load_tokenizer(tokenizer_path)
 
         self.workers: WorkerGroup | None = None  # tensor-parallel ranks 1..N-1
         try:
@@ -227,17 +244,33 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs: needs the model's tokenizer; this "
                                  "model has none")
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(
-                    self.tokenizer, self.config.model.vocab_size, sorted(self.eos_token_ids)
-                )
+            future = self._grammar_compiler().compile(params.structured_outputs)
             seq.awaiting_grammar = True
-            self._compiling[seq.seq_id] = (seq, self._grammars.compile(params.structured_outputs))
+            self._compiling[seq.seq_id] = (seq, future)
         self._next_seq_id += 1
         self.output_processor.add(seq)
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
+
+    @_locked
+    def prepare_structured_outputs(self) -> bool:
+        """Start building the grammar backend's view of the vocabulary (xgrammar's
+        tokenizer info: 1-2 s on a CPU) on its thread, so that the first constrained
+        request does not wait for it (the server calls this once the engine is loaded).
+        Returns at once; False where there is nothing to prepare (no tokenizer, or
+        xgrammar not installed: the first constrained request then says so)."""
+        if self.tokenizer is None or importlib.util.find_spec("xgrammar") is None:
+            return False
+        self._grammar_compiler().prepare()
+        return True
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(
+                self.tokenizer, self.config.model.vocab_size, sorted(self.eos_token_ids)
+            )
+        return self._grammars
 
     def num_prompt_tokens(self, seq_id: int) -> int:
         """The prompt length of a request not yet reported as finished (0 if unknown)."""
@@ -294,22 +327,26 @@ class LLMEngine:
         out = self.scheduler.schedule()
         launched = None
         if not out.is_empty:
+            if self._in_flight is not None:
+                # Its sampling goes before this step's forward (which reads its tokens).
+                self._sample_if_masked(self._in_flight, [out])
             launched = _InFlight(out, self._guarded([out], self._launch, out))
-        done = []
-        if self._in_flight is not None:
-            done.append(self._in_flight)
-            self._in_flight = None
+        finished = failed
+        previous, self._in_flight = self._in_flight, launched
+        if previous is not None:
+            finished += self._apply(previous, start)
         if launched is not None:
+            masked = launched.handle
+            if isinstance(masked, _MaskedForward) and masked.mask is None:
+                # The grammars now hold the previous step's tokens: the mask thread fills
+                # this step's mask while the device runs its forward.
+                masked.mask = self._fill_bitmask(out, masked.rows)
             # A step with penalties, min_tokens or logprobs is read at once: those read
             # the sequence's tokens on the host (the newest must not be in flight) and
             # its logprobs are copied back whole.
-            if self.async_scheduling and not _needs_sync(out):
-                self._in_flight = launched
-            else:
-                done.append(launched)
-        finished = failed
-        for step in done:
-            finished += self._apply(step, start)
+            if not self.async_scheduling or _needs_sync(out):
+                self._in_flight = None
+                finished += self._apply(launched, start)
         if self._in_flight is not None and self.scheduler.is_finished():
             # Everything ended (or was aborted) while the last step ran: nothing will
             # read it; wait for it so an idle engine leaves no work on the device.
@@ -351,6 +388,7 @@ class LLMEngine:
         """Read a launched step's tokens and apply them; returns the sequences it ended."""
         out = step.out
         pending = [out] if self._in_flight is None else [out, self._in_flight.out]
+        self._sample_if_masked(step, pending)
         sampled = self._guarded(pending, self._collect, step.handle)
         prompt_tokens = sum(s.num_tokens for s in out.scheduled if s.is_prefill)
         _record_logprobs(out, sampled)
@@ -403,27 +441,49 @@ class LLMEngine:
             return local(), []
         return self.workers.run(command, local)
 
-    def _launch(self, out: SchedulerOutput) -> StepHandle:
+    def _launch(self, out: SchedulerOutput) -> StepHandle | _MaskedForward:
+        """Launch a step: forward and sampling, or where rows sample under a grammar, the
+        forward only (the engine samples it once their bitmask is filled)."""
         batch = build_forward_batch(out, self.config.block_size, self.eos_token_ids)
+        rows = []
         if self._grammars is not None:
-            self._fill_token_bitmask(out, batch)
+            rows = [i for i, item in enumerate(out.scheduled)
+                    if item.samples and item.seq.grammar is not None]
+        mask = None
+        if rows:
+            batch.bitmask_rows = rows
+            if all(out.scheduled[i].fill_from is None for i in rows):
+                # Their matchers hold every token sampled (none is in flight): the mask
+                # thread fills it while the forward runs.
+                mask = self._fill_bitmask(out, rows)
+        local: Callable[[], Any] = functools.partial(
+            self.runner.forward if rows else self.runner.launch, batch)
         if self.workers is None:
             self.scheduler.finished_ids.clear()  # only tensor-parallel workers need them
-            return self.runner.launch(batch)
-        return self.workers.run_nowait(
-            self._step_input(out, batch), lambda: self.runner.launch(batch)
-        )
+            launched = local()
+        else:
+            launched = self.workers.run_nowait(self._step_input(out, batch), local)
+        return _MaskedForward(launched, rows, mask) if rows else launched
 
-    def _fill_token_bitmask(self, out: SchedulerOutput, batch: ForwardBatch) -> None:
-        """The allowed tokens of each row that samples under a grammar (none: no work)."""
-        rows = [i for i, item in enumerate(out.scheduled)
-                if item.samples and item.seq.grammar is not None]
-        if rows:
-            assert self._grammars is not None
-            matchers = [out.scheduled[i].seq.grammar for i in rows]
-            batch.token_bitmask = self._grammars.fill_bitmask(len(out.scheduled), rows,
-                                                               matchers)
-            batch.bitmask_rows = rows
+    def _fill_bitmask(self, out: SchedulerOutput, rows: list[int]) -> MaskFill:
+        """A future of the bitmask of `rows` (each under a grammar) of a step, filled on
+        the mask thread. A row whose sequence ended since its step was scheduled (its
+        token will be dropped) is left all ones. Until the future is done, nothing else
+        may use those matchers: their next tokens come from this step's sampling."""
+        assert self._grammars is not None
+        live = [i for i in rows if not out.scheduled[i].seq.is_finished]
+        matchers = [out.scheduled[i].seq.grammar for i in live]
+        return self._grammars.fill_bitmask_async(len(out.scheduled), live, matchers)
+
+    def _sample_if_masked(self, step: _InFlight, outs: list[SchedulerOutput]) -> None:
+        """Launch a masked step's sampling (waiting for its mask) if it is still due."""
+        masked = step.handle
+        if isinstance(masked, _MaskedForward):
+            step.handle = self._guarded([step.out, *outs], self._sample_masked, masked)
+
+    def _sample_masked(self, masked: _MaskedForward) -> StepHandle:
+        assert masked.mask is not None
+        return self.runner.sample(masked.forward, masked.mask.result())
 
     def _step_input(self, out: SchedulerOutput, batch: ForwardBatch) -> StepInput:
         """What the workers need for this step beyond what they hold already."""
@@ -684,10 +744,10 @@ class LLMEngine:
 
 
 def _needs_sync(out: SchedulerOutput) -> bool:
-    """Whether a step must be read before the next one is scheduled (see `step`). A
-    sequence under a grammar needs its token before its next mask can be filled."""
-    return any(item.seq.params.needs_extras or item.seq.grammar is not None
-               for item in out.scheduled)
+    """Whether a step must be read before the next one is scheduled (see `step`). (A
+    sequence under a grammar need not: the next step's forward runs while its token is
+    read, and only that step's sampling waits for the mask.)"""
+    return any(item.seq.params.needs_extras for item in out.scheduled)
 
 
 def _record_logprobs(out: SchedulerOutput, sampled: StepSamples) -> None:

@@ -75,6 +75,14 @@ Progress = Callable[[str, float], None]
 
 
 @dataclass
+class LaunchedForward:
+    """A step whose forward is enqueued and whose sampling is not."""
+
+    batch: ForwardBatch
+    logits: torch.Tensor | None  # [num_seqs (+ prompt rows), vocab]; None off rank 0
+
+
+@dataclass
 class StepHandle:
     """A launched step. On rank 0: the sampled tokens on the device and, on CUDA, their
     copy on its way to pinned host memory with the event that marks its arrival."""
@@ -467,7 +475,9 @@ class ModelRunner:
         t = torch.tensor(values, dtype=dtype)
         return t.pin_memory() if self.device.type == "cuda" else t
 
-    def sampling_tensors(self, b: ForwardBatch) -> SamplingTensors:
+    def sampling_tensors(
+        self, b: ForwardBatch, bitmask: torch.Tensor | None = None
+    ) -> SamplingTensors:
         if all(t == 0 for t in b.temperatures):
             t = SamplingTensors.greedy()
         else:
@@ -487,10 +497,14 @@ class ModelRunner:
         if b.extras:
             self._add_extras(t, b)
         if b.bitmask_rows:
-            bitmask = b.token_bitmask
-            if self.device.type == "cuda":
-                bitmask = bitmask.pin_memory().to(self.device, non_blocking=True)
+            if bitmask is None:
+                raise ValueError(f"rows {b.bitmask_rows} sample under a grammar: no bitmask")
             t.token_bitmask, t.bitmask_rows = bitmask, b.bitmask_rows
+            if self.device.type == "cuda":
+                # Non-blocking: the mask goes up behind the forward on the same stream; the
+                # rows too (xgrammar would copy a list from pageable memory).
+                t.token_bitmask = bitmask.pin_memory().to(self.device, non_blocking=True)
+                t.bitmask_rows = self._to_device(b.bitmask_rows, torch.int32)
         return t
 
     def _add_extras(self, t: SamplingTensors, b: ForwardBatch) -> None:
@@ -539,6 +553,12 @@ class ModelRunner:
         handle = self._launch_greedy_graph(b)
         if handle is not None:
             return handle
+        return self.sample(self.forward(b))
+
+    @torch.inference_mode()
+    def forward(self, b: ForwardBatch) -> LaunchedForward:
+        """Enqueue a step's forward: its logits (rank 0), not yet sampled. `sample` must
+        follow before the next step's forward (a graph's logits buffer is reused)."""
         input_ids, positions, meta = self.prepare(b)
         if b.fill_rows:
             # After prepare (which may have written the graph's static inputs) and before
@@ -561,12 +581,19 @@ class ModelRunner:
             logits = self.model.compute_logits(torch.cat([last, hidden[rows]]))
         else:
             _, logits = self._forward(b, input_ids, positions, meta)
+        return LaunchedForward(b, logits)
+
+    @torch.inference_mode()
+    def sample(self, f: LaunchedForward, bitmask: torch.Tensor | None = None) -> StepHandle:
+        """Enqueue the sampling of a launched forward; `bitmask` (a CPU int32 tensor, one
+        row per sequence) holds the allowed tokens of the batch's `bitmask_rows`."""
+        b, logits = f.batch, f.logits
         if logits is None:  # not rank 0
             return StepHandle()
         n = b.num_seqs
         # Everything below is enqueued now: a graph's logits buffer is overwritten by the
         # next step's replay, which may be launched before this one is collected.
-        out = self.sampler(logits[:n], self.sampling_tensors(b))
+        out = self.sampler(logits[:n], self.sampling_tensors(b, bitmask))
         tokens = out.token_ids  # [num_seqs]
         self.last_sampled = tokens
         handle = StepHandle(tokens)
@@ -575,6 +602,7 @@ class ModelRunner:
                 b.extras[i].num_logprobs if i in b.extras else -1 for i in range(n)
             ]
             handle.logprobs = out.logprobs
+        prompt = {row: x for row, x in b.extras.items() if x.prompt_targets}
         if prompt:
             targets = [tok for x in prompt.values() for tok in x.prompt_targets]
             handle.prompt_num_top = [

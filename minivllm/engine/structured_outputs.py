@@ -15,6 +15,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -76,7 +77,8 @@ class GrammarCompiler:
 
     `compile(spec)` returns a future of the compiled grammar (the cached one when the same
     constraint was asked for before, failed ones included: a bad schema fails again at
-    once). The tokenizer's vocabulary is read once, on the worker, at the first request.
+    once). The tokenizer's vocabulary is read once, on the worker: ahead of any request
+    after `prepare()` (the server calls it at start), else at the first request.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
@@ -84,6 +86,8 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-grammar")
+        # Masks fill on their own thread: never queued behind a long compilation.
+        self._filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-bitmask")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
         self._compiler: Any = None
@@ -101,7 +105,12 @@ class GrammarCompiler:
                 self._cache.popitem(last=False)
             return future
 
-    def _compile(self, spec: StructuredOutputsParams) -> Any:
+    def prepare(self) -> Future:
+        """Build xgrammar's compiler (its tokenizer info) on the compile thread now,
+        ahead of the first constraint: a future of it."""
+        return self._pool.submit(self._get_compiler)
+
+    def _get_compiler(self) -> Any:
         import xgrammar as xgr
 
         if self._compiler is None:
@@ -115,7 +124,10 @@ class GrammarCompiler:
             )
             # NOTE: xgrammar's own cache off: ours holds the futures, failures included.
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        c = self._compiler
+        return self._compiler
+
+    def _compile(self, spec: StructuredOutputsParams) -> Any:
+        c = self._get_compiler()
         kind = spec.kind
         try:
             if kind == "json":
@@ -149,6 +161,26 @@ class GrammarCompiler:
             m.fill_next_token_bitmask(bitmask, row)
         return bitmask
 
+    def fill_bitmask_async(self, num_rows: int, rows: list[int], matchers: list[Any]) -> MaskFill:
+        """`fill_bitmask` on the mask thread."""
+        return MaskFill(self._filler, self.fill_bitmask, num_rows, rows, matchers)
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._filler.shutdown(wait=False, cancel_futures=True)
 
+
+
+class MaskFill:
+    """A bitmask being filled on the mask thread. `result()` fills it on the calling thread
+    instead if the mask thread has not started: while the engine thread runs Python, the
+    mask thread waits for the GIL, and handing it over would only add a wake-up."""
+
+    def __init__(self, pool: ThreadPoolExecutor, fill: Callable[..., Any], *args: Any) -> None:
+        self._fill, self._args = fill, args
+        self._future = pool.submit(fill, *args)
+
+    def result(self) -> Any:
+        if self._future.cancel():
+            return self._fill(*self._args)
+        return self._future.result()

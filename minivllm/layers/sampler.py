@@ -47,7 +47,7 @@ class SamplingTensors:
     # Structured outputs: a [num_seqs, ceil(vocab / 32)] int32 bitmask of the tokens each
     # row may sample, and the rows it constrains (the others are left alone).
     token_bitmask: torch.Tensor | None = None
-    bitmask_rows: list[int] | None = None
+    bitmask_rows: list[int] | torch.Tensor | None = None  # a device tensor on CUDA
 
     @classmethod
     def greedy(cls) -> SamplingTensors:
@@ -95,7 +95,9 @@ class StepSamples:
     prompt_logprobs: dict[int, list[TokenLogprob]] | None = None
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+def apply_token_bitmask(
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | torch.Tensor
+) -> None:
     """Set the logits of the tokens `bitmask` forbids to -inf, in place, in `rows` only:
     xgrammar's kernel for the logits' device (C++ on the CPU, Triton on CUDA), a batched
     op outside any captured graph."""

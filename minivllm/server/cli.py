@@ -51,7 +51,9 @@ def build_engine(args: argparse.Namespace, on_progress: Any = None) -> Any:
                                on_progress=on_progress)
     from minivllm import LLMEngine
 
-    return LLMEngine(engine_config(args), on_progress=on_progress)
+    llm = LLMEngine(engine_config(args), on_progress=on_progress)
+    llm.prepare_structured_outputs()  # off the first constrained request's path
+    return llm
 
 
 def build_parser() -> argparse.ArgumentParser:

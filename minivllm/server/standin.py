@@ -38,6 +38,7 @@ class _Handle:
     ready_at: float  # time.perf_counter() when the "device" is done with the step
     num_seqs: int
     forced: dict[int, int]  # row -> its token (scripted, or one its grammar allows)
+    rows: list[int]  # the rows under a grammar
 
 
 class StandInRunner:
@@ -86,6 +87,9 @@ class StandInRunner:
         pass  # no pool, graphs or weights to free
 
     def launch(self, batch: Any) -> _Handle:
+        return self.sample(self.forward(batch))
+
+    def forward(self, batch: Any) -> _Handle:
         now = time.perf_counter()
         end = (self.step_started or now) + self.host_s
         while time.perf_counter() < end:  # Python holding the GIL, as a launch does
@@ -103,18 +107,21 @@ class StandInRunner:
                     # (context after the step) - (prompt length).
                     at = batch.seq_lens[row] - num_prompt
                     forced[row] = script[at] if 0 <= at < len(script) else self.eos_id
-        if batch.bitmask_rows:  # a constrained row samples one of the tokens it may
+        return _Handle(self._device_free_at, batch.num_seqs, forced, batch.bitmask_rows)
+
+    def sample(self, handle: _Handle, bitmask: Any = None) -> _Handle:
+        if handle.rows:  # a constrained row samples one of the tokens it may
             import numpy as np
 
             # A word of the row with an allowed token, then one of its set bits: not
             # uniform over the allowed tokens, but cheap, as sampling on a device is.
-            bitmask = batch.token_bitmask.numpy()
-            for row in batch.bitmask_rows:
-                words = np.flatnonzero(bitmask[row])
+            mask = bitmask.numpy()
+            for row in handle.rows:
+                words = np.flatnonzero(mask[row])
                 w = int(words[self._rng.randrange(len(words))])
-                bits = [b for b in range(32) if (int(bitmask[row, w]) >> b) & 1]
-                forced[row] = w * 32 + bits[self._rng.randrange(len(bits))]
-        return _Handle(self._device_free_at, batch.num_seqs, forced)
+                bits = [b for b in range(32) if (int(mask[row, w]) >> b) & 1]
+                handle.forced[row] = w * 32 + bits[self._rng.randrange(len(bits))]
+        return handle
 
     def collect(self, handle: _Handle) -> StepSamples:
         wait = handle.ready_at - time.perf_counter()
