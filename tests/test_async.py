@@ -62,6 +62,9 @@ class MarkovRunner:
         self.last = sampled
         return StepHandle(torch.tensor(sampled))
 
+    def release(self) -> None:
+        pass  # no pool or model
+
     def collect(self, handle: StepHandle) -> StepSamples:
         return StepSamples(handle.tokens.tolist())
 
