@@ -74,7 +74,7 @@ def markdown(source: str, style: Style | str = "none") -> RichMarkdown:
     poem, address or list written without blank lines keeps its shape (CommonMark would
     join the lines)."""
     md = copy.copy(_MARKDOWN)
-    md.markup, md.style = source, style
+    md.style = style
     md.parsed = _PARSER.parse(source)
     keep_line_breaks(md.parsed)
     return md
