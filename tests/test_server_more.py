@@ -353,8 +353,10 @@ def test_a_client_gone_mid_stream_aborts_every_choice(smol):
                 seen.update(c["index"] for c in chunk["choices"])
             if len(seen) == 3:
                 break
-        wait_for(lambda: metric(smol, "vllm:num_requests_running") == 3, 120,
-                 "the three choices running")
+        # Running, or waiting again after a preemption: not finished when the client goes.
+        wait_for(lambda: metric(smol, "vllm:num_requests_running")
+                 + metric(smol, "vllm:num_requests_waiting") == 3, 120,
+                 "the three choices in the engine")
     wait_for(lambda: metric(smol, "vllm:num_requests_running") == 0
              and metric(smol, "minivllm:num_kv_cache_blocks_used") == 0, 60,
              "every choice aborted and its blocks freed")
