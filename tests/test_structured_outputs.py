@@ -195,6 +195,36 @@ def test_compiled_grammars_are_cached_per_schema_and_the_vocabulary_read_ahead(e
         compiler.close()
 
 
+def test_json_masks_refuse_control_characters_inside_length_limited_strings(engine):
+    """JSON holds no raw byte below 0x20, yet xgrammar's `maxLength` strings accept them:
+    a row sampled at a temperature from a weak model once held a NUL inside a string."""
+    tokenizer = engine.tokenizer
+    control = [i for i in range(engine.config.model.vocab_size)
+               if any(ord(ch) < 32 for ch in tokenizer.decode([i]))]
+    assert len(control) > 100  # SmolLM2's byte-level vocabulary: one per control byte and more
+    compiler = GrammarCompiler(tokenizer, engine.config.model.vocab_size, [2])
+    try:
+        for schema, prefix in [(SCHEMA, '{"name": "Al'),
+                               (SCHEMA, '{"name": "Al", "age": 30, "color": "red", "tags": ["'),
+                               ({"type": "object"}, '{"a": "')]:
+            m = compiler.matcher(compiler.compile(StructuredOutputsParams(json=schema)).result())
+            assert all(m.accept_token(t) for t in tokenizer.encode(prefix,
+                                                                   add_special_tokens=False))
+            mask = compiler.fill_bitmask(1, [0], [m])
+            allowed = [i for i in control if (int(mask[0, i // 32]) >> (i % 32)) & 1]
+            assert allowed == [], (prefix, allowed[:8])
+            letter = tokenizer.encode("b", add_special_tokens=False)[0]
+            assert (int(mask[0, letter // 32]) >> (letter % 32)) & 1  # text still goes on
+        # Other constraints keep what their grammar allows: a regex may ask for a newline.
+        m = compiler.matcher(compiler.compile(StructuredOutputsParams(regex="a\\nb")).result())
+        assert m.accept_token(tokenizer.encode("a", add_special_tokens=False)[0])
+        newline = tokenizer.encode("\n", add_special_tokens=False)[0]
+        mask = compiler.fill_bitmask(1, [0], [m])
+        assert (int(mask[0, newline // 32]) >> (newline % 32)) & 1
+    finally:
+        compiler.close()
+
+
 def test_engine_grammar_error_fails_the_request_and_the_engine_serves_on(engine):
     with pytest.raises(RuntimeError, match=r"structured_outputs\.regex: cannot be compiled"):
         engine.generate(["x"], constrained(4, regex="a(b"))

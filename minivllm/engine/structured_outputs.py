@@ -91,6 +91,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._lock = threading.Lock()
         self._compiler: Any = None
+        self._no_control: torch.Tensor | None = None  # see `_control_free_words`
 
     def compile(self, spec: StructuredOutputsParams) -> Future:
         key = spec.key
@@ -122,6 +123,7 @@ class GrammarCompiler:
             info = xgr.TokenizerInfo.from_huggingface(
                 tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
             )
+            self._no_control = _control_free_words(info.decoded_vocab, self.vocab_size)
             # NOTE: xgrammar's own cache off: ours holds the futures, failures included.
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
@@ -133,9 +135,10 @@ class GrammarCompiler:
             if kind == "json":
                 # Compact JSON (", " and ": " only): with any whitespace allowed, small
                 # models at temperature > 0 can spend the whole budget on newlines.
-                return c.compile_json_schema(_schema_text(spec.json), any_whitespace=False)
+                return _Json(c.compile_json_schema(_schema_text(spec.json),
+                                                   any_whitespace=False))
             if kind == "json_object":  # any object (OpenAI's json_object), not any value
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                return _Json(c.compile_json_schema('{"type": "object"}', any_whitespace=False))
             if kind == "regex":
                 return c.compile_regex(spec.regex)
             if kind == "choice":
@@ -148,6 +151,10 @@ class GrammarCompiler:
         """A fresh matcher at the grammar's start (cheap: the compiled grammar is shared)."""
         import xgrammar as xgr
 
+        if isinstance(compiled, _Json):
+            inner = xgr.GrammarMatcher(compiled.grammar, override_stop_tokens=self.stop_token_ids)
+            assert self._no_control is not None  # set with the compiler
+            return _JsonMatcher(inner, self._no_control)
         return xgr.GrammarMatcher(compiled, override_stop_tokens=self.stop_token_ids)
 
     def fill_bitmask(self, num_rows: int, rows: list[int], matchers: list[Any]) -> Any:
@@ -169,6 +176,42 @@ class GrammarCompiler:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._filler.shutdown(wait=False, cancel_futures=True)
 
+
+
+def _control_free_words(decoded_vocab: list[bytes], vocab_size: int) -> torch.Tensor:
+    """A one-row bitmask of the tokens whose bytes hold no control character (< 0x20)."""
+    words = np.full((vocab_size + 31) // 32, -1, dtype=np.int32).view(np.uint32)
+    for token_id, text in enumerate(decoded_vocab[:vocab_size]):
+        if any(byte < 0x20 for byte in text):
+            words[token_id >> 5] &= ~np.uint32(1 << (token_id & 31))
+    return torch.from_numpy(words.view(np.int32))
+
+
+class _Json:
+    """A compiled JSON grammar (schema or any object): its matchers also refuse control
+    characters."""
+
+    def __init__(self, grammar: Any) -> None:
+        self.grammar = grammar
+
+
+class _JsonMatcher:
+    """A matcher of compact JSON that never lets a raw control character through.
+
+    JSON allows none inside strings and the compact form none between values, but
+    xgrammar's length-limited strings (`maxLength`, `minLength`) accept bytes below 0x20:
+    a sampled row could hold a NUL inside a string and fail to parse."""
+
+    def __init__(self, matcher: Any, no_control: torch.Tensor) -> None:
+        self._matcher = matcher
+        self._no_control = no_control
+
+    def accept_token(self, token_id: int) -> bool:
+        return self._matcher.accept_token(token_id)
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+        bitmask[row] &= self._no_control
 
 
 class MaskFill:
