@@ -7,13 +7,13 @@ import io
 import random
 from pathlib import Path
 
+from minivllm.tui.app import create_app
+from minivllm.tui.compositor import RowCompositor, _runs
 from rich.console import Console
 from textual._compositor import Compositor
 from textual.geometry import Region
 
 from minivllm.server.standin import ScriptedEngine
-from minivllm.tui.app import create_app
-from minivllm.tui.compositor import RowCompositor, _runs
 
 REPLY = "Streaming **Markdown**:\n\n- one\n- two\n\n```python\nprint('hi')\n```\n\n" + " ".join(
     f"word{i}" for i in range(120))
