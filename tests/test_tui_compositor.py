@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 
 from minivllm.tui.app import create_app
-from minivllm.tui.compositor import RowCompositor, _runs
+from minivllm.tui.compositor import RowCompositor, _rows_within, _runs
 from rich.console import Console
 from textual._compositor import Compositor
 from textual.geometry import Region
@@ -26,10 +26,14 @@ def _terminal_bytes(update) -> str:
     return console.file.getvalue()
 
 
-def test_runs_of_rows_inside_a_band():
-    assert list(_runs([1, 2, 3, 7, 9, 10], 0, 20)) == [(1, 3), (7, 1), (9, 2)]
-    assert list(_runs([1, 2, 3, 7, 9, 10], 2, 10)) == [(2, 2), (7, 1), (9, 1)]
-    assert list(_runs([1, 2], 5, 9)) == []
+def test_a_widget_renders_the_rows_where_dirty_regions_overlap_it():
+    widget = Region(10, 5, 20, 30)
+    dirty = [Region(0, 0, 5, 40),  # beside it: none of its rows
+             Region(12, 3, 4, 4),  # rows 3-6, of which 5 and 6 are its
+             Region(25, 9, 50, 1), Region(0, 10, 11, 2), Region(29, 33, 3, 9)]
+    assert _rows_within(dirty, widget) == [5, 6, 9, 10, 11, 33, 34]
+    assert list(_runs([5, 6, 9, 10, 11, 33, 34])) == [(5, 2), (9, 3), (33, 2)]
+    assert list(_runs([])) == []
 
 
 async def test_row_updates_draw_what_the_stock_compositor_draws(tmp_path: Path):
@@ -60,3 +64,38 @@ async def test_row_updates_draw_what_the_stock_compositor_draws(tmp_path: Path):
                 compositor._dirty_regions.update(r.intersection(screen.region) for r in regions)
                 drawn.append(_terminal_bytes(compositor.render_update()))
             assert drawn[0] == drawn[1], regions
+
+
+async def test_transcript_rows_are_the_rows_textual_styles_would_draw(tmp_path: Path):
+    """A transcript draws its own rows (no styles cache): the strips must equal what
+    Textual's styles cache makes of its lines, streaming, finished, scrolled and cropped."""
+    from minivllm.tui.widgets.transcript import _bare_box
+    from textual.widget import Widget
+
+    app = create_app(ScriptedEngine(reply=REPLY, step_delay=0.002), conversations=3,
+                     data_root=tmp_path / "data", export_dir=tmp_path)
+    async with app.run_test(size=(120, 30)) as pilot:
+        panes = app.panes
+        for pane in panes[:2]:
+            await app.send(pane, "hello")
+
+        def compare() -> None:
+            for pane in panes:
+                t = pane.transcript
+                assert _bare_box(t)  # the transcript's own path is the one compared
+                width, height = t.size
+                for crop in (Region(0, 0, width, height), Region(0, 3, width, 4),
+                             Region(2, 0, width - 5, height - 1)):
+                    fast = t.render_lines(crop)
+                    t._styles_cache.clear()
+                    assert fast == Widget.render_lines(t, crop), (pane, crop)
+
+        await pilot.pause(0.1)
+        compare()  # streaming, the view following the reply
+        await pilot.pause(1.5)
+        compare()  # finished: Markdown, a code block, the scroll bar's thumb
+        panes[0].transcript.scroll_to_line(3)
+        compare()
+        app.theme = "textual-light" if app.theme != "textual-light" else "nord"
+        await pilot.pause(0.1)
+        compare()

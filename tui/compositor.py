@@ -8,10 +8,12 @@ different heights: the rectangle around them is most of the screen, so each fram
 rendered every widget's every line (the inputs' themes and the panes' borders included)
 to keep a few rows of it.
 
-`RowCompositor` renders of each widget only the runs of dirty rows that cross it. The
-rows it returns are the ones the stock compositor would have kept, so the screen is the
-same, line for line (tests/test_tui_compositor.py compares the two). Full updates (a
-layout, a resize, a new screen) take the stock path.
+`RowCompositor` renders of each widget only the rows where a dirty region overlaps it,
+in runs of consecutive rows. An update writes to the terminal only the dirty regions'
+spans, and on each row the widget in front at a span's columns overlaps that span: the
+rows skipped are never written. So the screen is the same, byte for byte
+(tests/test_tui_compositor.py compares the two). Full updates (a layout, a resize, a
+new screen) take the stock path.
 """
 
 from __future__ import annotations
@@ -26,31 +28,32 @@ from textual.strip import Strip
 class RowCompositor(Compositor):
     def __init__(self) -> None:
         super().__init__()
-        self._rows: list[int] | None = None  # sorted dirty rows while a partial update runs
+        self._dirty: list[Region] | None = None  # while a partial update runs
 
     def render_partial_update(self) -> ChopsUpdate | None:
-        self._rows = _rows_of(self._dirty_regions, self.size.height)
+        screen = self.size.region
+        self._dirty = [screen.intersection(region) for region in self._dirty_regions]
         try:
             return super().render_partial_update()
         finally:
-            self._rows = None
+            self._dirty = None
 
     def _get_renders(
         self, crop: Region | None = None
     ) -> Iterable[tuple[Region, Region, list[Strip]]]:
-        rows = self._rows
-        if not rows:
+        if not self._dirty:
             return super()._get_renders(crop)
-        return self._row_renders(rows, crop)
+        return self._row_renders(self._dirty, crop)
 
     def _row_renders(
-        self, rows: list[int], crop: Region | None
+        self, dirty: list[Region], crop: Region | None
     ) -> Iterator[tuple[Region, Region, list[Strip]]]:
         # Front to back, as the stock renders: the first strip a row's cut gets wins.
         for widget, (region, clip) in self.visible_widgets.items():
             if crop is not None and not crop.overlaps(clip):
                 continue
-            for top, height in _runs(rows, clip.y, clip.bottom):
+            rows = _rows_within(dirty, clip)
+            for top, height in _runs(rows):
                 band = clip.intersection(Region(clip.x, top, clip.width, height))
                 x, y, width, band_height = region.intersection(band)
                 if width and band_height:
@@ -60,21 +63,19 @@ class RowCompositor(Compositor):
                     yield region, band, lines
 
 
-def _rows_of(regions: Iterable[Region], screen_height: int) -> list[int]:
+def _rows_within(regions: list[Region], clip: Region) -> list[int]:
+    """The rows (sorted) where some of `regions` overlaps `clip`."""
     rows: set[int] = set()
     for region in regions:
-        rows.update(range(max(region.y, 0), min(region.bottom, screen_height)))
+        if region.overlaps(clip):
+            rows.update(range(max(region.y, clip.y), min(region.bottom, clip.bottom)))
     return sorted(rows)
 
 
-def _runs(rows: list[int], top: int, bottom: int) -> Iterator[tuple[int, int]]:
-    """The runs of consecutive `rows` within [top, bottom): (first row, length) each."""
+def _runs(rows: list[int]) -> Iterator[tuple[int, int]]:
+    """The runs of consecutive `rows` (sorted): (first row, length) each."""
     start = length = 0
     for y in rows:
-        if y < top:
-            continue
-        if y >= bottom:
-            break
         if length and y == start + length:
             length += 1
             continue

@@ -415,6 +415,21 @@ class Reply(Entry):
         return out
 
 
+def _bare_box(widget: Widget) -> bool:
+    """Whether Textual's styles add nothing to the widget's rows: no border, outline,
+    padding, hatch or tint, fully opaque."""
+    styles = widget.styles
+    return (
+        not any(edge for edge, _ in styles.border)
+        and not any(edge for edge, _ in styles.outline)
+        and not any(styles.padding)
+        and not styles.tint.a
+        and widget.opacity == 1.0
+        and styles.text_opacity == 1.0
+        and not (styles.has_rule("hatch") and styles.hatch != "none")
+    )
+
+
 def _trim(lines: list[Strip]) -> list[Strip]:
     """`lines` without the blank lines rich leaves at a block's start or end (after a list,
     before a table), so blocks are one blank line apart; a code block's shaded margin
@@ -462,6 +477,9 @@ class Transcript(Widget):
         self._view = (0, 0)  # (width, height), read at each layout (see `rebuild`)
         self._thumb_key: tuple[int, int] | None = None
         self._thumb_range = range(0)
+        # Each line's row as drawn (the line plus its scroll-bar cell), kept so that a
+        # repaint of an unchanged line hands Textual the very strip it filtered before.
+        self._rows: dict[tuple[int, bool], tuple[Strip, Strip]] = {}
 
     # -- what other code reads ---------------------------------------------------------
 
@@ -558,6 +576,7 @@ class Transcript(Widget):
         self._blank = Strip.blank(width)
         self._thumb = Segment("┃", self.get_component_rich_style("transcript--thumb"))
         self._lines, self._starts = [], []
+        self._rows.clear()
         for i in range(len(self.entries)):
             self._starts.append(len(self._lines))
             self._lines.extend(self._entry_lines(i))
@@ -655,13 +674,46 @@ class Transcript(Widget):
         if self._width:
             self.rebuild()  # a new theme: new colors for every entry
 
+    def render_lines(self, crop: Region) -> list[Strip]:
+        """The rows in `crop`, drawn here rather than through Textual's styles cache when
+        nothing of the widget's box is styled (border, padding, tint, opacity).
+
+        The styles cache wraps every row it draws, unchanged or not, into new strips for
+        the box's styles and then filters them: a jump or a scroll repainted each row of
+        the pane at several times the cost of drawing it. Here a row is the strip kept for
+        its line (`_row`) through the same filters, which remember their result per strip;
+        what reaches the screen is the same (tests/test_tui_compositor.py compares)."""
+        width, height = self.size
+        if (not self._width or (width, height) != self._view or not _bare_box(self)
+                or (self.auto_links and self.hover_style.link_id)):
+            return super().render_lines(crop)
+        strips = [self._row(y) for y in crop.line_range]
+        background = self.background_colors[1]
+        for line_filter in self.get_line_filters():
+            strips = [strip.apply_filter(line_filter, background) for strip in strips]
+        if crop.column_span != (0, width):
+            x1, x2 = crop.column_span
+            strips = [strip.crop(x1, x2) for strip in strips]
+        return strips
+
     def render_line(self, y: int) -> Strip:
         if not self._width:
             return Strip.blank(self._view[0])
+        return self._row(y)
+
+    def _row(self, y: int) -> Strip:
         i = self.top + y
-        strip = self._lines[i] if i < len(self._lines) else self._blank
-        return Strip([*strip, self._thumb if y in self._thumb_rows() else _SPACE],
-                     self._width + 1)
+        line = self._lines[i] if i < len(self._lines) else self._blank
+        thumb = y in self._thumb_rows()
+        key = (id(line), thumb)
+        kept = self._rows.get(key)
+        if kept is not None and kept[0] is line:
+            return kept[1]
+        if len(self._rows) > 2 * len(self._lines) + 256:
+            self._rows.clear()  # rows of lines a streaming reply has replaced since
+        row = Strip([*line, self._thumb if thumb else _SPACE], self._width + 1)
+        self._rows[key] = (line, row)
+        return row
 
     def _thumb_rows(self) -> range:
         """The rows of the scroll bar's thumb (none when everything fits)."""
