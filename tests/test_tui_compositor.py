@@ -1,5 +1,5 @@
 """The chat screen's compositor renders partial updates row by row: the screen it draws
-must be the stock compositor's, byte for byte, whatever rows an update dirties."""
+must be the stock compositor's, cell for cell, whatever rows an update dirties."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ import random
 from pathlib import Path
 
 from minivllm.tui.app import create_app
-from minivllm.tui.compositor import RowCompositor, _rows_within, _runs
+from minivllm.tui.compositor import RowCompositor, _cover, _dirty_spans, _runs
+from rich.cells import cell_len
 from rich.console import Console
+from rich.segment import ControlType
+from rich.style import Style
 from textual._compositor import Compositor
 from textual.geometry import Region
 
@@ -19,19 +22,37 @@ REPLY = "Streaming **Markdown**:\n\n- one\n- two\n\n```python\nprint('hi')\n```\
     f"word{i}" for i in range(120))
 
 
-def _terminal_bytes(update) -> str:
+def _screen_cells(update) -> dict[tuple[int, int], tuple[str, Style | None]]:
+    """What an update draws: each cell it writes, with its character and style."""
     console = Console(file=io.StringIO(), width=200, force_terminal=True,
                       color_system="truecolor", legacy_windows=False)
-    console.print(update, end="")
-    return console.file.getvalue()
+    cells: dict[tuple[int, int], tuple[str, Style | None]] = {}
+    x = y = 0
+    for segment in console.render(update):
+        if segment.control:
+            for code in segment.control:
+                if code[0] == ControlType.CURSOR_MOVE_TO:
+                    x, y = code[1], code[2]
+            continue
+        if segment.text == "\n":  # between rows: each row's writes start with a move
+            continue
+        for char in segment.text:
+            cells[x, y] = (char, segment.style)
+            x += cell_len(char)
+    return cells
 
 
-def test_a_widget_renders_the_rows_where_dirty_regions_overlap_it():
-    widget = Region(10, 5, 20, 30)
-    dirty = [Region(0, 0, 5, 40),  # beside it: none of its rows
-             Region(12, 3, 4, 4),  # rows 3-6, of which 5 and 6 are its
+def test_a_widget_is_drawn_where_it_shows_dirty_columns_nothing_in_front_covers():
+    dirty = [Region(0, 0, 5, 40),  # beside the widgets: none of their rows
+             Region(12, 3, 4, 4),  # rows 3-6, inside the front widget
              Region(25, 9, 50, 1), Region(0, 10, 11, 2), Region(29, 33, 3, 9)]
-    assert _rows_within(dirty, widget) == [5, 6, 9, 10, 11, 33, 34]
+    uncovered = _dirty_spans(dirty)
+    front = Region(10, 5, 20, 30)  # columns 10-29, rows 5-34
+    assert _cover(uncovered, front) == [5, 6, 9, 10, 11, 33, 34]
+    behind = Region(8, 0, 30, 40)  # a container around it: only what sticks out
+    assert _cover(uncovered, behind) == [3, 4, 9, 10, 11, 33, 34, 35, 36, 37, 38, 39]
+    assert uncovered[9] == [(0, 5), (38, 75)] and uncovered[10] == [(0, 5), (0, 8)]
+    assert uncovered[5] == [(0, 5)]  # what the two widgets covered is gone
     assert list(_runs([5, 6, 9, 10, 11, 33, 34])) == [(5, 2), (9, 3), (33, 2)]
     assert list(_runs([])) == []
 
@@ -62,7 +83,7 @@ async def test_row_updates_draw_what_the_stock_compositor_draws(tmp_path: Path):
             for compositor in (rows, stock):
                 compositor._dirty_regions.clear()  # the live app's own, pending
                 compositor._dirty_regions.update(r.intersection(screen.region) for r in regions)
-                drawn.append(_terminal_bytes(compositor.render_update()))
+                drawn.append(_screen_cells(compositor.render_update()))
             assert drawn[0] == drawn[1], regions
 
 

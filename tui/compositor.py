@@ -8,12 +8,12 @@ different heights: the rectangle around them is most of the screen, so each fram
 rendered every widget's every line (the inputs' themes and the panes' borders included)
 to keep a few rows of it.
 
-`RowCompositor` renders of each widget only the rows where a dirty region overlaps it,
-in runs of consecutive rows. An update writes to the terminal only the dirty regions'
-spans, and on each row the widget in front at a span's columns overlaps that span: the
-rows skipped are never written. So the screen is the same, byte for byte
-(tests/test_tui_compositor.py compares the two). Full updates (a layout, a resize, a
-new screen) take the stock path.
+`RowCompositor` renders of each widget only the rows where it shows dirty columns that
+no widget in front of it covers, in runs of consecutive rows. An update writes to the
+terminal only the dirty regions' spans, and on each row of a span the widget in front
+at its columns supplies them: the rows skipped are never written. So the screen is the
+same, cell for cell (tests/test_tui_compositor.py compares the two). Full updates (a
+layout, a resize, a new screen) take the stock path.
 """
 
 from __future__ import annotations
@@ -48,28 +48,52 @@ class RowCompositor(Compositor):
     def _row_renders(
         self, dirty: list[Region], crop: Region | None
     ) -> Iterator[tuple[Region, Region, list[Strip]]]:
-        # Front to back, as the stock renders: the first strip a row's cut gets wins.
+        # Front to back, as the stock renders: on each row the first strip a cut gets
+        # wins, so a widget is drawn only on the rows where some dirty columns are not
+        # yet covered by a widget in front of it.
+        uncovered = _dirty_spans(dirty)
         for widget, (region, clip) in self.visible_widgets.items():
             if crop is not None and not crop.overlaps(clip):
                 continue
-            rows = _rows_within(dirty, clip)
-            for top, height in _runs(rows):
-                band = clip.intersection(Region(clip.x, top, clip.width, height))
-                x, y, width, band_height = region.intersection(band)
-                if width and band_height:
-                    lines = widget.render_lines(
-                        Region(x - region.x, y - region.y, width, band_height)
-                    )
-                    yield region, band, lines
+            shown = region.intersection(clip)  # the clip is its container's
+            for top, height in _runs(_cover(uncovered, shown)):
+                band = Region(shown.x, top, shown.width, height)
+                lines = widget.render_lines(band.translate((-region.x, -region.y)))
+                yield region, band, lines
 
 
-def _rows_within(regions: list[Region], clip: Region) -> list[int]:
-    """The rows (sorted) where some of `regions` overlaps `clip`."""
-    rows: set[int] = set()
-    for region in regions:
-        if region.overlaps(clip):
-            rows.update(range(max(region.y, clip.y), min(region.bottom, clip.bottom)))
-    return sorted(rows)
+def _dirty_spans(regions: list[Region]) -> dict[int, list[tuple[int, int]]]:
+    """Each row's dirty columns, as [start, end) spans."""
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for x, y, width, height in regions:
+        if width:
+            for row in range(y, y + height):
+                spans.setdefault(row, []).append((x, x + width))
+    return spans
+
+
+def _cover(uncovered: dict[int, list[tuple[int, int]]], shown: Region) -> list[int]:
+    """The rows (sorted) where `shown` (a widget's visible part) overlaps columns still
+    uncovered; those columns are covered from now on (the widget drawn there hides
+    whatever lies behind it)."""
+    rows = []
+    left, right = shown.x, shown.right
+    for y in range(shown.y, shown.bottom):
+        spans = uncovered.get(y)
+        if not spans or not any(start < right and end > left for start, end in spans):
+            continue
+        rows.append(y)
+        rest = []
+        for start, end in spans:
+            if start < left:
+                rest.append((start, min(end, left)))
+            if end > right:
+                rest.append((max(start, right), end))
+        if rest:
+            uncovered[y] = rest
+        else:
+            del uncovered[y]
+    return rows
 
 
 def _runs(rows: list[int]) -> Iterator[tuple[int, int]]:
