@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from minivllm.tui.app import create_app
 from minivllm.tui.conversation import Settings
 from minivllm.tui.messages import StatsSnapshot
@@ -628,6 +630,67 @@ def test_a_streamed_reply_ends_drawn_as_the_same_reply_loaded_from_a_session():
         assert "# Plan" not in streaming[0]  # the heading block was drawn as it streamed
         reply.finish("done")
         assert [s.text for s in reply.lines(look, 36)] == want
+
+
+_PLAIN_WORDS = st.text(alphabet=st.sampled_from(
+    "abcdefghijklmnopqrstuvwxyzABCXYZ0123456789,.;:'\"?!()%$/@^{}-"), min_size=1, max_size=14)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(_PLAIN_WORDS, min_size=1, max_size=30), min_size=1, max_size=3),
+       st.sampled_from([9, 18, 23, 40, 77]))
+def test_a_plain_paragraph_is_drawn_cell_for_cell_as_markdown_draws_it(lines, width):
+    """A block drawn as plain text skips the Markdown pass: what it draws must be
+    exactly what rich's Markdown draws (each cell's character and style)."""
+    import io
+
+    from minivllm.tui.widgets.transcript import markdown, plain_lines, render_lines
+    from rich.console import Console
+    from rich.style import Style
+
+    block = "\n".join(" ".join(words) for words in lines)
+    plain = plain_lines(block, width)
+    if plain is None:  # a line that reads as a list item, a word wider than a line
+        return
+    console = Console(width=80, file=io.StringIO(), color_system="truecolor")
+
+    def cells(strips):
+        return [[(char, segment.style or Style()) for segment in strip for char in segment.text]
+                for strip in strips]
+
+    assert cells(plain) == cells(render_lines(console, markdown(block), width))
+
+
+def test_only_text_that_markdown_leaves_alone_is_a_plain_paragraph():
+    from minivllm.tui.markdown import is_plain_paragraph
+
+    plain = ["Hello there, world!", "It's 42 (yes).\nNext line: done?", "e-mail me at a@b.c"]
+    marked = ["- item", "+ item", "1. one", "10) x", "3.14 is pi", "a  b", " lead", "trail ",
+              "**bold**", "a_b", "x = 1", "see [x](y)", "a|b", "~~s~~", "# h", "a & b",
+              "a\\b", "`code`", "<b>", "> quote", "ok\n\nnext", "tab\there", "caf\u00e9"]
+    assert all(is_plain_paragraph(text) for text in plain)
+    assert not any(is_plain_paragraph(text) for text in marked)
+
+
+def test_a_plain_paragraph_keeps_its_streamed_lines_when_it_completes():
+    """Once a plain paragraph is complete its lines equal the streamed ones: the pane does
+    not repaint them."""
+    import io
+
+    from minivllm.tui.widgets.transcript import Look, Reply
+    from rich.console import Console
+    from rich.style import Style
+
+    console = Console(width=80, file=io.StringIO(), color_system="truecolor")
+    look = Look(console, Style(), Style(), Style(), Style(), Style())
+    reply = Reply()
+    reply.append("The keeper lit the lamp at dusk, as every night, and waited.\n\nThen")
+    streamed = reply.lines(look, 24)
+    reply.append(" the storm came.\n")  # the first paragraph is now a complete block
+    now = reply.lines(look, 24)
+    assert reply._blocks == ["The keeper lit the lamp at dusk, as every night, and waited."]
+    count = len(streamed) - 2  # its lines, before the blank line and "Then"
+    assert now[:count] == streamed[:count]
 
 
 async def test_a_reply_the_engine_stops_is_an_error_not_a_stop(tmp_path):

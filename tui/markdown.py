@@ -101,3 +101,16 @@ def split_blocks(text: str, final: bool = True) -> tuple[list[str], int]:
         blocks.append(text[start:].strip("\n"))
         start = len(text)
     return blocks, start
+
+
+# Text Markdown leaves as it is: ASCII letters, digits, single spaces and punctuation
+# that no CommonMark or table / strikethrough rule reads, on lines that do not start a
+# list item (`-`, `+`, `1.`) and neither start nor end with a space.
+_PLAIN_WORD = r"[A-Za-z0-9,.;:'\"?!()%$/@^{}-]+"
+_PLAIN_LINE = re.compile(rf"(?![-+]|\d+[.)]){_PLAIN_WORD}(?: {_PLAIN_WORD})*")
+
+
+def is_plain_paragraph(block: str) -> bool:
+    """Whether `block` (one block of a reply) is a paragraph that Markdown draws as its
+    plain text, wrapped: the app then draws it as the streamed text it already showed."""
+    return all(_PLAIN_LINE.fullmatch(line) for line in block.split("\n"))

@@ -33,7 +33,7 @@ from textual.strip import Strip
 from textual.widget import Widget
 
 from ..conversation import Status
-from ..markdown import keep_line_breaks, split_blocks
+from ..markdown import is_plain_paragraph, keep_line_breaks, split_blocks
 from ..thinking import ThinkParser, split_thinking
 
 _SPACE = Segment(" ")
@@ -406,13 +406,27 @@ class Reply(Entry):
             self._drawn = (key, Strip.blank(width), [])
         _, gap, drawn = self._drawn
         for block in self._blocks[len(drawn):]:
-            drawn.append(_trim(render_lines(look.console, markdown(block.strip()), width)))
+            block = block.strip()
+            lines = plain_lines(block, width)  # drawn as it streamed: no Markdown pass
+            if lines is None:
+                lines = _trim(render_lines(look.console, markdown(block), width))
+            drawn.append(lines)
         out: list[Strip] = []
         for lines in drawn:
             if out:
                 out.append(gap)  # the same strip every frame: unchanged lines stay unpainted
             out += lines
         return out
+
+
+def plain_lines(block: str, width: int) -> list[Strip] | None:
+    """`block` drawn as plain wrapped text, where that is exactly how Markdown draws it
+    (`is_plain_paragraph`, and no word wider than a line: rich folds those otherwise);
+    else None."""
+    inner = max(1, width - 2 * PAD)
+    if not is_plain_paragraph(block) or any(len(word) > inner for word in block.split()):
+        return None
+    return GrowingText(block).lines(width, Style())
 
 
 def _bare_box(widget: Widget) -> bool:
@@ -531,8 +545,11 @@ class Transcript(Widget):
         old = self._lines
         first = start
         end = min(len(old), start + len(new))
-        while first < end and old[first] is new[first - start]:
-            first += 1  # unchanged lines (finished paragraphs are the same strips)
+        while first < end and (old[first] is new[first - start]
+                               or old[first] == new[first - start]):
+            # Unchanged lines: finished paragraphs are the same strips; a plain paragraph
+            # once complete is drawn again equal to how it streamed.
+            first += 1
         before = len(old)
         if first == before and first == start + len(new):
             return
