@@ -57,7 +57,6 @@ from .cuda_graph import (
     ALIGN,
     CUDAGraphRunner,
     batch_buckets,
-    pad_prefill_inputs,
     round_up,
     token_buckets,
 )
@@ -410,12 +409,12 @@ class ModelRunner:
     def prepare(self, b: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The step's inputs on the device, in a few host-to-device copies (one per dtype,
         plus the block tables for a graph step). A prefill/mixed step that a CUDA graph
-        holds is written straight into that graph's static inputs, padded to its bucket."""
+        holds goes to the graph runner, which stages it in that graph's static inputs."""
         width = max(len(t) for t in b.block_tables)
         if self.graphs is not None and not b.is_decode and not _wants_prompt_rows(b):
-            bucket = self.graphs.prefill_bucket(b.num_tokens)
-            if bucket is not None:
-                return self._prepare_graph(b, bucket, width)
+            staged = self.graphs.stage_prefill(b, width)
+            if staged is not None:
+                return staged
         tables = [x for t in b.block_tables for x in (t + [0] * (width - len(t)))]
         n_tok, n_seq = b.num_tokens, b.num_seqs
         # Each part padded to 16 elements, so every view below starts 16-byte aligned:
@@ -444,36 +443,6 @@ class ModelRunner:
         )
         self.attn_backend.finish_metadata(meta, n_seq, max(b.seq_lens) if b.is_decode else None)
         return input_ids, positions, meta
-
-    def _prepare_graph(
-        self, b: ForwardBatch, bucket: int, width: int
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        graphs = self.graphs
-        assert graphs is not None
-        n_seq = b.num_seqs
-        longs, ints = pad_prefill_inputs(
-            b.input_ids,
-            b.positions,
-            b.slot_mapping,
-            b.cu_seqlens_q,
-            b.seq_lens,
-            bucket,
-            graphs.slots(bucket),
-        )
-        tables = [x for t in b.block_tables for x in (t + [0] * (width - len(t)))]
-        graphs.prefill_longs[: len(longs)].copy_(self._pinned(longs, torch.long), True)
-        graphs.prefill_ints[: len(ints)].copy_(self._pinned(ints, torch.int32), True)
-        # Rows past the step's sequences, and columns past its widest table, keep stale
-        # values that nothing reads (no queries there; no context that far).
-        dst = graphs.prefill_tables[:n_seq, :width]
-        dst.copy_(self._pinned(tables, torch.int32).view(n_seq, width), True)
-        input_ids, positions, meta = graphs.prefill_views(bucket)
-        meta.graph_tokens = bucket
-        return input_ids, positions, meta
-
-    def _pinned(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype)
-        return t.pin_memory() if self.device.type == "cuda" else t
 
     def sampling_tensors(
         self, b: ForwardBatch, bitmask: torch.Tensor | None = None
