@@ -19,7 +19,6 @@ from ..distributed import broadcast_from_rank0, get_tp_rank, get_tp_size
 from ..layers.attention import (
     Attention,
     AttentionMetadata,
-    TritonAttentionBackend,
     attention_metadata,
     make_backend,
 )
@@ -345,17 +344,9 @@ class ModelRunner:
         # row count itself is not specialised past 1).
         sizes = [1, 2] if self.config.max_num_sequences > 1 else [1]
         batches += [(_dummy_batch([1] * n), None) for n in sizes]
-        backend = self.attn_backend
-        if isinstance(backend, TritonAttentionBackend):
-            # Each split count once (the dummy contexts are short: the count is forced).
-            for splits in backend.all_decode_splits():
-                bucket = next((b for b in self.buckets if backend.decode_splits(b) == splits),
-                              self.buckets[0])
-                batches.append((_dummy_batch([1] * bucket), splits))
-            first = self.buckets[0]
-            if backend.short_context and backend.decode_splits(first) != 1:
-                # The short launch (one split where the bucket takes more) has its own tiles.
-                batches.append((_dummy_batch([1] * first), 1))
+        # The backend's decode variants (its split counts), each at a batch size it takes.
+        variants = self.attn_backend.decode_variants()
+        batches += [(_dummy_batch([1] * n), splits) for n, splits in variants]
         for b, splits in batches:
             input_ids, positions, meta = self.prepare(b)
             if splits is not None:
@@ -373,7 +364,7 @@ class ModelRunner:
             self.model,
             self.buckets,
             self.max_blocks_per_seq,
-            self.decode_splits,
+            self.attn_backend.decode_splits,
             self.config.model.hidden_size,
             self.device,
             self.dtype,
@@ -388,14 +379,6 @@ class ModelRunner:
             greedy=graph_greedy(),
             fill_tokens=self.kernels.fill_tokens,
         )
-
-    def decode_splits(self, num_seqs: int, max_context: int | None = None) -> int | None:
-        """Decode attention's split count for a batch: its bucket's, or one split (the short
-        launch) where the longest context is short (kernels/tuning.py's DECODE_SHORT)."""
-        backend = self.attn_backend
-        if isinstance(backend, TritonAttentionBackend):
-            return backend.decode_splits(num_seqs, max_context)
-        return None
 
     # -- one step ------------------------------------------------------------------------
 
