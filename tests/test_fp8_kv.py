@@ -325,7 +325,7 @@ def test_fp8_triton_kernels(group: str) -> None:
 def test_fp8_pool_holds_twice_the_blocks(tiny_llama) -> None:
     """At the same memory budget the fp8 pool gets twice the blocks of a bf16 one, stored
     as e4m3; its decode runs the eager attention (which upcasts and scales)."""
-    from minivllm.engine import model_runner
+    from minivllm.engine import kv_pool
 
     blocks = {}
     for kv in ("auto", "fp8"):
@@ -337,7 +337,7 @@ def test_fp8_pool_holds_twice_the_blocks(tiny_llama) -> None:
             blocks[kv] = runner.num_blocks
             if kv == "fp8":  # the native / compiled decode steps read an fp32 / bf16 cache
                 assert runner.cpu_step is None
-            assert blocks[kv] == model_runner.CPU_KV_BUDGET_BYTES // runner.bytes_per_block
+            assert blocks[kv] == kv_pool.CPU_KV_BUDGET_BYTES // runner.bytes_per_block
         finally:
             llm.exit()
     assert blocks["fp8"] == 2 * blocks["auto"]

@@ -27,6 +27,7 @@ from minivllm.layers.attention import (
     Attention,
     AttentionMetadata,
     TorchAttentionBackend,
+    TritonAttentionBackend,
     attention_metadata,
 )
 from minivllm.layers.ops import TORCH_KERNELS, cpu_kernels
@@ -182,6 +183,25 @@ def test_backend_and_kernels_are_chosen_once(tiny_llama, monkeypatch):
         assert len(out["token_ids"][0]) == 4
     finally:
         llm.exit()
+
+
+def test_backends_answer_decode_splits_and_variants():
+    """What differs by backend is the backend's answer: the torch references take no split
+    count and compile nothing; the Triton backend compiles each split count it can ask
+    for, at a bucket that takes it, and the short launch where the first bucket splits."""
+    torch_backend = TorchAttentionBackend(16)
+    assert torch_backend.decode_splits(4, 10) is None and torch_backend.decode_variants() == []
+    pytest.importorskip("triton")
+    buckets = [1, 2, 4, 8, 16, 32, 48, 64]
+    triton_backend = TritonAttentionBackend(
+        TORCH_KERNELS, 16, 2, 4096, buckets, 132, torch.device("cpu")
+    )
+    variants = triton_backend.decode_variants()
+    assert {s for _, s in variants} == set(triton_backend.all_decode_splits())
+    for n, splits in variants:
+        assert n in buckets and (triton_backend.decode_splits(n) == splits or n == buckets[0])
+    if triton_backend.short_context and triton_backend.decode_splits(buckets[0]) != 1:
+        assert variants[-1] == (buckets[0], 1)
 
 
 # -- the warm-up's attention -----------------------------------------------------------------------

@@ -172,7 +172,7 @@ START = textwrap.dedent(
     from pathlib import Path
 
     mode, gguf, tiny = sys.argv[1:4]
-    from minivllm.engine import model_runner
+    from minivllm.engine import model_loading
     from minivllm.kernels import cpu_lowp_linear as kernel
     from minivllm.layers import cpu_linear, embed_head, linear
     from minivllm.loader import gguf as gguf_loader
@@ -188,7 +188,7 @@ START = textwrap.dedent(
         gguf_loader._convert_gguf = convert
     else:
         gguf_loader._convert_gguf = kernel._compile = fail
-        model_runner.lowp_linears = cpu_linear._lowp_weight = fail
+        model_loading.lowp_linears = cpu_linear._lowp_weight = fail
         for cls in (linear.LinearBase, linear.ColumnParallelLinear,
                     linear.MergedColumnParallelLinear, linear.QKVParallelLinear,
                     linear.RowParallelLinear, embed_head.VocabParallelEmbedding):

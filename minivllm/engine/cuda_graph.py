@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from ..layers.attention import AttentionMetadata, attention_metadata
+from .batch import ForwardBatch
 
 MAX_GRAPH_TOKENS = 8192  # larger steps are compute-bound: their launches hide behind the GPU
 ALIGN = 16  # elements: keeps every input view 16-byte aligned (one Triton variant each)
@@ -408,6 +409,41 @@ class CUDAGraphRunner:
     def prefill_bucket(self, num_tokens: int) -> int | None:
         """The token bucket of a prefill/mixed step, or None (run it eagerly)."""
         return pick_bucket(self.prefill_buckets, num_tokens)
+
+    def stage_prefill(
+        self, b: ForwardBatch, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None:
+        """Write a prefill/mixed step into the static inputs of the graph whose token bucket
+        holds it, padded to that bucket: (input_ids, positions, metadata) as
+        `prefill_views` gives them, `graph_tokens` set to the bucket. None: no graph holds
+        the step (it runs eagerly). `width`: the step's widest block table."""
+        bucket = self.prefill_bucket(b.num_tokens)
+        if bucket is None:
+            return None
+        n_seq = b.num_seqs
+        longs, ints = pad_prefill_inputs(
+            b.input_ids,
+            b.positions,
+            b.slot_mapping,
+            b.cu_seqlens_q,
+            b.seq_lens,
+            bucket,
+            self.slots(bucket),
+        )
+        tables = [x for t in b.block_tables for x in (t + [0] * (width - len(t)))]
+        self.prefill_longs[: len(longs)].copy_(self._pinned(longs, torch.long), True)
+        self.prefill_ints[: len(ints)].copy_(self._pinned(ints, torch.int32), True)
+        # Rows past the step's sequences, and columns past its widest table, keep stale
+        # values that nothing reads (no queries there; no context that far).
+        dst = self.prefill_tables[:n_seq, :width]
+        dst.copy_(self._pinned(tables, torch.int32).view(n_seq, width), True)
+        input_ids, positions, meta = self.prefill_views(bucket)
+        meta.graph_tokens = bucket
+        return input_ids, positions, meta
+
+    def _pinned(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.tensor(values, dtype=dtype)
+        return t.pin_memory() if self.device.type == "cuda" else t
 
     def prefill_views(
         self, num_tokens: int

@@ -1,17 +1,16 @@
-"""Owns the model, the KV pool and the sampler of one rank; runs one step at a time."""
+"""Owns the model, the KV pool and the sampler of one rank; runs one step at a time:
+its inputs to the device (or a graph's static inputs), the forward (graph replay, the CPU
+decode step or eager), the sampling and the tokens' way back to the host.
+
+Loading the model is model_loading.py's job, sizing and allocating the pool kv_pool.py's,
+the sampler's tensors sampling_inputs.py's and the graphs cuda_graph.py's."""
 
 from __future__ import annotations
 
-import contextlib
-import gc
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from minivllm.kernels.cpu_lowp_linear import unavailable_reason as lowp_kernel_unavailable
-from minivllm.kernels.store_kvcache import FP8_KV_DTYPE
 from minivllm.kernels.tuning import graph_greedy
 
 from ..config import EngineConfig
@@ -19,59 +18,24 @@ from ..distributed import broadcast_from_rank0, get_tp_rank, get_tp_size
 from ..layers.attention import (
     Attention,
     AttentionMetadata,
-    TritonAttentionBackend,
     attention_metadata,
     make_backend,
 )
-from ..layers.cpu_linear import (
-    WideRows,
-    add_wide_copies,
-    decode_dtype,
-    int8_activations,
-    lowp_linears,
-    pack_linears,
-    packing_tag,
-    prefill_dtype,
-    read_lowp_linears,
-    replaced_weights,
-    save_lowp_linears,
-    use_lowp_linears,
-    weight_format,
-    wide_rows,
-)
+from ..layers.cpu_linear import WideRows, wide_rows
 from ..layers.ops import bind_kernels, select_kernels, with_prefill_dtype
-from ..layers.sampler import (
-    LogprobsTensors,
-    PenaltyTensors,
-    Sampler,
-    SamplingTensors,
-    StepSamples,
-    compute_logprobs,
-)
-from ..loader import packed_weights_file
-from ..models import build_model
-from ..models.weights import init_dummy_weights, load_weights
+from ..layers.sampler import LogprobsTensors, Sampler, StepSamples, compute_logprobs
 from .batch import ForwardBatch
-from .cpu_step import CPUDecodeStep, cpu_decode_step, lazily_zeroed
+from .cpu_step import CPUDecodeStep, cpu_decode_step
 from .cuda_graph import (
     ALIGN,
     CUDAGraphRunner,
     batch_buckets,
-    pad_prefill_inputs,
     round_up,
     token_buckets,
 )
-
-CPU_KV_BUDGET_BYTES = 2 << 30  # the CPU pool's default size, when max_cached_blocks is unset
-# An fp8 pool's (k_scale, v_scale), the same for every layer: static, as vLLM's default
-# without calibrated scales. e4m3's relative precision is the same from 2**-6 to 448, so a
-# scale only matters at those edges: on SmolLM2 (24 prompts x 64 greedy tokens against an
-# fp32 cache) scales calibrated from the run's own K/V maxima (amax / 448), per layer or
-# per KV head, agreed no better than 1.0 (mean |delta logprob| 0.045 and 0.048 against
-# 0.041; scripts/fp8_kv_accuracy.py --scales static layer head).
-FP8_KV_SCALES = (1.0, 1.0)
-
-Progress = Callable[[str, float], None]
+from .kv_pool import allocate_kv_pool, block_bytes, kv_pool_dtype, size_kv_pool
+from .model_loading import Progress, load_model
+from .sampling_inputs import sampling_tensors, to_device
 
 
 @dataclass
@@ -116,65 +80,11 @@ class ModelRunner:
         seed = config.seed if config.seed is not None else 0
         torch.manual_seed(seed)
 
-        self.progress("building the model", 0.1)
-        old_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                self.model = build_model(config.model)
-        finally:
-            torch.set_default_dtype(old_dtype)
-        # Weight-only formats (config.cpu_weight_dtype): None where weights stay `dtype`,
-        # else the formats taken ("q4_1/q8_0"); the kernel builds at the first start on a
-        # machine (~30-60 s), then loads from cache, and so do the packed weights.
-        self.cpu_weight_format = weight_format(config.cpu_weight_dtype, device, dtype)
-        cache: Path | None = None  # where the packed weights are cached on disk
-        if config.load_format == "dummy" or config.model_path is None:
-            self.progress("random weights", 0.2)
-            init_dummy_weights(self.model, seed)
-            if self.cpu_weight_format is not None:
-                self.cpu_weight_format = self._lowp_linears(self.cpu_weight_format, None)
-        else:
-            self.progress("loading weights", 0.2)
-            copies = None
-            # One rank only: a tensor-parallel rank packs its own shard of each weight.
-            if (
-                self.cpu_weight_format is not None
-                and get_tp_size() == 1
-                and lowp_kernel_unavailable() is None
-            ):
-                cache = packed_weights_file(
-                    config.model_path, packing_tag(self.cpu_weight_format)
-                )
-                copies = read_lowp_linears(self.model, cache)
-            # The packed weights cached replace the linears' weights: those stay unread.
-            skip = replaced_weights(self.model) if copies is not None else frozenset()
-            load_weights(self.model, config.model_path, skip)
-            if copies is not None:
-                self.cpu_weight_format = use_lowp_linears(self.model, copies)
-            elif self.cpu_weight_format is not None:
-                self.cpu_weight_format = self._lowp_linears(self.cpu_weight_format, cache)
-        self.model.eval()
-        # NOTE: fp32 stays unpacked: it is the exact-parity path checked against
-        # transformers (oneDNN's packed sums differ from F.linear by ~1e-6, enough to move
-        # logprobs past 1e-4); bf16 is where packing pays (PERF.md's CPU facts).
-        if device.type == "cpu" and dtype != torch.float32:
-            pack_linears(self.model)
-        # The dtype of a prefill's products on oneDNN-packed copies (bf16 on AMX, fp32
-        # elsewhere), None where they stay on the weight-only kernel.
-        self.cpu_prefill_dtype = prefill_dtype(
-            config.cpu_prefill_dtype, config.dtype, self.cpu_weight_format
-        )
-        if self.cpu_prefill_dtype is not None and not add_wide_copies(
-            self.model, self.cpu_prefill_dtype, cache
-        ):
-            self.cpu_prefill_dtype = None  # oneDNN does not pack that dtype here
-        # "int8" where the q4_1 / q8_0 products take int8 activations (VNNI), else None.
-        self.cpu_decode_dtype = decode_dtype(
-            config.cpu_decode_dtype, config.dtype, self.cpu_weight_format
-        )
-        if self.cpu_decode_dtype is not None:
-            int8_activations(self.model)
+        loaded = load_model(config, device, dtype, seed, self.progress)
+        self.model = loaded.model
+        self.cpu_weight_format = loaded.cpu_weight_format
+        self.cpu_prefill_dtype = loaded.cpu_prefill_dtype
+        self.cpu_decode_dtype = loaded.cpu_decode_dtype
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.buckets = batch_buckets(config.max_num_sequences)
         self.max_blocks_per_seq = (config.max_len + self.block_size - 1) // self.block_size
@@ -213,100 +123,34 @@ class ModelRunner:
             ]
         self._num_launched = 0
 
-    def _lowp_linears(self, fmt: str, cache: Path | None) -> str | None:
-        """Pack the linears' weights into `fmt` (building the kernel at the first start on
-        a machine) and save them to `cache` for the next start; returns the formats taken,
-        None where the kernel did not build here (warned)."""
-        from minivllm.kernels.cpu_lowp_linear import is_built
-
-        stage = f"packing {fmt} weights (once)"
-        self.progress(stage if is_built() else f"building the CPU kernel, {stage}", 0.3)
-        taken = lowp_linears(self.model, fmt)
-        if taken is not None and cache is not None:
-            with contextlib.suppress(OSError):  # a read-only cache: pack again next time
-                save_lowp_linears(self.model, cache)
-        return taken
-
     # -- KV pool -------------------------------------------------------------------------
 
     @property
     def kv_dtype(self) -> torch.dtype:
         """The KV pool's element type: float8 e4m3 (`kv_cache_dtype` fp8) or the model's."""
-        return FP8_KV_DTYPE if self.config.kv_fp8 else self.dtype
+        return kv_pool_dtype(self.config, self.dtype)
 
     @property
     def bytes_per_block(self) -> int:
-        layer = self.attention_layers[0]
-        per_token = 2 * len(self.attention_layers) * layer.num_kv_heads * layer.head_dim
-        return per_token * self.block_size * self.kv_dtype.itemsize
+        return block_bytes(self.attention_layers, self.block_size, self.kv_dtype)
 
     def size_kv_pool(self) -> int:
-        """How many blocks the pool gets on this rank."""
-        if self.device.type != "cuda":
-            if self.config.max_cached_blocks is not None:
-                return self.config.max_cached_blocks
-            return max(1, CPU_KV_BUDGET_BYTES // self.bytes_per_block)
-        return self._size_kv_pool_cuda()
-
-    def _size_kv_pool_cuda(self) -> int:
-        """Warm up with the largest batch, then give the KV pool its share of what is free.
-
-        `gpu_memory_utilization` is the share of the memory still free after the weights
-        and the warm-up's peak activations that the pool takes (the seed's semantics).
-        """
-        self.progress("warming up", 0.45)
-        torch.cuda.synchronize(self.device)
-        gc.collect()  # an earlier engine's unreachable cycles may still hold its pool
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.warm_up()
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        current = torch.cuda.memory_allocated(self.device)
-        torch.cuda.empty_cache()
-        free, _ = torch.cuda.mem_get_info(self.device)
-        available = (free - (peak - current)) * self.config.gpu_memory_utilization
-        return max(0, int(available) // self.bytes_per_block)
-
-    @torch.inference_mode()
-    def warm_up(self) -> None:
-        """One forward pass over `max_num_batched_tokens` tokens without a cache."""
-        num_tokens = self.config.max_num_batched_tokens
-        max_len = self.config.max_len
-        num_seqs = min(self.config.max_num_sequences, max(1, num_tokens // max(1, max_len)))
-        lens = [num_tokens // num_seqs] * num_seqs
-        ids = torch.zeros(sum(lens), dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        cu = torch.tensor([0] + lens, device=self.device).cumsum(0).to(torch.int32)
-        meta = AttentionMetadata(
-            slot_mapping=torch.full_like(ids, -1),
-            cu_seqlens_q=cu,
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
-            block_tables=torch.zeros(num_seqs, 1, dtype=torch.int32, device=self.device),
-            is_decode=False,
+        """How many blocks the pool gets on this rank (kv_pool.py's `size_kv_pool`)."""
+        return size_kv_pool(
+            self.model, self.config, self.device, self.bytes_per_block, self.progress
         )
-        with attention_metadata(meta):
-            hidden = self.model(ids, positions)
-        self.model.compute_logits(hidden[cu[1:].long() - 1])
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        layer = self.attention_layers[0]
-        shape = (
-            2,
-            len(self.attention_layers),
+        """Allocate the pool, then compile the kernels and capture the step graphs (or
+        build the CPU decode step) over it."""
+        self.kv_cache = allocate_kv_pool(
+            self.attention_layers,
             num_blocks,
             self.block_size,
-            layer.num_kv_heads,
-            layer.head_dim,
+            self.kv_dtype,
+            self.device,
+            self.config.kv_fp8,
         )
-        if self.device.type == "cpu":
-            self.kv_cache = lazily_zeroed(shape, self.kv_dtype)
-        else:
-            self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-        for i, attn in enumerate(self.attention_layers):
-            attn.k_cache = self.kv_cache[0, i]
-            attn.v_cache = self.kv_cache[1, i]
-            attn.kv_scales = FP8_KV_SCALES if self.config.kv_fp8 else (1.0, 1.0)
         self.num_blocks = num_blocks
         if self.kernels.is_triton:
             self.progress("compiling kernels", 0.7)
@@ -346,17 +190,9 @@ class ModelRunner:
         # row count itself is not specialised past 1).
         sizes = [1, 2] if self.config.max_num_sequences > 1 else [1]
         batches += [(_dummy_batch([1] * n), None) for n in sizes]
-        backend = self.attn_backend
-        if isinstance(backend, TritonAttentionBackend):
-            # Each split count once (the dummy contexts are short: the count is forced).
-            for splits in backend.all_decode_splits():
-                bucket = next((b for b in self.buckets if backend.decode_splits(b) == splits),
-                              self.buckets[0])
-                batches.append((_dummy_batch([1] * bucket), splits))
-            first = self.buckets[0]
-            if backend.short_context and backend.decode_splits(first) != 1:
-                # The short launch (one split where the bucket takes more) has its own tiles.
-                batches.append((_dummy_batch([1] * first), 1))
+        # The backend's decode variants (its split counts), each at a batch size it takes.
+        variants = self.attn_backend.decode_variants()
+        batches += [(_dummy_batch([1] * n), splits) for n, splits in variants]
         for b, splits in batches:
             input_ids, positions, meta = self.prepare(b)
             if splits is not None:
@@ -374,7 +210,7 @@ class ModelRunner:
             self.model,
             self.buckets,
             self.max_blocks_per_seq,
-            self.decode_splits,
+            self.attn_backend.decode_splits,
             self.config.model.hidden_size,
             self.device,
             self.dtype,
@@ -390,46 +226,33 @@ class ModelRunner:
             fill_tokens=self.kernels.fill_tokens,
         )
 
-    def decode_splits(self, num_seqs: int, max_context: int | None = None) -> int | None:
-        """Decode attention's split count for a batch: its bucket's, or one split (the short
-        launch) where the longest context is short (kernels/tuning.py's DECODE_SHORT)."""
-        backend = self.attn_backend
-        if isinstance(backend, TritonAttentionBackend):
-            return backend.decode_splits(num_seqs, max_context)
-        return None
-
     # -- one step ------------------------------------------------------------------------
-
-    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda":
-            return t.pin_memory().to(self.device, non_blocking=True)
-        return t
 
     @torch.inference_mode()
     def prepare(self, b: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The step's inputs on the device, in a few host-to-device copies (one per dtype,
         plus the block tables for a graph step). A prefill/mixed step that a CUDA graph
-        holds is written straight into that graph's static inputs, padded to its bucket."""
+        holds goes to the graph runner, which stages it in that graph's static inputs."""
         width = max(len(t) for t in b.block_tables)
         if self.graphs is not None and not b.is_decode and not _wants_prompt_rows(b):
-            bucket = self.graphs.prefill_bucket(b.num_tokens)
-            if bucket is not None:
-                return self._prepare_graph(b, bucket, width)
+            staged = self.graphs.stage_prefill(b, width)
+            if staged is not None:
+                return staged
         tables = [x for t in b.block_tables for x in (t + [0] * (width - len(t)))]
         n_tok, n_seq = b.num_tokens, b.num_seqs
         # Each part padded to 16 elements, so every view below starts 16-byte aligned:
         # Triton specialises kernels on pointer alignment (one compiled variant).
         tok_pad = [0] * (round_up(n_tok, ALIGN) - n_tok)
-        longs = self._to_device(
-            b.input_ids + tok_pad + b.positions + tok_pad + b.slot_mapping, torch.long
+        longs = to_device(
+            b.input_ids + tok_pad + b.positions + tok_pad + b.slot_mapping, torch.long,
+            self.device,
         )
         # int32 for the kernels; int64 on the CPU, where the references index with it.
         index_dtype = torch.int32 if self.device.type == "cuda" else torch.long
         cu_pad = [0] * (round_up(n_seq + 1, ALIGN) - n_seq - 1)
         lens_pad = [0] * (round_up(n_seq, ALIGN) - n_seq)
-        ints = self._to_device(
-            b.cu_seqlens_q + cu_pad + b.seq_lens + lens_pad + tables, index_dtype
+        ints = to_device(
+            b.cu_seqlens_q + cu_pad + b.seq_lens + lens_pad + tables, index_dtype, self.device
         )
         t = n_tok + len(tok_pad)
         input_ids, positions, slot_mapping = longs[:n_tok], longs[t : t + n_tok], longs[2 * t :]
@@ -444,100 +267,6 @@ class ModelRunner:
         )
         self.attn_backend.finish_metadata(meta, n_seq, max(b.seq_lens) if b.is_decode else None)
         return input_ids, positions, meta
-
-    def _prepare_graph(
-        self, b: ForwardBatch, bucket: int, width: int
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        graphs = self.graphs
-        assert graphs is not None
-        n_seq = b.num_seqs
-        longs, ints = pad_prefill_inputs(
-            b.input_ids,
-            b.positions,
-            b.slot_mapping,
-            b.cu_seqlens_q,
-            b.seq_lens,
-            bucket,
-            graphs.slots(bucket),
-        )
-        tables = [x for t in b.block_tables for x in (t + [0] * (width - len(t)))]
-        graphs.prefill_longs[: len(longs)].copy_(self._pinned(longs, torch.long), True)
-        graphs.prefill_ints[: len(ints)].copy_(self._pinned(ints, torch.int32), True)
-        # Rows past the step's sequences, and columns past its widest table, keep stale
-        # values that nothing reads (no queries there; no context that far).
-        dst = graphs.prefill_tables[:n_seq, :width]
-        dst.copy_(self._pinned(tables, torch.int32).view(n_seq, width), True)
-        input_ids, positions, meta = graphs.prefill_views(bucket)
-        meta.graph_tokens = bucket
-        return input_ids, positions, meta
-
-    def _pinned(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype)
-        return t.pin_memory() if self.device.type == "cuda" else t
-
-    def sampling_tensors(
-        self, b: ForwardBatch, bitmask: torch.Tensor | None = None
-    ) -> SamplingTensors:
-        if all(t == 0 for t in b.temperatures):
-            t = SamplingTensors.greedy()
-        else:
-            floats = self._to_device(b.temperatures + b.top_ps + b.min_ps, torch.float32)
-            temperatures, top_ps, min_ps = floats.split(b.num_seqs)
-            t = SamplingTensors(
-                temperatures=temperatures,
-                top_ks=self._to_device(b.top_ks, torch.long),
-                top_ps=top_ps,
-                min_ps=min_ps,
-                seeds=b.seeds,
-                needs_top_k=any(k > 0 for k in b.top_ks),
-                needs_top_p=any(p < 1 for p in b.top_ps),
-                needs_min_p=any(p > 0 for p in b.min_ps),
-                all_greedy=False,
-            )
-        if b.extras:
-            self._add_extras(t, b)
-        if b.bitmask_rows:
-            if bitmask is None:
-                raise ValueError(f"rows {b.bitmask_rows} sample under a grammar: no bitmask")
-            t.token_bitmask, t.bitmask_rows = bitmask, b.bitmask_rows
-            if self.device.type == "cuda":
-                # Non-blocking: the mask goes up behind the forward on the same stream; the
-                # rows too (xgrammar would copy a list from pageable memory).
-                t.token_bitmask = bitmask.pin_memory().to(self.device, non_blocking=True)
-                t.bitmask_rows = self._to_device(b.bitmask_rows, torch.int32)
-        return t
-
-    def _add_extras(self, t: SamplingTensors, b: ForwardBatch) -> None:
-        """Penalty statistics and the min_tokens mask, built on the device from the
-        rows' token lists (host-to-device copies, no sync)."""
-        extras = b.extras
-        t.num_logprobs = max(x.num_logprobs for x in extras.values())
-        banned = [(row, tok) for row, x in extras.items() for tok in x.banned_ids]
-        if banned:
-            rows, ids = zip(*banned, strict=True)
-            t.banned = tuple(self._to_device([*rows, *ids], torch.long).split(len(rows)))
-        # Penalties act on the tokens seen so far: with none there is nothing to do.
-        if not any(x.prompt_ids or x.output_ids for x in extras.values()):
-            return
-        n, vocab = b.num_seqs, self.config.model.vocab_size
-        rows_p = [row for row, x in extras.items() for _ in x.prompt_ids]
-        rows_o = [row for row, x in extras.items() for _ in x.output_ids]
-        ids_p = [tok for x in extras.values() for tok in x.prompt_ids]
-        ids_o = [tok for x in extras.values() for tok in x.output_ids]
-        longs = self._to_device(rows_p + ids_p + rows_o + ids_o, torch.long)
-        rows_p_t, ids_p_t, rows_o_t, ids_o_t = longs.split([len(rows_p)] * 2 + [len(rows_o)] * 2)
-        counts = torch.zeros(n, vocab, dtype=torch.float32, device=self.device)
-        counts.index_put_((rows_o_t, ids_o_t), torch.ones_like(ids_o_t, dtype=torch.float32), True)
-        seen = counts > 0
-        seen[rows_p_t, ids_p_t] = True
-        factors = [[1.0] * n, [0.0] * n, [0.0] * n]  # repetition, presence, frequency
-        for row, x in extras.items():
-            factors[0][row] = x.repetition_penalty
-            factors[1][row] = x.presence_penalty
-            factors[2][row] = x.frequency_penalty
-        floats = self._to_device(factors[0] + factors[1] + factors[2], torch.float32)
-        repetition, presence, frequency = floats.split(n)
-        t.penalties = PenaltyTensors(repetition, presence, frequency, seen, counts)
 
     def run(self, b: ForwardBatch) -> StepSamples | None:
         """Forward one step and wait for it; on rank 0 return one sampled token per
@@ -577,7 +306,7 @@ class ModelRunner:
                 for j in range(len(x.prompt_targets))
             ]
             # Every rank computes these logits: the LM head gathers them.
-            rows = self._to_device(prompt_rows, torch.long)
+            rows = to_device(prompt_rows, torch.long, self.device)
             logits = self.model.compute_logits(torch.cat([last, hidden[rows]]))
         else:
             _, logits = self._forward(b, input_ids, positions, meta)
@@ -593,7 +322,9 @@ class ModelRunner:
         n = b.num_seqs
         # Everything below is enqueued now: a graph's logits buffer is overwritten by the
         # next step's replay, which may be launched before this one is collected.
-        out = self.sampler(logits[:n], self.sampling_tensors(b, bitmask))
+        out = self.sampler(
+            logits[:n], sampling_tensors(b, bitmask, self.device, self.config.model.vocab_size)
+        )
         tokens = out.token_ids  # [num_seqs]
         self.last_sampled = tokens
         handle = StepHandle(tokens)
@@ -609,7 +340,9 @@ class ModelRunner:
                 x.num_prompt_logprobs for x in prompt.values() for _ in x.prompt_targets
             ]
             handle.prompt_logprobs = compute_logprobs(
-                logits[n:].float(), self._to_device(targets, torch.long), max(handle.prompt_num_top)
+                logits[n:].float(),
+                to_device(targets, torch.long, self.device),
+                max(handle.prompt_num_top),
             )
             handle.prompt_lens = {row: len(x.prompt_targets) for row, x in prompt.items()}
         self._copy_to_host(handle)
@@ -680,7 +413,7 @@ class ModelRunner:
         Rank 0 holds them; the other ranks receive the finished input ids from it."""
         if get_tp_rank() == 0:
             assert self.last_sampled is not None, "a placeholder without a step before it"
-            index = self._to_device(b.fill_rows + b.fill_from, torch.long)
+            index = to_device(b.fill_rows + b.fill_from, torch.long, self.device)
             rows, src = index.split(len(b.fill_rows))
             input_ids[rows] = self.last_sampled[src]
         broadcast_from_rank0(input_ids)

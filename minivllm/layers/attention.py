@@ -77,6 +77,16 @@ class AttentionBackend:
         """Keyword arguments of a decode-attention launch beside its split count."""
         return self.decode_kwargs
 
+    def decode_splits(self, num_seqs: int, max_context: int | None = None) -> int | None:
+        """Decode attention's split count for a batch of `num_seqs` sequences whose longest
+        context is `max_context` (if known); None: the kernel chooses."""
+        return None
+
+    def decode_variants(self) -> list[tuple[int, int]]:
+        """(batch size, split count) of the decode launches that compile every variant of
+        this backend's decode kernel an engine step can ask for; none by default."""
+        return []
+
     def finish_metadata(self, meta: AttentionMetadata, num_seqs: int,
                         max_context: int | None = None) -> AttentionMetadata:
         """Add what this backend needs beyond the batch (once a step, not once a layer);
@@ -265,6 +275,19 @@ class TritonAttentionBackend(AttentionBackend):
         """Every split count an engine step can ask for (kernel variants to compile)."""
         splits = {self.decode_splits(b) for b in self.decode_buckets}
         return sorted(splits | {1} if self.short_context else splits)
+
+    def decode_variants(self) -> list[tuple[int, int]]:
+        # Each split count once (the dummy contexts are short: the count is forced).
+        variants = []
+        for splits in self.all_decode_splits():
+            bucket = next((b for b in self.decode_buckets if self.decode_splits(b) == splits),
+                          self.decode_buckets[0])
+            variants.append((bucket, splits))
+        first = self.decode_buckets[0]
+        if self.short_context and self.decode_splits(first) != 1:
+            # The short launch (one split where the bucket takes more) has its own tiles.
+            variants.append((first, 1))
+        return variants
 
     def finish_metadata(self, meta: AttentionMetadata, num_seqs: int,
                         max_context: int | None = None) -> AttentionMetadata:
