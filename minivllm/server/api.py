@@ -310,8 +310,8 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                     # Then why (OpenAI's client raises on it).
                     yield chunks.finish(index, "error", running())
                     yield sse_event({"error": {"message": f"generation failed: {out.error}",
-                                          "type": "server_error", "param": None,
-                                          "code": None}})
+                                               "type": "server_error", "param": None,
+                                               "code": None}})
                     break
                 shape = texts[index]
                 calls: list[dict[str, Any]] = []
@@ -364,9 +364,9 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         if chat and reasoning is not None and prompt_ids is not None:
             opens = client.tokenizer.decode(prompt_ids[-16:]).rstrip().endswith("<think>")
         return [ChoiceText(echo, prompt_ids,
-                            reasoning(opens) if chat and reasoning is not None else None,
-                            None if body.num_logprobs() is None
-                            else Logprobs(client.tokenizer, chat), tools)
+                           reasoning(opens) if chat and reasoning is not None else None,
+                           None if body.num_logprobs() is None
+                           else Logprobs(client.tokenizer, chat), tools)
                 for _ in range(body.n)]
 
     def whole_response(chat: bool, request_id: str, created: int,
