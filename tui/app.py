@@ -3,10 +3,10 @@
 `create_app(engine=...)` (tests, benchmarks) or `create_app(engine_factory=...)` (the
 CLI: the engine is built or connected behind a loading screen).
 
-The app holds the session, the start-up, the keys' actions and the slash commands; two
-controllers do the rest: `PaneControl` (panes.py) opens, closes and reopens panes, and
-`RequestStreams` (streams.py) sends messages, reads each reply's stream and shows what
-streamed once a frame.
+The app holds the start-up, the session and the keys' actions (the slash commands run
+through `commands.run_slash`); two controllers do the rest: `PaneControl` (panes.py)
+opens, closes and reopens panes, and `RequestStreams` (streams.py) sends messages, reads
+each reply's stream and shows what streamed once a frame.
 """
 
 from __future__ import annotations
