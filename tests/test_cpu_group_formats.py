@@ -91,13 +91,13 @@ def test_auto_dtype_is_fp32_with_a_weight_format():
     """The weight formats run fp32 activations: dtype auto resolves to fp32 with any of them
     (also on AVX-512 BF16 CPUs, where plain auto is bf16)."""
     from minivllm.cpu_features import default_cpu_dtype
-    from minivllm.engine.llm_engine import _resolve_dtype
+    from minivllm.engine.plan import resolve_dtype
 
     cpu = torch.device("cpu")
     for fmt in ("compact", "q4_1", "int8", "bfloat16", "float32"):
-        assert _resolve_dtype("auto", cpu, fmt) == torch.float32
-    assert _resolve_dtype("auto", cpu, "auto") == default_cpu_dtype()
-    assert _resolve_dtype("bfloat16", cpu, "compact") == torch.bfloat16  # asked for: kept
+        assert resolve_dtype("auto", cpu, fmt) == torch.float32
+    assert resolve_dtype("auto", cpu, "auto") == default_cpu_dtype()
+    assert resolve_dtype("bfloat16", cpu, "compact") == torch.bfloat16  # asked for: kept
 
 
 @pytest.fixture(scope="module")

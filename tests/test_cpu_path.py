@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm import cpu_features
-from minivllm.engine.llm_engine import _resolve_dtype
+from minivllm.engine.plan import resolve_dtype
 from minivllm.kernels.decode_attention import context_slots, decode_attention_at_slots
 from minivllm.kernels.prefill_attention import gather_kv
 from minivllm.kernels.rotary import (
@@ -51,15 +51,15 @@ def test_resolve_dtype_auto_follows_the_cpu_and_explicit_wins(monkeypatch):
         cpu_features, "cpu_flags", lambda: cpu_features.parse_cpu_flags(CPUINFO_SPR)
     )
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    assert _resolve_dtype("auto", cpu) == torch.bfloat16
-    assert _resolve_dtype("float32", cpu) == torch.float32  # forced fp32 on a bf16 CPU
-    assert _resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("auto", cpu) == torch.bfloat16
+    assert resolve_dtype("float32", cpu) == torch.float32  # forced fp32 on a bf16 CPU
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     monkeypatch.setattr(
         cpu_features, "cpu_flags", lambda: cpu_features.parse_cpu_flags(CPUINFO_ZEN3)
     )
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
-    assert _resolve_dtype("auto", cpu) == torch.float32
-    assert _resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    assert resolve_dtype("auto", cpu) == torch.float32
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

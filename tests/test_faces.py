@@ -118,7 +118,7 @@ async def test_fast_streams_reach_every_pane_once_a_frame_and_esc_is_prompt(tmp_
             assert pane.conversation.messages[-1].content == reply
         # A pane shows new text at most once a frame, and frames come at most FRAME_HZ
         # times a second (the timer's period): so at most ~30 renders a second.
-        assert all(0 < pane.renders <= app.frames for pane in panes)
+        assert all(0 < pane.renders <= app.streams.frames for pane in panes)
 
         # Esc on one pane while all four stream: the pane shows it is stopping within
         # three frames, then stops with its partial reply kept.
@@ -126,14 +126,14 @@ async def test_fast_streams_reach_every_pane_once_a_frame_and_esc_is_prompt(tmp_
             await app.send(pane, text)
         target = panes[1]
         await wait_until(pilot, lambda: all(p.state == "streaming" for p in panes), 60)
-        app._focus(target)
-        before = app.frames
+        app.focus_pane(target)
+        before = app.streams.frames
         # (pilot.press returns only once every widget's queue is empty: the frames are
         # counted when the pane changed, not when the press returned)
         press = asyncio.ensure_future(pilot.press("escape"))
         await wait_until(pilot, lambda: target.state_detail == "stopping"
                          or target.state == "stopped", 30)
-        assert app.frames - before <= 3
+        assert app.streams.frames - before <= 3
         await press
         await wait_until(pilot, lambda: target.state == "stopped", 30)
         assert 0 < target.tokens < max_tokens

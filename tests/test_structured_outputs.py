@@ -167,13 +167,13 @@ def test_engine_fills_masks_on_a_thread_without_overlapped_scheduling(engine, mo
     overlapped = engine.generate(prompts, params)["text"]
     monkeypatch.setattr(engine, "async_scheduling", False)
     threads = []
-    fill = engine._grammars.fill_bitmask
+    fill = engine._grammars.compiler.fill_bitmask
 
     def spy(*args):
         threads.append(threading.current_thread().name)
         return fill(*args)
 
-    monkeypatch.setattr(engine._grammars, "fill_bitmask", spy)
+    monkeypatch.setattr(engine._grammars.compiler, "fill_bitmask", spy)
     out = engine.generate(prompts, params)["text"]
     assert out == overlapped
     jsonschema.validate(json.loads(out[0]), SCHEMA)

@@ -9,8 +9,11 @@ reads each request's stream from it on its own event loop), engine_spec (what
 messages (what the loading thread posts to the UI), conversation / store (data and the session file:
 created at the first message, validated on replay, memory-only when it cannot be
 written), thinking / sanitize / stats (pure helpers), widgets/ (one widget per module),
-app (wiring); `minivllm-chat --bench` is `minivllm.bench.chat_app`. The scripted engine of the
-tests, the demo and the bench's GPU-like case is `minivllm.server.standin`'s.
+app (wiring), panes (the panes' lifecycle), streams (sending and reading each reply's
+stream, once a frame), context (prompt tokens, the oldest turns cut to fit), commands
+(the slash commands and the palette); `minivllm-chat --bench` is
+`minivllm.bench.chat_app`. The scripted engine of the tests, the demo and the bench's
+GPU-like case is `minivllm.server.standin`'s.
 """
 
 from __future__ import annotations

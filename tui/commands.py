@@ -1,8 +1,10 @@
 """The chat's commands: the slash commands typed in a message (one table for the app and
-plain mode) and the app's command palette (ctrl+p; Textual adds theme, keys and quit)."""
+plain mode), what each does in the app, and the app's command palette (ctrl+p; Textual
+adds theme, keys and quit)."""
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -12,6 +14,7 @@ if TYPE_CHECKING:
     from textual.app import SystemCommand
 
     from .app import ChatApp
+    from .widgets.pane import ConversationPane
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,70 @@ def commands_help() -> str:
     return "\n".join(f"{c.usage:<{width}}  {c.help}"
                      + (f" (also {', '.join(c.aliases)})" if c.aliases else "")
                      for c in SLASH_COMMANDS)
+
+
+def app_help() -> str:
+    """The app's /help: its keys, then the commands."""
+    return ("Enter sends · ctrl+j newline · Esc or ctrl+c stops · alt+a or /all sends to "
+            "every pane · ctrl+r regenerates · ctrl+n/ctrl+w new/close · ctrl+o reopens · "
+            "alt+1..9 focus · alt+c copies the reply · PgUp/PgDn scroll · ctrl+p commands\n"
+            + commands_help())
+
+
+async def run_slash(app: ChatApp, pane: ConversationPane, text: str
+                    ) -> tuple[bool, str | None]:
+    """Run the command a message to `pane` starts with, in the app. Returns (handled,
+    text to send; None for an unknown or incomplete command, which stays in the input for
+    fixing). A first word that is not a command word (`/usr/bin ...`) is sent as typed."""
+    slash = parse_slash(text)
+    if slash is None:
+        return False, text
+    if slash.error is not None:
+        app.notify(slash.error, severity="warning", markup=False)
+        return True, None
+    name, rest = slash.command.name, slash.rest
+    if name == "/all":
+        await app.broadcast(rest)
+    elif name in ("/think", "/no_think"):
+        app.set_thinking(pane, name == "/think")
+        return (not rest), rest
+    elif name == "/system" and rest:
+        new = copy.deepcopy(pane.conversation.settings)
+        new.system_prompt = rest
+        app.apply_settings(pane, new)
+        app.notify(f"pane #{pane.number}: system prompt set")
+    elif name == "/system":
+        app.action_settings("system")
+    elif name == "/rep":
+        _set_repetition_penalty(app, pane, rest)
+    elif name == "/clear":
+        app.focus_pane(pane)
+        await app.action_clear()
+    elif name == "/stats":
+        app.notify("the engine's stats are in the panel at the bottom")
+    elif name == "/help":
+        app.notify(app_help(), timeout=10, markup=False)
+    elif name == "/exit":
+        await app.action_quit()
+    return True, ""
+
+
+def _set_repetition_penalty(app: ChatApp, pane: ConversationPane, rest: str) -> None:
+    """/rep: without X, say the pane's penalty; with X, set it (a bad X is refused)."""
+    settings = pane.conversation.settings
+    if not rest:
+        app.notify(f"pane #{pane.number}: repetition penalty "
+                   f"{settings.repetition_penalty:g}")
+        return
+    try:
+        value = parse_repetition_penalty(rest)
+    except ValueError as exc:
+        app.notify(f"not set: {exc}", severity="warning", markup=False)
+        return
+    new = copy.deepcopy(settings)
+    new.repetition_penalty = value
+    app.apply_settings(pane, new)
+    app.notify(f"pane #{pane.number}: repetition penalty set to {value:g}")
 
 
 def chat_commands(app: ChatApp) -> Iterator[SystemCommand]:

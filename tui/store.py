@@ -8,6 +8,7 @@ line was torn by a crash skips that line; a reply with no end record was interru
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -253,6 +254,46 @@ class LoadedSession:
         if self.bad_records:
             parts.append(f"{self.bad_records} record(s) with bad values")
         return f"{self.path.name}: skipped " + " and ".join(parts) if parts else ""
+
+
+@dataclass
+class OpenedSession:
+    """The app's session at start: its file, its panes' conversations, the closed panes'
+    (newest last), what to tell the user about the resume, and the theme it used."""
+
+    store: SessionStore
+    conversations: list[Conversation]
+    closed: list[Conversation]
+    note: str = ""
+    theme: str | None = None
+
+
+def open_session(root: Path, resume: bool | Path, n: int, settings: Settings, model: str,
+                 save: bool = True, on_error: Callable[[str], None] | None = None
+                 ) -> OpenedSession:
+    """Resume a session (`resume`: its file, or True for the latest one) or start one
+    with `n` conversations of `settings`; `save` False keeps a new one in memory only."""
+    path = resume if isinstance(resume, Path) else (latest_session(root) if resume else None)
+    note, theme, closed = "", None, []
+    if path is not None:
+        loaded = load_session(path)
+        store = SessionStore(path, on_error=on_error)
+        for key in loaded.interrupted:  # close the open replies in the file too
+            conv = next(c for c in loaded.conversations if c.key == key)
+            store.end(key, "interrupted", conv.messages[-1].content)
+        note, theme, closed = loaded.notice(), loaded.theme, list(loaded.closed.values())
+        if loaded.conversations:
+            return OpenedSession(store, loaded.conversations, closed, note, theme)
+    else:
+        store = (SessionStore(new_session_path(root), on_error=on_error) if save
+                 else NullStore())
+        if resume:
+            note = "no earlier session with messages to resume"
+    store.session(model)
+    convs = [Conversation(k + 1, copy.deepcopy(settings)) for k in range(max(1, n))]
+    for c in convs:
+        store.pane(c.key, c.settings)
+    return OpenedSession(store, convs, closed, note, theme)
 
 
 class BadRecord(ValueError):

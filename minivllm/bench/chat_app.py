@@ -195,7 +195,7 @@ async def run_app(engine: Any, users: list[str], max_tokens: int,
         # is one clock for every process of the machine).
         last = max(p.last_token_at for p in app.panes)
         result = AppRound(sum(p.tokens for p in app.panes), end - start, last - start, cpu,
-                          list(app.frame_lags))
+                          list(app.streams.frame_lags))
         if ui_cpu is not None:
             ui_cpu.append(cpu)
         await pilot.press("ctrl+q")

@@ -3,20 +3,15 @@
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import functools
 import gc
-import importlib.util
 import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as SeqLike
-from concurrent.futures import FIRST_COMPLETED, Future
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -24,16 +19,16 @@ import torch
 from ..config import EngineConfig
 from ..layers.cpu_linear import weight_format
 from ..layers.sampler import StepSamples
-from ..loader import GGUF_SOURCE_FILE
 from ..outputs import Delta, EngineStats
 from ..sampling_params import SamplingParams, as_token_id
 from .batch import ForwardBatch, build_forward_batch
 from .block_manager import BlockManager
-from .model_runner import LaunchedForward, ModelRunner, StepHandle
+from .model_runner import ModelRunner, StepHandle
 from .output_processor import OutputProcessor
+from .plan import check_pool_fits, default_plan, resolve_device, resolve_dtype
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
-from .structured_outputs import GrammarCompiler, GrammarError, MaskFill
+from .structured_steps import GrammarRequests, MaskedForward
 from .worker import (
     AllocateKVCache,
     Command,
@@ -66,24 +61,11 @@ class EngineDeadError(RuntimeError):
 
 
 @dataclass
-class _MaskedForward:
-    """A step with rows under a grammar: its forward is launched, its sampling waits for
-    their bitmask, which the mask thread fills (`mask`) once their matchers hold every
-    token sampled before: at launch if none is in flight, else once the step before is
-    applied. The sampling is launched when something needs it: the next step's forward,
-    or reading this step."""
-
-    forward: LaunchedForward
-    rows: list[int]
-    mask: MaskFill | None = None
-
-
-@dataclass
 class _InFlight:
     """A launched step whose sampled tokens have not been read yet."""
 
     out: SchedulerOutput
-    handle: StepHandle | _MaskedForward
+    handle: StepHandle | MaskedForward
 
 
 def encode_text(tokenizer: Any, prompt: str) -> list[int]:
@@ -121,9 +103,9 @@ class LLMEngine:
             config = EngineConfig.from_dict(config)
         elif not isinstance(config, EngineConfig):
             raise TypeError(f"config: expected a dict or EngineConfig, got {type(config).__name__}")
-        self.device = _resolve_device(config.device)
+        self.device = resolve_device(config.device)
         config = default_plan(config, self.device)
-        self.dtype = _resolve_dtype(config.dtype, self.device, config.cpu_weight_dtype)
+        self.dtype = resolve_dtype(config.dtype, self.device, config.cpu_weight_dtype)
         # "bfloat16" / "int8" where the CPU's linears take a weight-only format, else None.
         self.cpu_weight_format = weight_format(config.cpu_weight_dtype, self.device, self.dtype)
         self.cpu_prefill_dtype: torch.dtype | None = None
@@ -158,7 +140,7 @@ class LLMEngine:
             progress("sizing the KV cache", 0.4)
             mine, theirs = self._on_all_ranks(SizeKVPool(), self.runner.size_kv_pool)
             num_blocks = min([mine, *theirs])  # every rank holds every block
-            _check_pool_fits(config, num_blocks, self.runner.bytes_per_block)
+            check_pool_fits(config, num_blocks, self.runner.bytes_per_block)
             self._on_all_ranks(
                 AllocateKVCache(num_blocks), lambda: self.runner.allocate_kv_cache(num_blocks)
             )
@@ -198,10 +180,10 @@ class LLMEngine:
             else self.device.type == "cuda"
         )
         self._in_flight: _InFlight | None = None
-        # Structured outputs: built at the first constrained request; the sequences whose
-        # grammar is compiling, by id, with its future.
-        self._grammars: GrammarCompiler | None = None
-        self._compiling: dict[int, tuple[Sequence, Future]] = {}
+        # Structured outputs: the backend is built at the first constrained request.
+        self._grammars = GrammarRequests(
+            self.tokenizer, self.config.model.vocab_size, sorted(self.eos_token_ids)
+        )
         self._closed = False
         atexit.register(self.exit)
         progress("ready", 1.0)
@@ -244,9 +226,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("structured_outputs: needs the model's tokenizer; this "
                                  "model has none")
-            future = self._grammar_compiler().compile(params.structured_outputs)
-            seq.awaiting_grammar = True
-            self._compiling[seq.seq_id] = (seq, future)
+            self._grammars.add(seq)
         self._next_seq_id += 1
         self.output_processor.add(seq)
         self._seqs[seq.seq_id] = seq
@@ -260,17 +240,7 @@ class LLMEngine:
         request does not wait for it (the server calls this once the engine is loaded).
         Returns at once; False where there is nothing to prepare (no tokenizer, or
         xgrammar not installed: the first constrained request then says so)."""
-        if self.tokenizer is None or importlib.util.find_spec("xgrammar") is None:
-            return False
-        self._grammar_compiler().prepare()
-        return True
-
-    def _grammar_compiler(self) -> GrammarCompiler:
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(
-                self.tokenizer, self.config.model.vocab_size, sorted(self.eos_token_ids)
-            )
-        return self._grammars
+        return self._grammars.prepare()
 
     def num_prompt_tokens(self, seq_id: int) -> int:
         """The prompt length of a request not yet reported as finished (0 if unknown)."""
@@ -323,7 +293,7 @@ class LLMEngine:
         """
         self._check_alive()
         start = time.perf_counter()
-        failed = self._poll_grammars() if self._compiling else []
+        failed = self._poll_grammars() if self._grammars.compiling else []
         out = self.scheduler.schedule()
         launched = None
         if not out.is_empty:
@@ -337,10 +307,10 @@ class LLMEngine:
             finished += self._apply(previous, start)
         if launched is not None:
             masked = launched.handle
-            if isinstance(masked, _MaskedForward) and masked.mask is None:
+            if isinstance(masked, MaskedForward) and masked.mask is None:
                 # The grammars now hold the previous step's tokens: the mask thread fills
                 # this step's mask while the device runs its forward.
-                masked.mask = self._fill_bitmask(out, masked.rows)
+                masked.mask = self._grammars.fill_bitmask(out, masked.rows)
             # A step with penalties, min_tokens or logprobs is read at once: those read
             # the sequence's tokens on the host (the newest must not be in flight) and
             # its logprobs are copied back whole.
@@ -353,35 +323,21 @@ class LLMEngine:
             last, self._in_flight = self._in_flight, None
             self._apply(last, start)
         if launched is None:
-            if self._compiling and self._in_flight is None and not self.scheduler.running:
+            if (self._grammars.compiling and self._in_flight is None
+                    and not self.scheduler.running):
                 # Nothing to run until a grammar is ready: wait for one, not spin.
-                futures = [future for _, future in self._compiling.values()]
-                wait_futures(futures, timeout=0.01, return_when=FIRST_COMPLETED)
+                self._grammars.wait(timeout=0.01)
             return finished, 0, False
         return finished, out.num_tokens, out.is_prefill
 
     def _poll_grammars(self) -> list[tuple[int, list[int]]]:
-        """Give each sequence whose grammar compiled its matcher (the scheduler may then
-        admit it); end with an error those whose grammar failed (returned as finished)."""
-        assert self._grammars is not None
+        """Matchers for the sequences whose grammar compiled; those whose grammar failed
+        end with an error (returned as finished)."""
         failed = []
-        for seq_id, (seq, future) in list(self._compiling.items()):
-            if seq.is_finished:  # aborted while its grammar compiled
-                del self._compiling[seq_id]
-                continue
-            if not future.done():
-                continue
-            del self._compiling[seq_id]
-            try:
-                seq.grammar = self._grammars.matcher(future.result())
-            except Exception as e:  # noqa: BLE001 - the request fails, the engine serves on
-                seq.error = str(e) if isinstance(e, GrammarError) else (
-                    f"structured_outputs: {type(e).__name__}: {e}")
-                self.scheduler.finish(seq, "error")
-                failed.append((seq.seq_id, seq.completion_token_ids))
-                self._forget_if_unstreamed(seq)
-            else:
-                seq.awaiting_grammar = False
+        for seq in self._grammars.poll():
+            self.scheduler.finish(seq, "error")
+            failed.append((seq.seq_id, seq.completion_token_ids))
+            self._forget_if_unstreamed(seq)
         return failed
 
     def _apply(self, step: _InFlight, start: float) -> list[tuple[int, list[int]]]:
@@ -441,21 +397,18 @@ class LLMEngine:
             return local(), []
         return self.workers.run(command, local)
 
-    def _launch(self, out: SchedulerOutput) -> StepHandle | _MaskedForward:
+    def _launch(self, out: SchedulerOutput) -> StepHandle | MaskedForward:
         """Launch a step: forward and sampling, or where rows sample under a grammar, the
         forward only (the engine samples it once their bitmask is filled)."""
         batch = build_forward_batch(out, self.config.block_size, self.eos_token_ids)
-        rows = []
-        if self._grammars is not None:
-            rows = [i for i, item in enumerate(out.scheduled)
-                    if item.samples and item.seq.grammar is not None]
+        rows = self._grammars.rows(out)
         mask = None
         if rows:
             batch.bitmask_rows = rows
             if all(out.scheduled[i].fill_from is None for i in rows):
                 # Their matchers hold every token sampled (none is in flight): the mask
                 # thread fills it while the forward runs.
-                mask = self._fill_bitmask(out, rows)
+                mask = self._grammars.fill_bitmask(out, rows)
         local: Callable[[], Any] = functools.partial(
             self.runner.forward if rows else self.runner.launch, batch)
         if self.workers is None:
@@ -463,27 +416,13 @@ class LLMEngine:
             launched = local()
         else:
             launched = self.workers.run_nowait(self._step_input(out, batch), local)
-        return _MaskedForward(launched, rows, mask) if rows else launched
-
-    def _fill_bitmask(self, out: SchedulerOutput, rows: list[int]) -> MaskFill:
-        """A future of the bitmask of `rows` (each under a grammar) of a step, filled on
-        the mask thread. A row whose sequence ended since its step was scheduled (its
-        token will be dropped) is left all ones. Until the future is done, nothing else
-        may use those matchers: their next tokens come from this step's sampling."""
-        assert self._grammars is not None
-        live = [i for i in rows if not out.scheduled[i].seq.is_finished]
-        matchers = [out.scheduled[i].seq.grammar for i in live]
-        return self._grammars.fill_bitmask_async(len(out.scheduled), live, matchers)
+        return MaskedForward(launched, rows, mask) if rows else launched
 
     def _sample_if_masked(self, step: _InFlight, outs: list[SchedulerOutput]) -> None:
         """Launch a masked step's sampling (waiting for its mask) if it is still due."""
         masked = step.handle
-        if isinstance(masked, _MaskedForward):
-            step.handle = self._guarded([step.out, *outs], self._sample_masked, masked)
-
-    def _sample_masked(self, masked: _MaskedForward) -> StepHandle:
-        assert masked.mask is not None
-        return self.runner.sample(masked.forward, masked.mask.result())
+        if isinstance(masked, MaskedForward):
+            step.handle = self._guarded([step.out, *outs], masked.sample, self.runner)
 
     def _step_input(self, out: SchedulerOutput, batch: ForwardBatch) -> StepInput:
         """What the workers need for this step beyond what they hold already."""
@@ -731,9 +670,7 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
         self._in_flight = None
-        if self._grammars is not None:
-            self._grammars.close()
-        self._compiling.clear()
+        self._grammars.close()
         if self.workers is not None:
             self.workers.close()
         self.runner.release()  # the model, the KV pool and the CUDA graphs
@@ -786,60 +723,3 @@ def _has_tokenizer(path: str) -> bool:
     """A checkpoint without tokenizer files still serves token-id prompts."""
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
     return any(os.path.exists(os.path.join(path, n)) for n in names)
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda': no CUDA GPU is available here")
-    return torch.device(device)
-
-
-def default_plan(config: EngineConfig, device: torch.device) -> EngineConfig:
-    """`config` with the CPU's weights chosen for the machine where nothing was asked for
-    (`dtype` and `cpu_weight_dtype` "auto", real weights, one rank): see
-    `cpu_features.default_cpu_weights`. `dtype="float32"` keeps fp32 weights (exact)."""
-    if (device.type != "cpu" or config.dtype != "auto" or config.cpu_weight_dtype != "auto"
-            or config.model_path is None or config.load_format == "dummy"
-            or config.world_size > 1):
-        return config
-    from ..cpu_features import default_cpu_weights
-
-    gguf = (Path(config.model_path) / GGUF_SOURCE_FILE).is_file()
-    return dataclasses.replace(config, cpu_weight_dtype=default_cpu_weights(gguf))
-
-
-def _resolve_dtype(
-    dtype: str, device: torch.device, cpu_weight_dtype: str = "auto"
-) -> torch.dtype:
-    """"auto": bf16 on GPUs. On a CPU: fp32 where a weight format is asked for (the
-    weight-only kernels and the native decode step multiply fp32 activations: even on an
-    AVX-512 BF16 CPU, SmolLM2 with its Q4_1 weights decodes several times faster so than in
-    bf16), else bf16 where the CPU multiplies bf16 (AVX-512 BF16, AMX), else
-    fp32."""
-    if dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16
-        if device.type != "cpu" or cpu_weight_dtype != "auto":
-            return torch.float32
-        from ..cpu_features import default_cpu_dtype
-
-        return default_cpu_dtype()
-    return getattr(torch, dtype)
-
-
-def _check_pool_fits(config: EngineConfig, num_blocks: int, bytes_per_block: int) -> None:
-    """One request of max_model_length must fit the pool, or nothing could be promised."""
-    needed = (config.max_len + config.block_size - 1) // config.block_size
-    if num_blocks >= needed:
-        return
-    gib = 1 << 30
-    need_gib = needed * bytes_per_block / gib
-    have_gib = num_blocks * bytes_per_block / gib
-    raise ValueError(
-        f"KV cache too small for max_model_length={config.max_len}: "
-        f"{need_gib:.2f} GiB needed, {have_gib:.2f} GiB available; "
-        f"the largest length that fits is {num_blocks * config.block_size} "
-        f"(lower max_model_length or raise gpu_memory_utilization / max_cached_blocks)"
-    )

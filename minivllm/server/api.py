@@ -17,16 +17,13 @@ context there; the engine gets token ids.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import importlib.metadata
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -34,11 +31,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.llm_engine import encode_text
 from ..engine.structured_outputs import GrammarError, check_grammar
-from ..frontend import GenerateRequest, RequestOutput, render_chat_prompt
-from ..outputs import TokenLogprob
-from ..reasoning import REASONING_PARSERS, ReasoningParser
+from ..frontend import GenerateRequest, render_chat_prompt
+from ..reasoning import REASONING_PARSERS
 from .choices import Choices
 from .metrics import CONTENT_TYPE, ServerMetrics
+from .middleware import ACCESS_KEY, Access, AccessLog, ApiKeyCheck, BodyLimit
 from .protocol import (
     BadField,
     ChatCompletionRequest,
@@ -47,395 +44,23 @@ from .protocol import (
     TokenizeRequest,
     template_messages,
 )
+from .responses import (
+    ApiError,
+    ChoiceText,
+    Chunks,
+    Logprobs,
+    error_response,
+    sse_event,
+    validation_error_response,
+)
 from .tools import DEFAULT_TOOL_PARSER, TOOL_PARSERS, ToolPlan
 
-# The engine's reasons in OpenAI's vocabulary ("abort": the server stopped the request).
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is there
-FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
 # The largest request body read (--max-request-bytes). A prompt that fills a 128k-token
 # context is ~0.5 MB of text (~3 MB if every character is JSON-escaped) or ~1 MB as a
 # token-id list: 8 MiB leaves room for those and bounds what one client makes us parse.
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
-# pydantic's names for the member of a union a value failed (`stop.str`): not a field.
-_UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
-_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number",
-               bool: "true or false", dict: "an object"}
 logger = logging.getLogger("minivllm.server")
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status, message, type_, param, code)
-
-
-def error_response(status: int, message: str, type_: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status)
-
-
-_dumps = orjson.dumps  # compact UTF-8 JSON, as bytes
-
-
-def _sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + _dumps(payload) + b"\n\n"
-
-
-class _Chunks:
-    """The SSE events of one streamed response, in OpenAI's chunk format, as bytes.
-
-    An event carries all the text a choice gained since its previous one (one engine
-    step's, or several merged when this process is behind). NOTE: it is glued from
-    preformatted halves around the new text: encoding the nested chunk per event costs
-    the event loop several times more.
-    """
-
-    def __init__(self, chat: bool, head: dict[str, Any], include_usage: bool,
-                 with_ids: bool, continuous_usage: bool = False) -> None:
-        self.chat, self.head = chat, head
-        self.include_usage, self.with_ids = include_usage, with_ids
-        self.continuous_usage = continuous_usage  # every chunk carries the usage so far
-        self._open = b"data: " + _dumps(head)[:-1]  # '{"id":...,"model":"..."' without "}"
-        self._pres: dict[int, bytes] = {}  # choice index -> the half before the text
-        if chat:
-            self._mid = b'},"logprobs":null,"finish_reason":null'
-        else:
-            self._mid = b',"logprobs":null,"finish_reason":null'
-        self._post = b"}]" + (b',"usage":null' if include_usage else b"") + b"}\n\n"
-
-    def _pre(self, index: int) -> bytes:
-        pre = self._pres.get(index)
-        if pre is None:
-            field = b'"delta":{"content":' if self.chat else b'"text":'
-            pre = self._pres[index] = (self._open + b',"choices":[{"index":'
-                                       + str(index).encode() + b"," + field)
-        return pre
-
-    def text(self, index: int, text: str, token_ids: list[int],
-             usage: dict[str, Any] | None = None, logprobs: dict[str, Any] | None = None,
-             reasoning: str | None = None) -> bytes:
-        """Choice `index`'s new text (with `reasoning`: its new thinking, apart)."""
-        if logprobs is not None or reasoning is not None:
-            choice: dict[str, Any] = {"index": index, "logprobs": logprobs,
-                                      "finish_reason": None}
-            if self.chat:
-                delta = choice["delta"] = {"content": text} if text else {}
-                if reasoning is not None:
-                    delta["reasoning_content"] = reasoning
-            else:
-                choice["text"] = text
-            if self.with_ids:
-                choice["token_ids"] = token_ids
-            return self._event(choice, usage)
-        ids = b',"token_ids":' + _dumps(token_ids) if self.with_ids else b""
-        post = self._post if usage is None else b'}],"usage":' + _dumps(usage) + b"}\n\n"
-        return self._pre(index) + _dumps(text) + self._mid + ids + post
-
-    def _event(self, choice: dict[str, Any], usage: dict[str, Any] | None = None) -> bytes:
-        payload = {**self.head, "choices": [choice]}
-        if self.include_usage:
-            payload["usage"] = usage
-        return _sse(payload)
-
-    def opening(self, index: int, usage: dict[str, Any] | None = None) -> bytes:
-        if not self.chat:
-            return b""
-        return self._event({"index": index, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None}, usage)
-
-    def finish(self, index: int, reason: str, usage: dict[str, Any] | None = None) -> bytes:
-        choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": reason}
-        if self.chat:
-            choice["delta"] = {}
-        else:
-            choice["text"] = ""
-        if self.with_ids:
-            choice["token_ids"] = []
-        return self._event(choice, usage)
-
-    def usage(self, usage: dict[str, int]) -> bytes:
-        return _sse({**self.head, "choices": [], "usage": usage})
-
-    def tool_calls(self, index: int, deltas: list[dict[str, Any]],
-                   usage: dict[str, Any] | None = None) -> bytes:
-        return self._event({"index": index, "delta": {"tool_calls": deltas},
-                            "logprobs": None, "finish_reason": None}, usage)
-
-
-ACCESS_KEY = "minivllm.access"  # the ASGI scope key of a request's `_Access`
-
-
-@dataclass
-class _Access:
-    """What a request's access-log line says besides its status (its route fills it)."""
-
-    request_id: str = "-"
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    ttft: float | None = None
-
-
-class _AccessLog:
-    """Echoes a request's `X-Request-Id` header on its response, and logs one line per
-    request (not /health, /metrics: probes and scrapes) at info level once its response
-    has ended: id, status, prompt and completion tokens, time to first token, duration.
-    Plain ASGI, like `_ApiKeyCheck`: SSE chunks pass straight through."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        given = next((v for k, v in scope["headers"] if k == b"x-request-id"), None)
-        logged = scope["path"] not in ("/health", "/metrics")
-        if given is None and not logged:
-            await self.app(scope, receive, send)
-            return
-        record = scope[ACCESS_KEY] = _Access()
-        status = 499  # the client left before the response began
-        start = time.monotonic()
-
-        async def send_echoing(message: Any) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                if given is not None:
-                    message = {**message, "headers": [*message.get("headers", ()),
-                                                      (b"x-request-id", given)]}
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_echoing)
-        finally:
-            if logged:
-                ttft = "-" if record.ttft is None else f"{record.ttft:.3f}s"
-                logger.info('minivllm serve: "%s %s" %d id=%s prompt_tokens=%d '
-                            "completion_tokens=%d ttft=%s duration=%.3fs", scope["method"],
-                            scope["path"], status, record.request_id, record.prompt_tokens,
-                            record.completion_tokens, ttft, time.monotonic() - start)
-
-
-class _Logprobs:
-    """The engine's logprobs of one request in OpenAI's shapes: chat's `{"content": [...]}`
-    or completions' `{tokens, token_logprobs, top_logprobs, text_offset}`. A token's text
-    is that token decoded alone (a token holding part of a character shows U+FFFD)."""
-
-    def __init__(self, tokenizer: Any, chat: bool) -> None:
-        self.tokenizer, self.chat = tokenizer, chat
-        self.offset = 0  # completions: where the next token starts in the text
-        self._texts: dict[int, str] = {}
-
-    def _text(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._texts[token_id] = self.tokenizer.decode([token_id])
-        return text
-
-    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self._text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-    def format(self, logprobs: list[TokenLogprob]) -> dict[str, Any]:
-        if self.chat:
-            return {"content": [
-                {**self._entry(p.token_id, p.logprob),
-                 "top_logprobs": [self._entry(t, v) for t, v in p.top.items()]}
-                for p in logprobs]}
-        tokens = [self._text(p.token_id) for p in logprobs]
-        offsets = []
-        for token in tokens:
-            offsets.append(self.offset)
-            self.offset += len(token)
-        return {"tokens": tokens, "token_logprobs": [p.logprob for p in logprobs],
-                "top_logprobs": [{self._text(t): v for t, v in p.top.items()}
-                                 for p in logprobs],
-                "text_offset": offsets}
-
-    def prompt(self, token_ids: list[int], logprobs: list[TokenLogprob | None]
-               ) -> dict[str, Any]:
-        """Completions' echoed prompt: its tokens, each one's logprob (None for the
-        first, which nothing predicts) and top tokens, before the generated ones."""
-        tokens = [self._text(t) for t in token_ids]
-        offsets = []
-        for token in tokens:
-            offsets.append(self.offset)
-            self.offset += len(token)
-        return {"tokens": tokens,
-                "token_logprobs": [None if p is None else p.logprob for p in logprobs],
-                "top_logprobs": [None if p is None else
-                                 {self._text(t): v for t, v in p.top.items()}
-                                 for p in logprobs],
-                "text_offset": offsets}
-
-
-def _joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Two formatted logprobs runs of one choice as one (their lists joined)."""
-    if a is None or b is None:
-        return a if b is None else b
-    return {key: a[key] + b[key] for key in a}
-
-
-class _ChoiceText:
-    """One choice's outputs as its response shows them: the prompt first (`echo`, with
-    its logprobs once the engine sent them), the thinking apart from the answer (a
-    reasoning parser), the tool calls apart from the content (a chat request's tools),
-    the logprobs formatted. `delta()` gives one output's part of a chunk; `add()`
-    gathers the whole reply for `message()` / `text()`."""
-
-    def __init__(self, echo: str | None, prompt_ids: list[int] | None,
-                 parser: ReasoningParser | None, logprobs: _Logprobs | None,
-                 tools: ToolPlan | None = None) -> None:
-        self.echo, self.prompt_ids = echo, prompt_ids
-        self.parser, self.formatter = parser, logprobs
-        self.tools = None if tools is None else tools.stream()
-        self.content: list[str] = []
-        self.reasoning: list[str] = []
-        self.logprobs: dict[str, Any] | None = None
-        # Shown as the engine sent it (the common case, per token: `delta` is skipped).
-        self.plain = echo is None and parser is None and logprobs is None and tools is None
-
-    def finish_reason(self, engine_reason: str | None) -> str:
-        """OpenAI's finish reason: a reply that called tools stops with "tool_calls"."""
-        reason = FINISH_REASONS.get(engine_reason or "", "stop")
-        if reason == "stop" and self.tools is not None and self.tools.calls:
-            return "tool_calls"
-        return reason
-
-    def delta(self, out: RequestOutput, prompt_logprobs: list[TokenLogprob | None] | None
-              ) -> tuple[str, str | None, dict[str, Any] | None, list[dict[str, Any]]]:
-        """(answer text, thinking text or None, logprobs or None, tool-call deltas) of
-        one output."""
-        text, thinking, lps = self._parts(out, prompt_logprobs)
-        if self.tools is None:
-            return text, thinking, lps, []
-        text, calls = self.tools.feed(text, out.finished)
-        return text, thinking, lps, calls
-
-    def _parts(self, out: RequestOutput, prompt_logprobs: list[TokenLogprob | None] | None
-               ) -> tuple[str, str | None, dict[str, Any] | None]:
-        text = out.text
-        lps = None
-        if self.echo is not None and (out.token_ids or out.finished):
-            text = self.echo + text
-            self.echo = None
-            if self.formatter is not None and prompt_logprobs is not None:
-                lps = self.formatter.prompt(self.prompt_ids or [], prompt_logprobs)
-        if self.formatter is not None and out.token_ids:
-            lps = _joined(lps, self.formatter.format(out.logprobs or []))
-        if self.parser is None:
-            return text, None, lps
-        segments = self.parser.feed(text)
-        if out.finished:
-            segments += self.parser.finish()
-        answer = "".join(t for kind, t in segments if kind == "answer")
-        thinking = "".join(t for kind, t in segments if kind == "think")
-        return answer, thinking or None, lps
-
-    def add(self, out: RequestOutput, prompt_logprobs: list[TokenLogprob | None] | None
-            ) -> None:
-        text, thinking, lps, _ = self.delta(out, prompt_logprobs)
-        self.content.append(text)
-        if thinking:
-            self.reasoning.append(thinking)
-        self.logprobs = _joined(self.logprobs, lps)
-
-    def message(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": "".join(self.content)}
-        if self.parser is not None:
-            message["reasoning_content"] = "".join(self.reasoning) or None
-        if self.tools is not None and self.tools.calls:
-            message["content"] = message["content"] or None
-            message["tool_calls"] = [call.as_openai() for call in self.tools.calls]
-        return {"message": message}
-
-    def text(self) -> dict[str, Any]:
-        return {"text": "".join(self.content)}
-
-
-class _ApiKeyCheck:
-    """401 for /v1 requests without `Authorization: Bearer KEY`.
-
-    NOTE: plain ASGI, not `@app.middleware("http")`: that one (Starlette's
-    BaseHTTPMiddleware) relays every SSE chunk of a streamed body through a memory
-    stream and an extra task, per token per request."""
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
-                response = error_response(
-                    401, "invalid or missing API key: send the header "
-                    "'Authorization: Bearer KEY'", "authentication_error",
-                    code="invalid_api_key")
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-
-class _BodyLimit:
-    """413 for a request body over `limit` bytes: decided from Content-Length before any
-    of it is read (a body without one is counted as it arrives). The refused body is read
-    and dropped, never parsed: a client still sending it would otherwise see the
-    connection reset instead of the answer."""
-
-    def __init__(self, app: Any, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
-            await self.app(scope, receive, send)
-            return
-        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        if length is not None:
-            if length.isdigit() and int(length) > self.limit:
-                await self._refuse(receive, send, scope, f"{int(length):,} bytes")
-            else:
-                await self.app(scope, receive, send)
-            return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left
-            size += len(message.get("body", b""))
-            if size > self.limit:
-                await self._refuse(receive, send, scope, f"over {self.limit:,} bytes",
-                                   more=message.get("more_body", False))
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-        replayed = False
-
-        async def replay() -> Any:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return body
-            return await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, receive: Any, send: Any, scope: Any, size: str,
-                      more: bool = True) -> None:
-        while more:
-            message = await receive()
-            more = message["type"] == "http.request" and message.get("more_body", False)
-        response = error_response(
-            413, f"the request body is {size}: over this server's limit of {self.limit:,} "
-            "bytes (--max-request-bytes)", code="request_too_large")
-        await response(scope, receive, send)
 
 
 def _chars_per_token(tokenizer: Any) -> int | None:
@@ -476,9 +101,9 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
     app.state.metrics = metrics
 
     if api_key is not None:
-        app.add_middleware(_ApiKeyCheck, api_key=api_key)
-    app.add_middleware(_BodyLimit, limit=max_request_bytes)
-    app.add_middleware(_AccessLog)  # outermost: refused requests are logged too
+        app.add_middleware(ApiKeyCheck, api_key=api_key)
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
+    app.add_middleware(AccessLog)  # outermost: refused requests are logged too
     vocab_bound: dict[int, int | None] = {}  # id(tokenizer) -> _chars_per_token
 
     @app.exception_handler(ApiError)
@@ -487,27 +112,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        if first.get("type") == "json_invalid":
-            return error_response(400, f"malformed JSON body: {first.get('msg', '')}")
-        def field(error: dict[str, Any]) -> str:
-            loc = [str(x) for x in error.get("loc", ()) if x != "body"]
-            return ".".join(x for x in loc if x.lower() not in _UNION_TAGS and "[" not in x)
-
-        param = field(first)
-        if not param:
-            value = first.get("input")
-            got = "nothing" if value is None else _JSON_KINDS.get(type(value), "a value")
-            return error_response(400, "the request body must be a JSON object with the "
-                                  f"request's fields (got {got})")
-        if first.get("type") == "missing":
-            return error_response(400, f"{param}: this field is required", param=param)
-        # A union's members each fail: "a valid string; a valid list".
-        whats = [e.get("msg", "invalid value") for e in errors if field(e) == param]
-        what = "; ".join(dict.fromkeys(whats))
-        return error_response(400, f"{param}: {what} (got {first.get('input')!r})",
-                              param=param)
+        return validation_error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -648,8 +253,8 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                            ) from None
         return GenerateRequest(request_id, params, prompt=ids)
 
-    def access(http: Request) -> _Access:
-        return http.scope.get(ACCESS_KEY) or _Access()
+    def access(http: Request) -> Access:
+        return http.scope.get(ACCESS_KEY) or Access()
 
     def request_id_of(http: Request, prefix: str) -> str:
         """`prefix-<X-Request-Id>` when the client named its request, else a new id."""
@@ -657,12 +262,12 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         access(http).request_id = request_id
         return request_id
 
-    def account(record: _Access, choices: Choices) -> None:
+    def account(record: Access, choices: Choices) -> None:
         record.prompt_tokens = choices.num_prompt_tokens
         record.completion_tokens = choices.num_generated_tokens
         record.ttft = choices.ttft
 
-    async def collect(choices: Choices, texts: list[_ChoiceText], record: _Access) -> None:
+    async def collect(choices: Choices, texts: list[ChoiceText], record: Access) -> None:
         """Every choice's whole reply, gathered into `texts`."""
         stream = choices.stream()
         try:
@@ -687,8 +292,8 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                 task.cancel()
                 raise ApiError(499, "the client closed the connection")
 
-    async def sse(choices: Choices, texts: list[_ChoiceText], chunks: _Chunks,
-                  record: _Access) -> AsyncIterator[bytes]:
+    async def sse(choices: Choices, texts: list[ChoiceText], chunks: Chunks,
+                  record: Access) -> AsyncIterator[bytes]:
         """The SSE body. Cancelled when the client goes away: closing the stream then
         aborts every choice's request in the engine (their blocks are freed on the next
         step)."""
@@ -704,9 +309,9 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
                 if out.finish_reason == "error":
                     # Then why (OpenAI's client raises on it).
                     yield chunks.finish(index, "error", running())
-                    yield _sse({"error": {"message": f"generation failed: {out.error}",
-                                          "type": "server_error", "param": None,
-                                          "code": None}})
+                    yield sse_event({"error": {"message": f"generation failed: {out.error}",
+                                               "type": "server_error", "param": None,
+                                               "code": None}})
                     break
                 shape = texts[index]
                 calls: list[dict[str, Any]] = []
@@ -729,7 +334,7 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
             account(record, choices)
 
     def streaming_response(body: Any, chat: bool, request_id: str, created: int,
-                           choices: Choices, texts: list[_ChoiceText], record: _Access
+                           choices: Choices, texts: list[ChoiceText], record: Access
                            ) -> StreamingResponse:
         head = {"id": request_id,
                 "object": "chat.completion.chunk" if chat else "text_completion",
@@ -738,13 +343,13 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         include_usage = bool(options and options.include_usage)
         # As vLLM: running usage on every chunk needs include_usage too.
         continuous = include_usage and bool(options and options.continuous_usage_stats)
-        chunks = _Chunks(chat, head, include_usage, body.return_token_ids, continuous)
+        chunks = Chunks(chat, head, include_usage, body.return_token_ids, continuous)
         return StreamingResponse(sse(choices, texts, chunks, record),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
     def choice_texts(body: Any, chat: bool, request: GenerateRequest, choices: Choices,
-                     tools: ToolPlan | None = None) -> list[_ChoiceText]:
+                     tools: ToolPlan | None = None) -> list[ChoiceText]:
         """How each of the request's choices is shown: with the echoed prompt
         (completions' `echo`), the thinking apart (`--reasoning-parser`, chat), the
         logprobs in the endpoint's shape."""
@@ -758,14 +363,14 @@ def build_app(client: Any, *, model_name: str, api_key: str | None = None,
         opens = choices.opens_thinking
         if chat and reasoning is not None and prompt_ids is not None:
             opens = client.tokenizer.decode(prompt_ids[-16:]).rstrip().endswith("<think>")
-        return [_ChoiceText(echo, prompt_ids,
-                            reasoning(opens) if chat and reasoning is not None else None,
-                            None if body.num_logprobs() is None
-                            else _Logprobs(client.tokenizer, chat), tools)
+        return [ChoiceText(echo, prompt_ids,
+                           reasoning(opens) if chat and reasoning is not None else None,
+                           None if body.num_logprobs() is None
+                           else Logprobs(client.tokenizer, chat), tools)
                 for _ in range(body.n)]
 
     def whole_response(chat: bool, request_id: str, created: int,
-                       choices: Choices, texts: list[_ChoiceText]) -> dict[str, Any]:
+                       choices: Choices, texts: list[ChoiceText]) -> dict[str, Any]:
         """A non-streamed reply: every choice (`text` or `message`) and the usage."""
         out = []
         for choice, text in zip(choices.choices, texts, strict=True):
