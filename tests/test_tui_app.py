@@ -21,7 +21,7 @@ from minivllm.tui.messages import StatsSnapshot
 from minivllm.tui.stats import StatsHistory
 from minivllm.tui.store import latest_session, load_session
 from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_until
-from minivllm.tui.widgets.transcript import Reply
+from minivllm.tui.widgets.entries import Reply
 
 from minivllm.outputs import EngineStats
 from minivllm.server.standin import ScriptedEngine
@@ -545,7 +545,7 @@ def test_streamed_text_wraps_as_the_whole_text_does_and_keeps_every_character():
     of wrapping the whole text at once, and drops nothing but spaces at line breaks."""
     import random
 
-    from minivllm.tui.widgets.transcript import GrowingText, wrap
+    from minivllm.tui.widgets.entries import GrowingText, wrap
     from rich.style import Style
 
     rng = random.Random(0)
@@ -610,7 +610,7 @@ def test_a_streamed_reply_ends_drawn_as_the_same_reply_loaded_from_a_session():
     import io
     import random
 
-    from minivllm.tui.widgets.transcript import Look, Reply
+    from minivllm.tui.widgets.entries import Look, Reply
     from rich.console import Console
     from rich.style import Style
 
@@ -644,7 +644,7 @@ def test_a_plain_paragraph_is_drawn_cell_for_cell_as_markdown_draws_it(lines, wi
     exactly what rich's Markdown draws (each cell's character and style)."""
     import io
 
-    from minivllm.tui.widgets.transcript import markdown, plain_lines, render_lines
+    from minivllm.tui.widgets.entries import markdown, plain_lines, render_lines
     from rich.console import Console
     from rich.style import Style
 
@@ -677,7 +677,7 @@ def test_a_plain_paragraph_keeps_its_streamed_lines_when_it_completes():
     not repaint them."""
     import io
 
-    from minivllm.tui.widgets.transcript import Look, Reply
+    from minivllm.tui.widgets.entries import Look, Reply
     from rich.console import Console
     from rich.style import Style
 

@@ -8,8 +8,9 @@ reads each request's stream from it on its own event loop), engine_spec (what
 `--engine-process` builds in the child: minivllm.frontend's EngineProcessClient),
 messages (what the loading thread posts to the UI), conversation / store (data and the session file:
 created at the first message, validated on replay, memory-only when it cannot be
-written), thinking / sanitize / stats (pure helpers), widgets/ (one widget per module),
-app (wiring), panes (the panes' lifecycle), streams (sending and reading each reply's
+written), thinking / sanitize / stats (pure helpers), widgets/ (one widget per module; a
+transcript's entries in widgets/entries), compositor (screen updates row by row), app
+(wiring), panes (the panes' lifecycle), streams (sending and reading each reply's
 stream, once a frame), context (prompt tokens, the oldest turns cut to fit), commands
 (the slash commands and the palette); `minivllm-chat --bench` is
 `minivllm.bench.chat_app`. The scripted engine of the tests, the demo and the bench's

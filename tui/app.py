@@ -41,10 +41,10 @@ from .streams import FRAME_HZ, RequestStreams
 from .widgets.chat_input import ChatInput
 from .widgets.chat_screen import ChatScreen
 from .widgets.confirm import ConfirmModal
+from .widgets.entries import warm_up
 from .widgets.loading import LoadingScreen
 from .widgets.pane import ConversationPane
 from .widgets.settings_modal import SettingsModal
-from .widgets.transcript import warm_up
 
 SWITCH_INTERVAL = 0.001  # seconds; see on_mount
 

@@ -16,7 +16,8 @@ from textual.widgets import Static
 from ..conversation import ChatMessage, Conversation, Status
 from ..sanitize import StreamCleaner
 from .chat_input import ChatInput
-from .transcript import Entry, Notice, Reply, Transcript, UserEntry
+from .entries import Entry, Notice, Reply, UserEntry
+from .transcript import Transcript
 
 BUSY_STATES = ("queued", "prefill", "streaming")
 TITLE_PERIOD = 0.5  # seconds between title redraws while streaming
