@@ -18,11 +18,25 @@ layout, a resize, a new screen) take the stock path.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Iterator
 
 from textual._compositor import ChopsUpdate, Compositor
 from textual.geometry import Region
 from textual.strip import Strip
+
+
+def screen_compositor() -> Compositor:
+    """A `RowCompositor` where the installed Textual's compositor has the methods it
+    builds on (they are Textual's internals), else Textual's own."""
+    renders = getattr(Compositor, "_get_renders", None)
+    fits = (
+        renders is not None
+        and list(inspect.signature(renders).parameters) == ["self", "crop"]
+        and hasattr(Compositor, "render_partial_update")
+        and hasattr(Compositor(), "_dirty_regions")
+    )
+    return RowCompositor() if fits else Compositor()
 
 
 class RowCompositor(Compositor):

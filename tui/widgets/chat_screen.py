@@ -15,7 +15,7 @@ from textual.events import DescendantFocus
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from ..compositor import RowCompositor
+from ..compositor import screen_compositor
 from ..messages import EngineInfo
 from .header import EngineHeader
 from .pane import ConversationPane
@@ -54,7 +54,7 @@ class ChatScreen(Screen):
     def __init__(self, info: EngineInfo, panes: list[ConversationPane]) -> None:
         super().__init__(id="chat")
         # Streaming panes dirty a few rows each frame: render only those (compositor.py).
-        self._compositor = RowCompositor()
+        self._compositor = screen_compositor()
         self.info = info
         self.initial_panes = panes
         self.panes_box = Horizontal(id="panes")
