@@ -693,6 +693,23 @@ def test_a_plain_paragraph_keeps_its_streamed_lines_when_it_completes():
     assert now[:count] == streamed[:count]
 
 
+async def test_a_reply_ends_in_its_pane_without_waiting_for_a_frame(tmp_path, monkeypatch):
+    """A stream is read once a frame, but its last output wakes it at once (`on_end`):
+    with frames 5 s apart, a short reply's pane is idle long before the next frame."""
+    import minivllm.tui.app as app_module
+
+    monkeypatch.setattr(app_module, "FRAME_HZ", 0.2)
+    app = make_app(tmp_path, ScriptedEngine(reply="one two three four five", step_delay=0.002))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        frames = app.streams.frames
+        pane = app.panes[0]
+        await app.send(pane, "hi")
+        await wait_idle(pilot, timeout=4.0)
+        assert app.streams.frames == frames  # no frame came between
+        assert replies(pane)[-1].answer_text == "one two three four five"
+
+
 async def test_a_reply_the_engine_stops_is_an_error_not_a_stop(tmp_path):
     # A server shutting down (or an engine closing) ends a reply with "abort" that nobody
     # in the app asked for: the pane says so instead of showing it as the user's stop.

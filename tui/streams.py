@@ -47,7 +47,9 @@ class RequestStreams:
         # produced its oldest token it was shown (seconds; the bench reports them).
         self.frames = 0
         self.frame_lags: deque[float] = deque(maxlen=LAGS_KEPT)
-        self._tick = asyncio.Event()  # set as a frame starts: the streams read then
+        # One event per request stream, set as a frame starts (the streams read then) and
+        # by the stream itself when its request ends (the pane ends without waiting).
+        self._wakes: set[asyncio.Event] = set()
 
     # -- sending -----------------------------------------------------------------------
 
@@ -148,8 +150,14 @@ class RequestStreams:
         After the first tokens the stream is read once a frame, as the frame starts: what
         the engine produced meanwhile comes as one merged output (one wake-up of this loop
         per frame, whatever the engine's step rate) and that frame shows it. The first
-        tokens are taken at once, so a pane's TTFT is the engine's."""
+        tokens are taken at once, so a pane's TTFT is the engine's, and so is the last
+        output (the stream's `on_end`): the pane ends without waiting for a frame."""
         streaming = False
+        wake = asyncio.Event()
+        self._wakes.add(wake)
+        on_end = getattr(stream, "on_end", None)  # a remote server's stream has none
+        if on_end is not None:
+            on_end(wake.set)
         try:
             async for out in stream:
                 if self._requests.get(request_id) is not pane:
@@ -160,11 +168,13 @@ class RequestStreams:
                     return
                 streaming = streaming or bool(out.token_ids or out.text)
                 if streaming:
-                    await self._tick.wait()
+                    await wake.wait()
+                    wake.clear()
         except Exception as exc:  # noqa: BLE001 - a broken client fails this request only
             if self._requests.get(request_id) is pane:
                 await self.finish(pane, request_id, "error", f"{type(exc).__name__}: {exc}")
         finally:
+            self._wakes.discard(wake)
             await stream.aclose()  # aborts the request if it has not finished
 
     def _take(self, pane: ConversationPane, request_id: int, out: RequestOutput) -> None:
@@ -262,8 +272,8 @@ class RequestStreams:
     async def frame(self) -> None:
         """Show every pane's new text (one repaint each), at most FRAME_HZ times a second."""
         self.frames += 1
-        tick, self._tick = self._tick, asyncio.Event()
-        tick.set()
+        for wake in self._wakes:
+            wake.set()
         await asyncio.sleep(0)  # the streams it woke read what the engine sent since
         app = self.app
         progress = getattr(app.client, "prompt_progress", None)  # a remote has none

@@ -166,17 +166,25 @@ class AsyncOutputs:
         self._lock = threading.Lock()
         self._event = asyncio.Event()
         self._wake_pending = False
+        self._finished = False
+        self.on_end: Callable[[], None] | None = None  # called on the loop at the last output
 
     def put(self, output: RequestOutput) -> None:
         with self._lock:
             self._items.append(output)
-            if self._wake_pending:
+            self._finished = self._finished or output.finished
+            # The last output always wakes the loop: a consumer reading at its own pace
+            # learns at once that the request ended (`on_end`).
+            if self._wake_pending and not output.finished:
                 return
             self._wake_pending = True
         self._waker.wake(self)
 
     def _wake(self) -> None:
         self._event.set()
+        if self._finished and self.on_end is not None:
+            on_end, self.on_end = self.on_end, None
+            on_end()
 
     async def get_batch(self) -> list[RequestOutput]:
         while True:
@@ -224,7 +232,31 @@ def stream_outputs(client: Any, request: GenerateRequest) -> AsyncIterator[Reque
     aborts the request."""
     outputs = AsyncOutputs(asyncio.get_running_loop())
     client.add_request(request, outputs.put)
-    return _read_outputs(client, request, outputs)
+    return OutputStream(_read_outputs(client, request, outputs), outputs)
+
+
+class OutputStream:
+    """A request's stream of outputs (an async iterator, closed with `aclose`), which also
+    tells a consumer reading at its own pace when the request has ended: `on_end(callback)`
+    calls `callback` on the loop as the last output arrives, before it is read."""
+
+    def __init__(self, outputs: AsyncIterator[RequestOutput], queue: AsyncOutputs) -> None:
+        self._outputs = outputs
+        self._queue = queue
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        return await self._outputs.__anext__()
+
+    async def aclose(self) -> None:
+        await self._outputs.aclose()
+
+    def on_end(self, callback: Callable[[], None]) -> None:
+        self._queue.on_end = callback
+        if self._queue._finished:  # ended already: its wake-up may have run before this
+            callback()
 
 
 async def _read_outputs(client: Any, request: GenerateRequest, outputs: AsyncOutputs
