@@ -167,7 +167,7 @@ class AsyncOutputs:
         self._event = asyncio.Event()
         self._wake_pending = False
         self._finished = False
-        self.on_end: Callable[[], None] | None = None  # called on the loop at the last output
+        self._on_end: Callable[[], None] | None = None
 
     def put(self, output: RequestOutput) -> None:
         with self._lock:
@@ -180,10 +180,17 @@ class AsyncOutputs:
             self._wake_pending = True
         self._waker.wake(self)
 
+    def on_end(self, callback: Callable[[], None]) -> None:
+        """Call `callback` on the loop as the last output arrives (at once if it has)."""
+        if self._finished:
+            callback()
+        else:
+            self._on_end = callback
+
     def _wake(self) -> None:
         self._event.set()
-        if self._finished and self.on_end is not None:
-            on_end, self.on_end = self.on_end, None
+        if self._finished and self._on_end is not None:
+            on_end, self._on_end = self._on_end, None
             on_end()
 
     async def get_batch(self) -> list[RequestOutput]:
@@ -254,9 +261,7 @@ class OutputStream:
         await self._outputs.aclose()
 
     def on_end(self, callback: Callable[[], None]) -> None:
-        self._queue.on_end = callback
-        if self._queue._finished:  # ended already: its wake-up may have run before this
-            callback()
+        self._queue.on_end(callback)
 
 
 async def _read_outputs(client: Any, request: GenerateRequest, outputs: AsyncOutputs
