@@ -347,7 +347,10 @@ def test_a_client_gone_mid_stream_aborts_every_choice(smol):
     seen: set[int] = set()
     aborted = metric_labelled(smol, "vllm:request_success_total", 'finished_reason="abort"')
     with httpx.stream("POST", f"{smol}/v1/completions", json=body, timeout=300) as s:
-        for line in s.iter_lines():
+        # Held, so that leaving the loop does not close the response (closing the line
+        # iterator closes the connection): the client is still there until the `with` ends.
+        lines = s.iter_lines()
+        for line in lines:
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
                 seen.update(c["index"] for c in chunk["choices"])
