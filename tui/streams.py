@@ -155,7 +155,9 @@ class RequestStreams:
         streaming = False
         wake = asyncio.Event()
         self._wakes.add(wake)
-        on_end = getattr(stream, "on_end", None)  # a remote server's stream has none
+        # The protocol asks only for an async iterator; the project's clients' streams
+        # (in-process, engine process, remote) all have `on_end`.
+        on_end = getattr(stream, "on_end", None)
         if on_end is not None:
             on_end(wake.set)
         try:

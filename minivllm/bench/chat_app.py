@@ -18,10 +18,11 @@ time per generated token (steadier than tok/s on a shared machine).
 runner (`minivllm.server.standin.gpu_like_engine`) whose step holds the GIL `--host-ms`
 (0.3) and then waits `--device-ms` (1.0) with it released, as a CUDA sync does.
 
-`--engine-process on` runs the engine in a child process (`EngineProcessClient`, what
-`minivllm-chat --engine-process` does); headless rounds then send the requests to that
-process with no UI (so they include the pipe). `both` interleaves app rounds of both kinds
-over one in-process headless baseline (two engines: not on one GPU).
+The engine runs in a child process (`EngineProcessClient`), as the app's does by default
+(`--engine-process on`); headless rounds then send the requests to that process with no
+UI (so they include the pipe). `off` keeps the engine in the bench's process; `both`
+interleaves app rounds of both kinds over one in-process headless baseline (two engines:
+not on one GPU).
 
 A model without tokenizer files (`--load-format dummy` on a known config such as
 Qwen/Qwen3-0.6B, as on the GPU machine) gets `BenchTokenizer`: the app needs text, and
@@ -219,11 +220,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gpu-like: host (GIL-held) ms per step (default 0.3)")
     p.add_argument("--device-ms", type=float, default=1.0,
                    help="gpu-like: GIL-free device wait ms per step (default 1.0)")
-    p.add_argument("--engine-process", choices=["off", "on", "both"], default="off",
-                   help="run the engine in a child process, as `minivllm-chat "
-                   "--engine-process` does: on (every round), both (app rounds in-process "
-                   "and with the engine process, interleaved; two engines, so not on one "
-                   "GPU); default off")
+    p.add_argument("--engine-process", choices=["off", "on", "both"], default="on",
+                   help="run the engine in a child process, as `minivllm-chat` does by "
+                   "default: on (every round; the default), off (in the app's process), "
+                   "both (app rounds in-process and with the engine process, interleaved; "
+                   "two engines, so not on one GPU)")
     p.add_argument("--panes", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=2, help="app rounds (headless: one more)")
