@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 
 from minivllm.tui.app import create_app
-from minivllm.tui.compositor import RowCompositor, _cover, _dirty_spans, _runs
+from minivllm.tui.compositor import DirtyRows, RowCompositor, _runs
 from rich.cells import cell_len
 from rich.console import Console
 from rich.segment import ControlType
@@ -46,13 +46,16 @@ def test_a_widget_is_drawn_where_it_shows_dirty_columns_nothing_in_front_covers(
     dirty = [Region(0, 0, 5, 40),  # beside the widgets: none of their rows
              Region(12, 3, 4, 4),  # rows 3-6, inside the front widget
              Region(25, 9, 50, 1), Region(0, 10, 11, 2), Region(29, 33, 3, 9)]
-    uncovered = _dirty_spans(dirty)
+    uncovered = DirtyRows(dirty)
     front = Region(10, 5, 20, 30)  # columns 10-29, rows 5-34
-    assert _cover(uncovered, front) == [5, 6, 9, 10, 11, 33, 34]
+    assert uncovered.cover(front) == [5, 6, 9, 10, 11, 33, 34]
     behind = Region(8, 0, 30, 40)  # a container around it: only what sticks out
-    assert _cover(uncovered, behind) == [3, 4, 9, 10, 11, 33, 34, 35, 36, 37, 38, 39]
-    assert uncovered[9] == [(0, 5), (38, 75)] and uncovered[10] == [(0, 5), (0, 8)]
-    assert uncovered[5] == [(0, 5)]  # what the two widgets covered is gone
+    assert uncovered.cover(behind) == [3, 4, 9, 10, 11, 33, 34, 35, 36, 37, 38, 39]
+    spans = uncovered.spans
+    assert spans[9] == [(0, 5), (38, 75)] and spans[10] == [(0, 5), (0, 8)]
+    assert spans[5] == [(0, 5)]  # what the two widgets covered is gone
+    assert uncovered.cover(Region(0, 0, 80, 50)) == list(range(42))
+    assert not uncovered  # all drawn: nothing behind is drawn
     assert list(_runs([5, 6, 9, 10, 11, 33, 34])) == [(5, 2), (9, 3), (33, 2)]
     assert list(_runs([])) == []
 

@@ -19,6 +19,7 @@ layout, a resize, a new screen) take the stock path.
 from __future__ import annotations
 
 import inspect
+from bisect import bisect_left
 from collections.abc import Iterable, Iterator
 
 from textual._compositor import ChopsUpdate, Compositor
@@ -65,49 +66,58 @@ class RowCompositor(Compositor):
         # Front to back, as the stock renders: on each row the first strip a cut gets
         # wins, so a widget is drawn only on the rows where some dirty columns are not
         # yet covered by a widget in front of it.
-        uncovered = _dirty_spans(dirty)
+        uncovered = DirtyRows(dirty)
         for widget, (region, clip) in self.visible_widgets.items():
+            if not uncovered:
+                return  # every dirty column is drawn: what lies behind stays unseen
             if crop is not None and not crop.overlaps(clip):
                 continue
             shown = region.intersection(clip)  # the clip is its container's
-            for top, height in _runs(_cover(uncovered, shown)):
+            for top, height in _runs(uncovered.cover(shown)):
                 band = Region(shown.x, top, shown.width, height)
                 lines = widget.render_lines(band.translate((-region.x, -region.y)))
                 yield region, band, lines
 
 
-def _dirty_spans(regions: list[Region]) -> dict[int, list[tuple[int, int]]]:
-    """Each row's dirty columns, as [start, end) spans."""
-    spans: dict[int, list[tuple[int, int]]] = {}
-    for x, y, width, height in regions:
-        if width:
-            for row in range(y, y + height):
-                spans.setdefault(row, []).append((x, x + width))
-    return spans
+class DirtyRows:
+    """The dirty columns not yet drawn, row by row, as [start, end) spans."""
 
+    def __init__(self, regions: list[Region]) -> None:
+        self.spans: dict[int, list[tuple[int, int]]] = {}
+        for x, y, width, height in regions:
+            if width:
+                for row in range(y, y + height):
+                    self.spans.setdefault(row, []).append((x, x + width))
+        self._rows = sorted(self.spans)  # rows drawn since are dropped from `spans` only
 
-def _cover(uncovered: dict[int, list[tuple[int, int]]], shown: Region) -> list[int]:
-    """The rows (sorted) where `shown` (a widget's visible part) overlaps columns still
-    uncovered; those columns are covered from now on (the widget drawn there hides
-    whatever lies behind it)."""
-    rows = []
-    left, right = shown.x, shown.right
-    for y in range(shown.y, shown.bottom):
-        spans = uncovered.get(y)
-        if not spans or not any(start < right and end > left for start, end in spans):
-            continue
-        rows.append(y)
-        rest = []
-        for start, end in spans:
-            if start < left:
-                rest.append((start, min(end, left)))
-            if end > right:
-                rest.append((max(start, right), end))
-        if rest:
-            uncovered[y] = rest
-        else:
-            del uncovered[y]
-    return rows
+    def __bool__(self) -> bool:
+        return bool(self.spans)
+
+    def cover(self, shown: Region) -> list[int]:
+        """The rows (sorted) where `shown` (a widget's visible part) overlaps columns still
+        uncovered; those columns are covered from now on (the widget drawn there hides
+        whatever lies behind it)."""
+        rows = []
+        left, right = shown.x, shown.right
+        spans_of = self.spans
+        first = bisect_left(self._rows, shown.y)
+        last = bisect_left(self._rows, shown.bottom, first)
+        for y in self._rows[first:last]:
+            spans = spans_of.get(y)
+            if not spans or not any(start < right and end > left for start, end in spans):
+                continue
+            rows.append(y)
+            rest = []
+            for start, end in spans:
+                if start < left:
+                    rest.append((start, min(end, left)))
+                if end > right:
+                    rest.append((max(start, right), end))
+            if rest:
+                spans_of[y] = rest
+            else:
+                del spans_of[y]
+        return rows
 
 
 def _runs(rows: list[int]) -> Iterator[tuple[int, int]]:

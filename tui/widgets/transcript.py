@@ -15,9 +15,12 @@ panes streaming at a GPU's speed that took all of the UI thread.
 from __future__ import annotations
 
 from bisect import bisect_right
+from typing import Any
 
 from rich.segment import Segment
 from textual import events
+from textual.color import Color
+from textual.filter import LineFilter
 from textual.geometry import Region
 from textual.strip import Strip
 from textual.widget import Widget
@@ -78,9 +81,10 @@ class Transcript(Widget):
         self._view = (0, 0)  # (width, height), read at each layout (see `rebuild`)
         self._thumb_key: tuple[int, int] | None = None
         self._thumb_range = range(0)
-        # Each line's row as drawn (the line plus its scroll-bar cell), kept so that a
-        # repaint of an unchanged line hands Textual the very strip it filtered before.
+        # Each line's row as drawn (the line plus its scroll-bar cell, through the line
+        # filters), kept so that a repaint of an unchanged line costs a lookup.
         self._rows: dict[tuple[int, bool], tuple[Strip, Strip]] = {}
+        self._rows_look: tuple[Any, ...] = ((), None)  # the filters the rows went through
 
     # -- what other code reads ---------------------------------------------------------
 
@@ -284,17 +288,16 @@ class Transcript(Widget):
 
         The styles cache wraps every row it draws, unchanged or not, into new strips for
         the box's styles and then filters them: a jump or a scroll repainted each row of
-        the pane at several times the cost of drawing it. Here a row is the strip kept for
-        its line (`_row`) through the same filters, which remember their result per strip;
-        what reaches the screen is the same (tests/test_tui_compositor.py compares)."""
+        the pane at several times the cost of drawing it. Here a row is built once for
+        its line, through the same filters, and kept (`_row`); what reaches the screen is
+        the same (tests/test_tui_compositor.py compares)."""
         width, height = self.size
         if (not self._width or (width, height) != self._view or not _bare_box(self)
                 or (self.auto_links and self.hover_style.link_id)):
             return super().render_lines(crop)
-        strips = [self._row(y) for y in crop.line_range]
+        filters = tuple(self.get_line_filters())
         background = self.background_colors[1]
-        for line_filter in self.get_line_filters():
-            strips = [strip.apply_filter(line_filter, background) for strip in strips]
+        strips = [self._row(y, filters, background) for y in crop.line_range]
         if crop.column_span != (0, width):
             x1, x2 = crop.column_span
             strips = [strip.crop(x1, x2) for strip in strips]
@@ -303,9 +306,17 @@ class Transcript(Widget):
     def render_line(self, y: int) -> Strip:
         if not self._width:
             return Strip.blank(self._view[0])
-        return self._row(y)
+        return self._row(y)  # Textual's styles cache filters it
 
-    def _row(self, y: int) -> Strip:
+    def _row(self, y: int, filters: tuple[LineFilter, ...] = (),
+             background: Color | None = None) -> Strip:
+        """Row `y` of the view: its line and the scroll bar's column, through `filters`.
+        Kept per line (a jump or a scroll shows the same rows elsewhere) for one set of
+        filters and background at a time."""
+        look = (filters, background)
+        if look != self._rows_look:
+            self._rows.clear()
+            self._rows_look = look
         i = self.top + y
         line = self._lines[i] if i < len(self._lines) else self._blank
         thumb = y in self._thumb_rows()
@@ -315,7 +326,10 @@ class Transcript(Widget):
             return kept[1]
         if len(self._rows) > 2 * len(self._lines) + 256:
             self._rows.clear()  # rows of lines a streaming reply has replaced since
-        row = Strip([*line, self._thumb if thumb else _SPACE], self._width + 1)
+        segments = [*line, self._thumb if thumb else _SPACE]
+        for line_filter in filters:
+            segments = line_filter.apply(segments, background)
+        row = Strip(segments, self._width + 1)
         self._rows[key] = (line, row)
         return row
 
