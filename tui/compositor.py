@@ -89,6 +89,7 @@ class DirtyRows:
                 for row in range(y, y + height):
                     self.spans.setdefault(row, []).append((x, x + width))
         self._rows = sorted(self.spans)  # rows drawn since are dropped from `spans` only
+        self._regions = [region for region in regions if region.area]
 
     def __bool__(self) -> bool:
         return bool(self.spans)
@@ -97,7 +98,9 @@ class DirtyRows:
         """The rows (sorted) where `shown` (a widget's visible part) overlaps columns still
         uncovered; those columns are covered from now on (the widget drawn there hides
         whatever lies behind it)."""
-        rows = []
+        rows: list[int] = []
+        if not any(map(shown.overlaps, self._regions)):
+            return rows  # a widget beside every dirty region (another pane's, say)
         left, right = shown.x, shown.right
         spans_of = self.spans
         first = bisect_left(self._rows, shown.y)
