@@ -4,6 +4,7 @@ session file replay. No Textual app here."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from hypothesis import given
@@ -223,6 +224,31 @@ def test_session_replay_statuses_regenerate_clear_close(tmp_path):
         ("user", "kept", "done"), ("assistant", "stream", "interrupted"),
     ]
     assert loaded.interrupted == [2]
+
+
+def test_replies_ending_together_wait_for_one_disk_sync_but_reach_the_file_at_once(
+        tmp_path, monkeypatch):
+    syncs = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (syncs.append(fd), real_fsync(fd)))
+    path = new_session_path(tmp_path)
+    store = SessionStore(path)
+    for key in (1, 2, 3):
+        store.pane(key, Settings())
+        store.user(key, f"question {key}")  # what the user typed: on the disk at once
+    typed = len(syncs)
+    for key in (1, 2, 3):
+        store.chunk(key, "streamed")
+        store.end(key, "done", f"answer {key}")
+    assert len(syncs) == typed  # three replies ended: no sync on the UI thread yet
+    # ... yet in the file already (a crash or a kill of the app keeps them).
+    assert [m.content for c in load_session(path).conversations for m in c.messages] == [
+        "question 1", "answer 1", "question 2", "answer 2", "question 3", "answer 3"]
+    store.flush_partial()  # the app's tick, every second: one sync for all three
+    assert len(syncs) == typed + 1
+    store.flush_partial()  # nothing new: no sync
+    assert len(syncs) == typed + 1
+    store.close()
 
 
 def test_torn_last_line_is_skipped_and_appending_starts_a_fresh_line(tmp_path):

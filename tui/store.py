@@ -62,6 +62,7 @@ class SessionStore:
         self._file: Any = None
         self._waiting: list[dict[str, Any]] = []  # records before the file exists
         self._partial: dict[int, list[str]] = {}
+        self._unsynced = False  # records handed to the OS, not yet to the disk
         self.closed = False
         if self.path.exists():  # resuming: keep appending to the same file
             self._open()
@@ -103,6 +104,8 @@ class SessionStore:
     # -- low level ---------------------------------------------------------------------
 
     def append(self, record: dict[str, Any], sync: bool = False) -> None:
+        """Write `record`: at once to the disk when `sync`, else to the OS (a crash or a
+        kill of the app keeps it; the next `flush_partial` puts it on the disk)."""
         if self.closed or self.error is not None:
             return
         if self._file is None:
@@ -119,6 +122,9 @@ class SessionStore:
             self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
             if sync:
                 self.sync()
+            else:
+                self._file.flush()
+                self._unsynced = True
         except OSError as exc:
             self._failed(exc)
 
@@ -128,18 +134,25 @@ class SessionStore:
         try:
             self._file.flush()
             os.fsync(self._file.fileno())
+            self._unsynced = False
         except OSError as exc:
             self._failed(exc)
 
     def flush_partial(self) -> None:
-        """Write buffered reply text and hand it to the OS (survives a kill -9)."""
+        """Write buffered reply text and hand it to the OS (survives a kill -9); records
+        written since the last tick without a sync (replies that ended) go to the disk,
+        one sync for all of them (the app calls this every second)."""
         if self.closed:
             return
+        unsynced = self._unsynced
         for key, parts in self._partial.items():
             if parts:
                 self.append({"type": "chunk", "pane": key, "text": "".join(parts)})
         self._partial.clear()
-        if self._file is not None:
+        self._unsynced = unsynced
+        if unsynced:
+            self.sync()
+        elif self._file is not None:
             try:
                 self._file.flush()
             except OSError as exc:
@@ -180,7 +193,9 @@ class SessionStore:
         record = {"type": "end", "pane": key, "status": status, "text": text}
         if error:
             record["error"] = error
-        self.append(record, sync=True)
+        # NOTE: not synced here: panes that end in one frame would each wait for the
+        # disk on the UI thread; the next second's tick syncs them all at once.
+        self.append(record)
 
     def regenerate(self, key: int) -> None:
         self._partial.pop(key, None)
@@ -211,6 +226,7 @@ class NullStore(SessionStore):
         self._file = None
         self._waiting = []
         self._partial = {}
+        self._unsynced = False
         self.closed = False
 
     def append(self, record: dict[str, Any], sync: bool = False) -> None:
