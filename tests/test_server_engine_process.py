@@ -22,8 +22,8 @@ import pytest
 
 from minivllm import SamplingParams
 from minivllm.frontend import EngineClient, EngineInfo, GenerateRequest, RequestOutput
-from minivllm.frontend.engine_frontend import stream_outputs
 from minivllm.frontend.engine_process import EngineProcessClient
+from minivllm.frontend.outputs import stream_outputs
 from minivllm.server.api import build_app
 from minivllm.server.cli import build_engine
 from minivllm.server.standin import ScriptedEngine, stand_in_engine

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from ..outputs import EngineStats
-from .engine_frontend import EngineFrontend, PrefixCacheCounters, describe, stream_outputs
+from .engine_frontend import EngineFrontend, PrefixCacheCounters, describe
+from .outputs import stream_outputs
 from .protocol import EngineInfo, GenerateRequest, OutputCallback, ProgressFn, RequestOutput
 
 EngineFactory = Callable[[ProgressFn], Any]
