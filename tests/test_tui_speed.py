@@ -20,6 +20,7 @@ from minivllm.tui.app import SWITCH_INTERVAL, create_app
 from minivllm.tui.cli import use_engine_process
 from minivllm.tui.engine_spec import EngineSpec, engine_process_client
 from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_until
+from scripted import HeldEngine
 
 from minivllm.frontend import GenerateRequest
 from minivllm.sampling_params import SamplingParams
@@ -140,7 +141,7 @@ def test_engine_process_death_fails_live_requests_with_a_reason():
 def test_engine_process_reports_prefill_progress():
     """A pane's title shows a long prompt's prefill progress: the child sends it with its
     stats (here a scripted engine that holds every request before its first token)."""
-    client = engine_process_client(EngineSpec("fake", {}, {"hold_at": 0}))
+    client = engine_process_client(EngineSpec(HeldEngine, {}, {"hold_at": 0}))
     client.start()
     try:
         got = Collector()

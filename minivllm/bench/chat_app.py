@@ -45,7 +45,7 @@ from typing import Any
 from minivllm.config import APP_CPU_WEIGHT_DTYPE
 from minivllm.engine_args import EngineArgs
 from minivllm.sampling_params import SamplingParams
-from minivllm.tui.bench_tokenizer import BenchTokenizer
+from minivllm.tui.bench_tokenizer import BenchTokenizer, ensure_tokenizer
 from minivllm.tui.conversation import Settings
 from minivllm.tui.engine_client import render_prompt
 from minivllm.tui.engine_defaults import CPU_STEP_TOKENS, runs_on_cpu
@@ -250,7 +250,7 @@ def engine_spec(args: argparse.Namespace) -> Any:
         return EngineSpec("gpu-like", options={"host_ms": args.host_ms,
                                                "device_ms": args.device_ms},
                           threads=args.threads)
-    return EngineSpec("llm", engine_config(args), bench_tokenizer=True, threads=args.threads)
+    return EngineSpec("llm", engine_config(args), prepare=ensure_tokenizer, threads=args.threads)
 
 
 def main(argv: list[str] | None = None) -> int:
