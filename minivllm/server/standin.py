@@ -269,9 +269,10 @@ def default_reply(prompt: str, thinking: bool) -> str:
     return text
 
 
-# Markdown-ish prose for the GPU-like engine: words, punctuation, paragraphs, lists and a
-# code fence, so the app renders roughly what a real reply costs it.
-_PROSE_WORDS = (
+# The words of the GPU-like engine's Markdown-ish prose (punctuation, paragraphs, lists and
+# a code fence come from `gpu_like_reply`), so the app renders roughly what a real reply
+# costs it; the app's bench decodes a model without a tokenizer to them too.
+PROSE_WORDS = (
     "the a of and to in is was that it for on with as his her they at be this from keeper "
     "light sea ship night storm lamp tower waves stone old young lonely bright dark cold "
     "warm slowly quietly every long story began when would could never always"
@@ -283,7 +284,7 @@ def gpu_like_reply(seed: int, words: int = 900) -> str:
     rng = random.Random(seed)
     parts = ["## A story\n\n"]
     for i in range(words):
-        word = rng.choice(_PROSE_WORDS)
+        word = rng.choice(PROSE_WORDS)
         if i % 97 == 40:
             parts.append("\n\n```python\nfor wave in sea:\n    print(wave)\n```\n\n")
         elif i % 61 == 30:
