@@ -22,7 +22,7 @@ import pytest
 from conftest import serving, wait_for
 from minivllm.tui.remote import RemoteClient, parse_metrics
 
-from minivllm.engine.llm_engine import encode_text
+from minivllm.engine.prompts import encode_text
 from minivllm.frontend import render_chat_prompt
 from minivllm.server.launch import descendants, free_port, launch_server
 

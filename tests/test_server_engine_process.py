@@ -14,16 +14,18 @@ import functools
 import json
 import os
 import signal
+import sys
 import threading
 import time
+import types
 
 import httpx
 import pytest
 
 from minivllm import SamplingParams
 from minivllm.frontend import EngineClient, EngineInfo, GenerateRequest, RequestOutput
-from minivllm.frontend.engine_frontend import stream_outputs
 from minivllm.frontend.engine_process import EngineProcessClient
+from minivllm.frontend.outputs import stream_outputs
 from minivllm.server.api import build_app
 from minivllm.server.cli import build_engine
 from minivllm.server.standin import ScriptedEngine, stand_in_engine
@@ -124,6 +126,19 @@ def test_engine_process_start_failure_raises_the_engines_error():
                               max_num_sequences=0, stand_in_ms=None)
     client = EngineProcessClient(functools.partial(build_engine, args))
     with pytest.raises(ValueError, match="max_num_sequences"):
+        client.start()
+    assert client._process.poll() is not None
+
+
+def test_a_factory_the_child_cannot_import_fails_the_start_with_the_reason(monkeypatch):
+    # A factory from a module that exists only in the parent's memory, so that no import
+    # path reaches it: the start fails with the import error, not a crash.
+    module = types.ModuleType("minivllm_no_such_module")
+    exec("def factory(on_progress):\n    raise AssertionError('not reached')\n",
+         module.__dict__)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    client = EngineProcessClient(module.factory)
+    with pytest.raises(RuntimeError, match="No module named 'minivllm_no_such_module'"):
         client.start()
     assert client._process.poll() is not None
 

@@ -28,8 +28,8 @@ import httpx
 import pytest
 from conftest import stop_process, wait_for
 
-from minivllm.frontend.engine_frontend import stream_outputs
 from minivllm.frontend.engine_process import EngineProcessClient
+from minivllm.frontend.outputs import stream_outputs
 from minivllm.server import cli
 from minivllm.server.api import DEFAULT_MAX_REQUEST_BYTES, build_app
 from minivllm.server.launch import descendants, launch_server

@@ -22,6 +22,7 @@ from minivllm.tui.stats import StatsHistory
 from minivllm.tui.store import latest_session, load_session
 from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_until
 from minivllm.tui.widgets.entries import Reply
+from scripted import HeldEngine
 
 from minivllm.outputs import EngineStats
 from minivllm.server.standin import ScriptedEngine
@@ -713,7 +714,7 @@ async def test_a_reply_ends_in_its_pane_without_waiting_for_a_frame(tmp_path, mo
 async def test_a_reply_the_engine_stops_is_an_error_not_a_stop(tmp_path):
     # A server shutting down (or an engine closing) ends a reply with "abort" that nobody
     # in the app asked for: the pane says so instead of showing it as the user's stop.
-    engine = ScriptedEngine(hold_at=3)
+    engine = HeldEngine(hold_at=3)
     app = make_app(tmp_path, engine)
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)

@@ -22,6 +22,7 @@ from minivllm.tui.cli import main as chat_main
 from minivllm.tui.conversation import Settings
 from minivllm.tui.store import latest_session, load_session, session_files
 from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_until
+from scripted import HeldEngine
 
 from minivllm.server.standin import ScriptedEngine
 
@@ -114,7 +115,7 @@ async def test_close_asks_when_the_pane_holds_a_conversation_and_reopen_brings_i
 
 
 async def test_closing_a_streaming_pane_keeps_its_reply_for_reopen(started):
-    engine = ScriptedEngine(reply=LONG, hold_at=20)  # streams 20 tokens, then holds
+    engine = HeldEngine(reply=LONG, hold_at=20)  # streams 20 tokens, then holds
     async with started(engine) as (app, pilot):
         await type_and_send(pilot, 0, "long one")
         await wait_until(pilot, lambda: app.panes[0].tokens == 20)
@@ -307,7 +308,7 @@ async def test_resume_skips_bad_records_with_a_notice(started, tmp_path):
 
 
 async def test_ctrl_c_stops_the_focused_reply_and_never_quits(started):
-    engine = ScriptedEngine(reply=LONG, hold_at=20)  # both replies hold, streaming, at 20 tokens
+    engine = HeldEngine(reply=LONG, hold_at=20)  # both replies hold, streaming, at 20 tokens
     async with started(engine) as (app, pilot):
         await type_and_send(pilot, 0, "go")
         await type_and_send(pilot, 1, "go too")

@@ -2,8 +2,8 @@
 (`minivllm.frontend.EngineProcessClient` with what the app adds: its tokenizer, prefill
 progress, a log file; built from `tui/engine_spec.py`), the GIL switch
 interval while an in-process engine runs, deferred growth of streaming blocks, and the
-bench's GPU-like stand-in. No timings are asserted: speed is measured by
-`minivllm-chat --bench` (PERF.md)."""
+bench's GPU-like stand-in and its tokenizer for a model without one. No timings are
+asserted: speed is measured by `minivllm-chat --bench` (PERF.md)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from minivllm.tui.app import SWITCH_INTERVAL, create_app
 from minivllm.tui.cli import use_engine_process
 from minivllm.tui.engine_spec import EngineSpec, engine_process_client
 from minivllm.tui.testing import type_and_send, wait_idle, wait_ready, wait_until
+from scripted import HeldEngine
 
 from minivllm.frontend import GenerateRequest
 from minivllm.sampling_params import SamplingParams
@@ -140,7 +141,7 @@ def test_engine_process_death_fails_live_requests_with_a_reason():
 def test_engine_process_reports_prefill_progress():
     """A pane's title shows a long prompt's prefill progress: the child sends it with its
     stats (here a scripted engine that holds every request before its first token)."""
-    client = engine_process_client(EngineSpec("fake", {}, {"hold_at": 0}))
+    client = engine_process_client(EngineSpec(HeldEngine, {}, {"hold_at": 0}))
     client.start()
     try:
         got = Collector()
@@ -269,6 +270,43 @@ def test_bench_round_that_hangs_fails_with_the_stacks(capsys):
     assert bench_main(["--engine", "gpu-like", "--panes", "1", "--max-tokens", "5000",
                        "--device-ms", "5", "--round-timeout", "0.05"]) == 1
     assert "did not finish within" in capsys.readouterr().out
+
+
+def test_bench_tokenizer_keeps_ids_in_the_vocabulary_and_decodes_every_id():
+    """The GPU bench runs a dummy model without tokenizer files through the app."""
+    from minivllm.tui.engine_client import render_prompt
+
+    from minivllm.bench.bench_tokenizer import BenchTokenizer
+
+    tok = BenchTokenizer(vocab_size=1000)
+    text = render_prompt(tok, [{"role": "user", "content": "Write a story, please!"}], None)
+    ids = tok.encode(text)
+    assert ids and all(0 <= i < 1000 for i in ids)
+    assert tok.decode(list(range(1000)))  # any id the model may sample has text
+    assert tok.decode(tok.encode(" the keeper.")) == " the keeper."
+
+
+def test_bench_prepares_a_model_without_a_tokenizer_in_its_engine_process(tiny_llama):
+    """`minivllm-chat --bench --load-format dummy` (the GPU run): the engine process builds
+    a model without tokenizer files, and the bench's spec prepares it with `BenchTokenizer`,
+    whose text the app then renders."""
+    from minivllm.bench.bench_tokenizer import BenchTokenizer
+    from minivllm.bench.chat_app import build_parser, engine_spec
+
+    args = build_parser().parse_args([
+        "--model", str(tiny_llama), "--device", "cpu", "--dtype", "float32",
+        "--cpu-weight-dtype", "float32", "--max-model-len", "256", "--load-format", "dummy"])
+    client = engine_process_client(engine_spec(args))
+    client.start()
+    try:
+        assert isinstance(client.tokenizer, BenchTokenizer)
+        got = Collector()
+        client.add_request(GenerateRequest("b", SamplingParams(max_tokens=4), prompt="hi there"),
+                           got.callback("b"))
+        outs = got.wait("b")
+        assert outs[-1].finish_reason == "length" and "".join(o.text for o in outs)
+    finally:
+        client.close()
 
 
 def test_bench_lends_the_engine_process_as_a_client_on_every_python():

@@ -413,19 +413,6 @@ def test_export_markdown():
     assert "> plan" in md and "Hello" in md and "_[stopped]_" in md
 
 
-def test_bench_tokenizer_keeps_ids_in_the_vocabulary_and_decodes_every_id():
-    """The GPU bench runs a dummy model without tokenizer files through the app."""
-    from minivllm.tui.bench_tokenizer import BenchTokenizer
-    from minivllm.tui.engine_client import render_prompt
-
-    tok = BenchTokenizer(vocab_size=1000)
-    text = render_prompt(tok, [{"role": "user", "content": "Write a story, please!"}], None)
-    ids = tok.encode(text)
-    assert ids and all(0 <= i < 1000 for i in ids)
-    assert tok.decode(list(range(1000)))  # any id the model may sample has text
-    assert tok.decode(tok.encode(" the keeper.")) == " the keeper."
-
-
 def test_pane_title_condenses_to_fit_keeping_state_and_context():
     from minivllm.tui.widgets.pane import _k, fit_title
 

@@ -11,28 +11,36 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from minivllm.frontend.engine_process import EngineProcessClient
 from minivllm.frontend.protocol import ProgressFn
 
+# The engines the child builds by name; any other is given as a builder (see `EngineSpec`).
+KINDS = ("llm", "gpu-like", "fake")
+
 
 @dataclass(frozen=True)
 class EngineSpec:
     """What the child builds: `kind` "llm" (`LLMEngine(config)`), "gpu-like" (the bench's
-    `gpu_like_engine(config, **options)`) or "fake" (`ScriptedEngine(config, **options)`).
-    `bench_tokenizer`: give a tokenizer-less engine (random weights) the bench's."""
+    `gpu_like_engine(config, **options)`), "fake" (`ScriptedEngine(config, **options)`), or
+    an engine builder called as `kind(config, on_progress, **options)` (a test's own
+    engine class). `prepare`, if given, runs on the built engine before it serves (the
+    bench gives a model without a tokenizer one). Both callables travel to the child
+    pickled: module-level functions or classes, of a module the child can import."""
 
-    kind: str
+    kind: str | Callable[..., Any]
     config: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
-    bench_tokenizer: bool = False
+    prepare: Callable[[Any], Any] | None = None
     threads: int | None = None  # torch threads in the child (None: torch's default)
 
     def __post_init__(self) -> None:
-        if self.kind not in ("llm", "gpu-like", "fake"):
-            raise ValueError(f"kind={self.kind!r}: expected 'llm', 'gpu-like' or 'fake'")
+        if not callable(self.kind) and self.kind not in KINDS:
+            raise ValueError(f"kind={self.kind!r}: expected 'llm', 'gpu-like', 'fake' or an "
+                             "engine builder")
 
 
 def build_engine(spec: EngineSpec, on_progress: ProgressFn) -> Any:
@@ -40,10 +48,12 @@ def build_engine(spec: EngineSpec, on_progress: ProgressFn) -> Any:
         import torch
 
         torch.set_num_threads(spec.threads)
-    if spec.kind == "gpu-like":
+    if callable(spec.kind):
+        engine: Any = spec.kind(spec.config, on_progress, **spec.options)
+    elif spec.kind == "gpu-like":
         from minivllm.server.standin import gpu_like_engine
 
-        engine: Any = gpu_like_engine(spec.config, on_progress, **spec.options)
+        engine = gpu_like_engine(spec.config, on_progress, **spec.options)
     elif spec.kind == "fake":
         from minivllm.server.standin import ScriptedEngine
 
@@ -57,10 +67,8 @@ def build_engine(spec: EngineSpec, on_progress: ProgressFn) -> Any:
             engine = LLMEngine(spec.config, on_progress=on_progress)
         else:
             engine = LLMEngine(spec.config)
-    if spec.bench_tokenizer:
-        from .bench_tokenizer import ensure_tokenizer
-
-        ensure_tokenizer(engine)
+    if spec.prepare is not None:
+        spec.prepare(engine)
     return engine
 
 

@@ -46,7 +46,6 @@ from typing import Any
 from minivllm.config import APP_CPU_WEIGHT_DTYPE
 from minivllm.engine_args import EngineArgs
 from minivllm.sampling_params import SamplingParams
-from minivllm.tui.bench_tokenizer import BenchTokenizer
 from minivllm.tui.conversation import Settings
 from minivllm.tui.engine_client import render_prompt
 from minivllm.tui.engine_defaults import CPU_STEP_TOKENS, runs_on_cpu
@@ -245,13 +244,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_spec(args: argparse.Namespace) -> Any:
+    """What the bench's engine is, here or in its engine process; a real model without
+    tokenizer files (random weights) gets `BenchTokenizer` once built."""
     from minivllm.tui.engine_spec import EngineSpec
+
+    # Here, not at the top: it imports the engine (torch), which `--help` does without.
+    from .bench_tokenizer import ensure_tokenizer
 
     if args.engine == "gpu-like":
         return EngineSpec("gpu-like", options={"host_ms": args.host_ms,
                                                "device_ms": args.device_ms},
                           threads=args.threads)
-    return EngineSpec("llm", engine_config(args), bench_tokenizer=True, threads=args.threads)
+    return EngineSpec("llm", engine_config(args), prepare=ensure_tokenizer, threads=args.threads)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.max_tokens} and --rounds={args.rounds} must be >= 1")
         return 1
     from minivllm.tui.engine_spec import build_engine, engine_process_client
+
+    from .bench_tokenizer import BenchTokenizer
 
     spec = engine_spec(args)
     engine: Any = None

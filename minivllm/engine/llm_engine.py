@@ -8,7 +8,6 @@ import gc
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as SeqLike
 from dataclasses import dataclass
@@ -20,14 +19,17 @@ from ..config import EngineConfig
 from ..layers.cpu_linear import weight_format
 from ..layers.sampler import StepSamples
 from ..outputs import Delta, EngineStats
-from ..sampling_params import SamplingParams, as_token_id
+from ..sampling_params import SamplingParams
+from . import offline
 from .batch import ForwardBatch, build_forward_batch
 from .block_manager import BlockManager
 from .model_runner import ModelRunner, StepHandle
 from .output_processor import OutputProcessor
 from .plan import check_pool_fits, default_plan, resolve_device, resolve_dtype
+from .prompts import checked_params, max_len_for, prompt_token_ids
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Sequence
+from .step_stats import StepStats
 from .structured_steps import GrammarRequests, MaskedForward
 from .worker import (
     AllocateKVCache,
@@ -38,8 +40,6 @@ from .worker import (
     WorkerGroup,
     tp_device,
 )
-
-STATS_WINDOW_S = 1.0
 
 T = TypeVar("T")
 
@@ -66,18 +66,6 @@ class _InFlight:
 
     out: SchedulerOutput
     handle: StepHandle | MaskedForward
-
-
-def encode_text(tokenizer: Any, prompt: str) -> list[int]:
-    """A text prompt's token ids, as the engine tokenizes it (also used by the server,
-    which tokenizes before handing a request to the engine)."""
-    ids = tokenizer.encode(prompt)
-    bos = tokenizer.bos_token_id
-    if len(ids) >= 2 and bos is not None and ids[0] == ids[1] == bos:
-        ids = ids[1:]  # the text (a chat template) already starts with BOS
-    if not ids:
-        raise ValueError(f"prompt: {prompt[:80]!r} tokenizes to nothing")
-    return ids
 
 
 class LLMEngine:
@@ -165,12 +153,7 @@ class LLMEngine:
         self._collecting: set[int] = set()  # ids that generate() will read when finished
         self.output_processor = OutputProcessor(self.tokenizer)
         self._streaming = False
-        self._num_prompt_tokens = 0
-        self._num_generated_tokens = 0
-        self._num_steps = 0
-        self._last_step_time = 0.0
-        self._last_batch_size = 0
-        self._recent: deque[tuple[float, int, int]] = deque()  # (time, prompt, generated)
+        self._step_stats = StepStats()
         self._dead: str | None = None
         # Overlapped scheduling: step N+1 is scheduled and launched before step N's
         # tokens are read, so the host's work hides behind the device's.
@@ -198,29 +181,9 @@ class LLMEngine:
     ) -> int:
         """Queue a request; returns its sequence id. Bad input raises ValueError/TypeError."""
         self._check_alive()
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(
-                f"sampling_params: expected SamplingParams, got {type(params).__name__}"
-            )
-        params.validate()
-        token_ids = self._tokenize(prompt)
-        max_len = self.config.max_len
-        if params.max_model_length is not None:
-            max_len = min(max_len, params.max_model_length)
-        if len(token_ids) >= max_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens but max_model_length is {max_len}: "
-                f"the prompt must leave room for at least one new token"
-            )
-        if not self.config.enable_chunked_prefill:
-            longest = min(max_len, len(token_ids) + params.max_tokens)
-            if longest > self.config.max_num_batched_tokens:
-                raise ValueError(
-                    f"with enable_chunked_prefill=False a request must fit one step: "
-                    f"{longest} tokens > max_num_batched_tokens="
-                    f"{self.config.max_num_batched_tokens}"
-                )
+        params = checked_params(sampling_params)
+        token_ids = prompt_token_ids(prompt, self.tokenizer, self.config.model.vocab_size)
+        max_len = max_len_for(len(token_ids), params, self.config)
         seq = Sequence(self._next_seq_id, token_ids, params, max_len)
         if params.structured_outputs is not None:
             if self.tokenizer is None:
@@ -246,28 +209,6 @@ class LLMEngine:
         """The prompt length of a request not yet reported as finished (0 if unknown)."""
         seq = self._seqs.get(seq_id)
         return seq.num_prompt_tokens if seq is not None else 0
-
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt: empty string")
-            if self.tokenizer is None:
-                raise ValueError("prompt: a text prompt needs a tokenizer; this model has none")
-            return encode_text(self.tokenizer, prompt)
-        if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):
-            prompt = prompt.tolist()  # a numpy array or a torch tensor of token ids
-        if not isinstance(prompt, (list, tuple)):
-            raise TypeError(
-                f"prompt: expected str or list of token ids, got {type(prompt).__name__}"
-            )
-        if not prompt:
-            raise ValueError("prompt: empty token list")
-        vocab = self.config.model.vocab_size
-        ids = [as_token_id(t, "prompt") for t in prompt]
-        for t in ids:
-            if not 0 <= t < vocab:
-                raise ValueError(f"prompt: token id {t!r} is outside the vocabulary [0, {vocab})")
-        return ids
 
     @_locked
     def abort(self, seq_id: int) -> None:
@@ -364,7 +305,7 @@ class LLMEngine:
             if seq.is_finished:
                 finished.append((seq.seq_id, seq.completion_token_ids))
                 self._forget_if_unstreamed(seq)
-        self._record_step(start, now, prompt_tokens, len(grown), len(out.scheduled))
+        self._step_stats.record(start, now, prompt_tokens, len(grown), len(out.scheduled))
         return finished
 
     def _guarded(self, outs: list[SchedulerOutput], fn: Callable[..., T], *args: Any) -> T:
@@ -465,16 +406,6 @@ class LLMEngine:
             return "length"
         return None
 
-    def _record_step(self, start: float, now: float, prompt: int, generated: int, size: int):
-        self._num_steps += 1
-        self._num_prompt_tokens += prompt
-        self._num_generated_tokens += generated
-        self._last_step_time = now - start
-        self._last_batch_size = size
-        self._recent.append((now, prompt, generated))
-        while self._recent and self._recent[0][0] < now - STATS_WINDOW_S:
-            self._recent.popleft()
-
     def _forget_if_unstreamed(self, seq: Sequence) -> None:
         if not self._streaming and seq.seq_id not in self._collecting:
             self._forget(seq.seq_id)
@@ -516,68 +447,7 @@ class LLMEngine:
         use_tqdm: bool = False,
     ) -> dict[str, list]:
         """Run prompts to completion; returns {"text": [...], "token_ids": [...]} in order."""
-        if isinstance(prompts, str) or (len(prompts) and _is_index(prompts[0])):
-            raise TypeError("prompts: expected a list of prompts (strings or token-id lists)")
-        if isinstance(sampling_params, SamplingParams) or sampling_params is None:
-            params = [sampling_params] * len(prompts)
-        else:
-            params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        ids = []
-        with self._lock:  # nobody aborts (and forgets) a sequence before we hold it
-            try:
-                for prompt, p in zip(prompts, params, strict=False):
-                    ids.append(self.add_prompt(prompt, p))
-                    self._collecting.add(ids[-1])
-            except Exception:
-                for seq_id in ids:
-                    self.abort(seq_id)
-                    self._collecting.discard(seq_id)
-                    self._forget(seq_id)
-                raise
-            # The Sequence objects themselves: a request aborted by another thread ends
-            # without ever being reported by step(), and must end this loop all the same.
-            seqs = [self._seqs[i] for i in ids]
-        wanted = set(ids)
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(ids), desc="generating", unit="req")
-        try:
-            while not all(seq.is_finished for seq in seqs):
-                self.step()
-                if bar is not None:
-                    bar.update(sum(seq.is_finished for seq in seqs) - bar.n)
-        except BaseException:
-            for seq_id in ids:
-                self.abort(seq_id)
-            for seq_id in ids:
-                self._forget(seq_id)
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
-            self._collecting -= wanted
-        texts = [self.output_processor.final_text(seq) for seq in seqs]
-        errors = []
-        for seq in seqs:
-            self._forget(seq.seq_id)
-            if seq.error:
-                errors.append(f"sequence {seq.seq_id} failed: {seq.error}")
-        if errors:
-            raise RuntimeError(errors[0])
-        result: dict[str, list] = {
-            "text": texts,
-            "token_ids": [seq.completion_token_ids for seq in seqs],
-            "finish_reason": [seq.finish_reason for seq in seqs],
-        }
-        if any(seq.logprobs is not None for seq in seqs):
-            result["logprobs"] = [seq.logprobs for seq in seqs]
-        if any(seq.prompt_logprobs is not None for seq in seqs):
-            result["prompt_logprobs"] = [seq.prompt_logprobs for seq in seqs]
-        return result
+        return offline.generate(self, prompts, sampling_params, use_tqdm)
 
     def chat(
         self,
@@ -595,33 +465,10 @@ class LLMEngine:
         or to a list of them, through the tokenizer's chat template; returns what
         `generate` returns. `enable_thinking` (Qwen3's templates) and
         `chat_template_kwargs` are passed to the template."""
-        if self.tokenizer is None:
-            raise ValueError("chat(): this model has no tokenizer, so no chat template")
-        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
-            conversations = [messages]
-        elif isinstance(messages, (list, tuple)) and messages:
-            conversations = list(messages)
-        else:
-            raise TypeError(
-                "messages: expected a conversation (a non-empty list of {'role', 'content'} "
-                f"dicts) or a list of them, got {messages!r:.80}"
-            )
-        kwargs = dict(chat_template_kwargs or {})
-        if enable_thinking is not None:
-            kwargs["enable_thinking"] = enable_thinking
-        prompts = []
-        for n, conversation in enumerate(conversations):
-            _check_conversation(n, conversation)
-            prompts.append(
-                self.tokenizer.apply_chat_template(
-                    list(conversation),
-                    tokenize=False,
-                    add_generation_prompt=add_generation_prompt,
-                    continue_final_message=continue_final_message,
-                    chat_template=chat_template,
-                    **kwargs,
-                )
-            )
+        prompts = offline.chat_prompts(
+            self.tokenizer, messages, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, enable_thinking=enable_thinking,
+            chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     # -- introspection -------------------------------------------------------------------
@@ -639,26 +486,7 @@ class LLMEngine:
         return min(seq.num_computed_tokens, n), n
 
     def stats(self) -> EngineStats:
-        now = time.perf_counter()
-        recent = [r for r in self._recent if r[0] >= now - STATS_WINDOW_S]
-        bm = self.block_manager
-        return EngineStats(
-            block_size=bm.block_size,
-            num_blocks=bm.num_blocks,
-            num_used_blocks=bm.num_used_blocks,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_preemptions=self.scheduler.num_preemptions,
-            prefix_cache_hit_rate=bm.hit_rate,
-            prompt_tokens_per_s=sum(r[1] for r in recent) / STATS_WINDOW_S,
-            generation_tokens_per_s=sum(r[2] for r in recent) / STATS_WINDOW_S,
-            num_prompt_tokens=self._num_prompt_tokens,
-            num_generated_tokens=self._num_generated_tokens,
-            num_steps=self._num_steps,
-            last_step_time_s=self._last_step_time,
-            last_batch_size=self._last_batch_size,
-            window_s=STATS_WINDOW_S,
-        )
+        return self._step_stats.snapshot(self.block_manager, self.scheduler)
 
     def exit(self) -> None:
         """Release the engine. Safe to call twice; also runs at interpreter exit."""
@@ -701,22 +529,6 @@ def _record_logprobs(out: SchedulerOutput, sampled: StepSamples) -> None:
             seq.prompt_logprobs[first : first + len(chunk)] = chunk
         if sampled.logprobs is not None and item.samples and seq.logprobs is not None:
             seq.logprobs.append(sampled.logprobs[i])
-
-
-def _is_index(x: Any) -> bool:
-    """An int or an integral numpy/torch scalar (a token id, not a prompt)."""
-    return hasattr(x, "__index__") and getattr(x, "ndim", 0) == 0
-
-
-def _check_conversation(n: int, conversation: Any) -> None:
-    if not isinstance(conversation, (list, tuple)) or not conversation:
-        raise TypeError(f"messages[{n}]: expected a non-empty list of messages")
-    for k, m in enumerate(conversation):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
-            raise ValueError(
-                f"messages[{n}][{k}]={m!r:.80}: a message is a dict with a 'role' string "
-                "and a 'content'"
-            )
 
 
 def _has_tokenizer(path: str) -> bool:

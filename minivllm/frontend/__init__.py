@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .engine_frontend import EngineFrontend, engine_info, merge_outputs, stream_outputs
+from .engine_frontend import EngineFrontend, engine_info
+from .outputs import merge_outputs, stream_outputs
 from .protocol import (
     EngineClient,
     EngineInfo,

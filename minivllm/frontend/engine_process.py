@@ -20,6 +20,7 @@ when the socket closes, so a parent that dies leaves no engine behind.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import pickle
 import queue
 import signal
@@ -34,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from ..outputs import EngineStats
-from .engine_frontend import EngineFrontend, PrefixCacheCounters, describe, stream_outputs
+from .engine_frontend import EngineFrontend, PrefixCacheCounters, describe
+from .outputs import stream_outputs
 from .protocol import EngineInfo, GenerateRequest, OutputCallback, ProgressFn, RequestOutput
 
 EngineFactory = Callable[[ProgressFn], Any]
@@ -131,7 +133,10 @@ class EngineProcessClient:
             self._process = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),))
         theirs.close()
         self._conn = conn = Connection(ours.detach())
-        conn.send(("start", self._factory, self._stats_interval))
+        # The factory goes pickled inside the message, so that the child unpickles it only
+        # once it has the parent's import path (see `child_entry`).
+        conn.send(("start", list(sys.path), pickle.dumps(self._factory),
+                   self._stats_interval))
         try:
             while True:
                 try:
@@ -400,11 +405,21 @@ def child_entry() -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     conn = Connection(int(sys.argv[1]))
     try:
-        kind, factory, stats_interval = conn.recv()
+        kind, parent_path, factory_bytes, stats_interval = conn.recv()
     except (EOFError, OSError):
         return
     assert kind == "start"
-    _child_main(factory, conn, stats_interval)
+    # The parent's import path after the child's own: the installed packages still come
+    # first (see `-P` in `start`), and a factory from a module the parent found in a
+    # folder of its own (a test's helper module) unpickles here too.
+    sys.path.extend(p for p in parent_path if p not in sys.path)
+    _child_main(functools.partial(_unpickled_factory, factory_bytes), conn, stats_interval)
+
+
+def _unpickled_factory(factory_bytes: bytes, on_progress: ProgressFn) -> Any:
+    """Unpickle the parent's engine factory and call it, on the engine thread: a factory
+    that does not unpickle fails the start with its reason, as one that raises does."""
+    return pickle.loads(factory_bytes)(on_progress)
 
 
 def _child_main(factory: EngineFactory, conn: Connection, stats_interval: float) -> None:

@@ -29,7 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.llm_engine import encode_text
+from ..engine.prompts import encode_text
 from ..engine.structured_outputs import GrammarError, check_grammar
 from ..frontend import GenerateRequest, render_chat_prompt
 from ..reasoning import REASONING_PARSERS

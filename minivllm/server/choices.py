@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ..frontend import GenerateRequest, RequestOutput, merge_outputs
-from ..frontend.engine_frontend import AsyncOutputs
+from ..frontend.outputs import AsyncOutputs
 from ..outputs import TokenLogprob
 from .metrics import RequestTimer
 

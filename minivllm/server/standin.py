@@ -269,9 +269,10 @@ def default_reply(prompt: str, thinking: bool) -> str:
     return text
 
 
-# Markdown-ish prose for the GPU-like engine: words, punctuation, paragraphs, lists and a
-# code fence, so the app renders roughly what a real reply costs it.
-_PROSE_WORDS = (
+# The words of the GPU-like engine's Markdown-ish prose (punctuation, paragraphs, lists and
+# a code fence come from `gpu_like_reply`), so the app renders roughly what a real reply
+# costs it; the app's bench decodes a model without a tokenizer to them too.
+PROSE_WORDS = (
     "the a of and to in is was that it for on with as his her they at be this from keeper "
     "light sea ship night storm lamp tower waves stone old young lonely bright dark cold "
     "warm slowly quietly every long story began when would could never always"
@@ -283,7 +284,7 @@ def gpu_like_reply(seed: int, words: int = 900) -> str:
     rng = random.Random(seed)
     parts = ["## A story\n\n"]
     for i in range(words):
-        word = rng.choice(_PROSE_WORDS)
+        word = rng.choice(PROSE_WORDS)
         if i % 97 == 40:
             parts.append("\n\n```python\nfor wave in sea:\n    print(wave)\n```\n\n")
         elif i % 61 == 30:
@@ -312,9 +313,6 @@ class ScriptedEngine(LLMEngine):
     `step_delay`: seconds each step waits with the GIL free (a device's compute);
     `host_ms`: milliseconds each step holds the GIL, its scheduling included (a GPU
     engine's host work); `load_delay`: seconds of a loading bar before it is ready.
-    `hold_at`: a test's pause, every request stops after that many tokens, still running,
-    until `release()`, so a test acts on a reply that surely streams however fast or slow
-    the machine.
     """
 
     def __init__(
@@ -326,7 +324,6 @@ class ScriptedEngine(LLMEngine):
         thinking: bool = False,
         step_delay: float = 0.0,
         load_delay: float = 0.0,
-        hold_at: int | None = None,
         host_ms: float = 0.0,
         tokenizer: ScriptTokenizer | None = None,
     ) -> None:
@@ -345,7 +342,6 @@ class ScriptedEngine(LLMEngine):
         self.tokenizer = tokenizer or ScriptTokenizer()
         self.reply = reply
         self.thinking = thinking
-        self.hold_at = hold_at
         self._replies_made = 0
 
     @property
@@ -366,10 +362,6 @@ class ScriptedEngine(LLMEngine):
     @step_delay.setter
     def step_delay(self, seconds: float) -> None:
         self.runner.device_s = seconds
-
-    def release(self) -> None:
-        """Let held replies go on (see `hold_at`). Safe from any thread."""
-        self.hold_at = None
 
     def _reply_text(self, prompt: str) -> str:
         r = self.reply
@@ -401,27 +393,7 @@ class ScriptedEngine(LLMEngine):
 
     def step(self) -> tuple[list[tuple[int, list[int]]], int, bool]:
         self.runner.step_started = time.perf_counter()
-        hold = self.hold_at
-        if hold is None:
-            return super().step()
-        with self._lock:
-            # Held requests sit out the step, as if they were not there; they keep their
-            # blocks and their place in line.
-            sched = self.scheduler
-            held_running = [s for s in sched.running if s.num_completion_tokens >= hold]
-            held_waiting = [s for s in sched.waiting if s.num_completion_tokens >= hold]
-            for s in held_running:
-                sched.running.remove(s)
-            for s in held_waiting:
-                sched.waiting.remove(s)
-            try:
-                result = super().step()
-            finally:
-                sched.running[:0] = held_running
-                sched.waiting.extendleft(reversed(held_waiting))
-        if result == ([], 0, False):
-            time.sleep(0.005)  # everything is held: wait, as a device would, not spin
-        return result
+        return super().step()
 
 
 def gpu_like_engine(config: dict[str, Any] | None = None,

@@ -1,5 +1,6 @@
 """A tokenizer for a model without one (random weights), so the app's bench has text to
-render: `minivllm-chat --bench` and its engine process."""
+render: `minivllm-chat --bench --load-format dummy`, in this process or its engine process
+(`ensure_tokenizer` is what the bench's `EngineSpec` prepares the built engine with)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,13 @@ import re
 import zlib
 from typing import Any
 
-# What a dummy model's ids decode to: words, punctuation and Markdown (paragraphs, lists,
-# emphasis, code), so the app renders roughly what a real reply costs it.
+from ..server.standin import PROSE_WORDS
+
+# What a dummy model's ids decode to: the GPU-like stand-in's words, punctuation and
+# Markdown (paragraphs, lists, emphasis, code), so the app renders roughly what a real
+# reply costs it.
 _BENCH_PIECES = (
-    [f" {w}" for w in (
-        "the a of and to in is was that it for on with as his her they at be this from "
-        "keeper light sea ship night storm lamp tower waves stone old young lonely bright "
-        "dark cold warm slowly quietly every long story began when would could never always"
-    ).split()]
+    [f" {w}" for w in PROSE_WORDS]
     + [".", ",", ";", ":", "!", "?", "\n\n", "\n- ", "\n1. ", " **", "** ", " `", "` ",
        "\n## ", " _", "_ ", "\n```python\n", "\n```\n", " (", ")", " 42", " 3.14"]
 )
