@@ -1,4 +1,4 @@
-"""The `minivllm` command: `generate`, `warmup` and `bench`.
+"""The `minivllm` command: `generate`, `warmup`, `bench` and `cache`.
 
 User errors (a bad option value, a missing model, no GPU for `--device cuda`) end with
 one line naming the option and the value, and exit status 1; never a traceback.
@@ -167,8 +167,59 @@ def warmup(args: argparse.Namespace) -> None:
                   "runs without it, slower", file=sys.stderr)
     print(f"minivllm warmup: {args.model} ready ({done}) in {time.perf_counter() - start:.1f} s")
 
+def cache(args: argparse.Namespace) -> None:
+    """List the on-disk cache's entries (size, last use, source), or prune or clear it.
+    A clear exits 1 where it kept an entry (in use by another process)."""
+    import time
+
+    from .loader import cache as disk
+
+    root = disk.gguf_cache_dir()
+    if args.prune or args.clear:
+        done = disk.prune() if args.prune else disk.clear()
+        for r in done:
+            verb = "removed" if r.removed else "kept"
+            print(f"{verb} {_relative(r.path, root)} ({_size(r.size)}): {r.reason}")
+        freed = sum(r.size for r in done if r.removed)
+        kept = [r for r in done if not r.removed and "in use" in r.reason]
+        print(f"minivllm cache: {root}: freed {_size(freed)}")
+        if kept and args.clear:
+            raise OSError(f"{len(kept)} entries in use by another process were kept")
+        return
+    found = disk.entries()
+    newer = disk.newest_by_source(found)
+    now = time.time()
+    sizes = {e.path: disk.size_of(e.path) for e in found}
+    print(f"minivllm cache: {root}: {len(found)} entries, {_size(sum(sizes.values()))}")
+    if found:
+        print(f"{'SIZE':>9}  {'LAST USE':<16}  {'ENTRY':<40}  SOURCE")
+    for e in sorted(found, key=lambda e: e.last_use, reverse=True):
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_use))
+        source = ", ".join(e.sources) or "(not recorded: an older minivllm)"
+        stale = disk.stale_reason(e, newer, now)
+        if stale is not None:
+            source += f" [stale: {stale}]"
+        print(f"{_size(sizes[e.path]):>9}  {used:<16}  {_relative(e.path, root):<40}  {source}")
+
+
+def _relative(path: Any, root: Any) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
 def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
-    """`generate` and `bench` (whose options are added only `with_bench`)."""
+    """`generate`, `warmup`, `bench` (whose options are added only `with_bench`) and
+    `cache`."""
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -198,6 +249,14 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
         from .bench.workloads import add_arguments
 
         add_arguments(b)
+
+    c = sub.add_parser("cache", help="list the on-disk cache (converted GGUFs, packed "
+                       "weights) with sizes and sources; prune or clear it")
+    action = c.add_mutually_exclusive_group()
+    action.add_argument("--prune", action="store_true", help="remove the stale entries: "
+                        "those whose source is gone or has a newer entry, and older packings")
+    action.add_argument("--clear", action="store_true",
+                        help="remove every entry not in use (the next start rebuilds them)")
     return parser
 
 
@@ -218,6 +277,8 @@ def main(argv: list[str] | None = None) -> None:
             generate(args)
         elif args.command == "warmup":
             warmup(args)
+        elif args.command == "cache":
+            cache(args)
         else:
             from .bench.workloads import main as bench_main
 
