@@ -126,6 +126,23 @@ def test_a_repacked_checkpoint_replaces_its_entry_once_no_one_reads_it(
     assert again is not new_model
 
 
+def test_a_start_records_an_entry_an_older_version_wrote(
+    root: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """Packed weights without a record (an older minivllm) are recorded at their next use,
+    so that a prune does not take them for unused ones."""
+    _kernel_or_skip()
+    folder = _checkpoint(tiny_llama, tmp_path / "ckpt")
+    model = _load(folder)
+    (entry,) = _packed_entries(root)
+    del model
+    gc.collect()
+    (entry / cache.ENTRY_FILE).unlink()
+    assert _packed_entries(root) == {entry: []}
+    _load(folder)
+    assert _packed_entries(root) == {entry: [str(folder.resolve())]}
+
+
 # -- entries and tags, without an engine -----------------------------------------------------
 
 

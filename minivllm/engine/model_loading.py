@@ -31,7 +31,7 @@ from ..layers.cpu_linear import (
     use_lowp_linears,
     weight_format,
 )
-from ..loader import packed_weights_file, packed_weights_written
+from ..loader import packed_weights_file, packed_weights_read, packed_weights_written
 from ..loader.cache import lease_packed
 from ..models import build_model
 from ..models.weights import init_dummy_weights, load_weights
@@ -91,6 +91,7 @@ def load_model(
         load_weights(model, config.model_path, skip)
         if copies is not None:
             fmt = use_lowp_linears(model, copies)
+            packed_weights_read(config.model_path, cache)
         elif fmt is not None:
             fmt = _lowp_linears(model, fmt, cache, progress)
             if cache is not None:

@@ -17,7 +17,13 @@ from __future__ import annotations
 
 from ..tokenizer import load_tokenizer
 from .checkpoint import iter_safetensors, map_safetensors, safetensors_files
-from .gguf import GGUF_SOURCE_FILE, gguf_cache_dir, packed_weights_file, packed_weights_written
+from .gguf import (
+    GGUF_SOURCE_FILE,
+    gguf_cache_dir,
+    packed_weights_file,
+    packed_weights_read,
+    packed_weights_written,
+)
 from .resolve import KNOWN_CONFIGS, SMOLLM2_REPO_ID, hf_cache_dir, is_smollm2_name, resolve_model
 
 __all__ = [
@@ -31,6 +37,7 @@ __all__ = [
     "load_tokenizer",
     "map_safetensors",
     "packed_weights_file",
+    "packed_weights_read",
     "packed_weights_written",
     "resolve_model",
     "safetensors_files",

@@ -130,6 +130,11 @@ def record_entry(entry: Path, kind: str, source: str | os.PathLike[str],
         tmp.unlink(missing_ok=True)
 
 
+def is_recorded(entry: Path) -> bool:
+    """Whether `entry` has its record (one stat)."""
+    return (entry / ENTRY_FILE).is_file()
+
+
 def touch(entry: Path) -> None:
     """Mark `entry` used now (its ENTRY_FILE's mtime); nothing where it has none or the
     cache is read-only."""
@@ -216,7 +221,8 @@ def _read_metadata(entry: Path) -> dict | None:
         return None
     if not isinstance(data, dict) or not isinstance(data.get("sources"), dict):
         return None
-    if not isinstance(data.get("created"), (int, float)):
+    times = [data.get("created"), *data["sources"].values()]
+    if not all(isinstance(t, (int, float)) for t in times):
         return None
     return data
 
@@ -388,7 +394,10 @@ def _remove_entry(path: Path, reason: str) -> Removal:
 def _remove_tag(folder: Path, tag: str, reason: str) -> Removal:
     """Remove a tag's packed-weights files (renamed aside, then deleted), kept where a
     process holds the tag's file."""
-    files = [f for f in folder.iterdir() if _tag_of(f.name) == tag]
+    try:
+        files = [f for f in folder.iterdir() if _tag_of(f.name) == tag]
+    except FileNotFoundError:  # a concurrent remover took the whole entry
+        return Removal(folder, 0, "removed meanwhile by another process", removed=False)
     size = sum(size_of(f) for f in files)
     main = folder / f"{tag}.safetensors"
     with _exclusive_now(main if main.exists() else None) as locked:

@@ -371,12 +371,26 @@ def packed_weights_written(model_path: str | os.PathLike[str], file: Path) -> No
     since deleted); a failure only leaves stale entries."""
     if not file.is_file():
         return  # not saved (a read-only cache)
+    _record_packed(model_path, file)
+    _prune_quietly()
+
+
+def packed_weights_read(model_path: str | os.PathLike[str], file: Path) -> None:
+    """After the packed weights were read from `file`: record the checkpoint as the source
+    of their entry where an older minivllm wrote it without a record (one stat otherwise),
+    so that it is not taken for an unused entry."""
+    entry = cache.entry_of(file)
+    if entry is not None and not cache.is_recorded(entry):
+        _record_packed(model_path, file)
+
+
+def _record_packed(model_path: str | os.PathLike[str], file: Path) -> None:
+    """Record the checkpoint as the source of the packed/ entry that holds `file`."""
     entry = cache.entry_of(file)
     if entry is not None and entry.parent.name == "packed":
         folder = Path(model_path).resolve()
-        with contextlib.suppress(OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError):  # a read-only cache, a changed folder
             cache.record_entry(entry, "packed", folder, " ".join(_weight_files(folder)))
-    _prune_quietly()
 
 
 def _weight_files(folder: Path) -> list[str]:
