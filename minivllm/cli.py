@@ -199,6 +199,10 @@ def cache(args: argparse.Namespace) -> None:
         stale = disk.stale_reason(e, newer, now)
         if stale is not None:
             source += f" [stale: {stale}]"
+        folder = disk.packed_folder(e)
+        older = [f for tag in disk.stale_tags(folder) for f in disk.tag_files(folder, tag)]
+        if older and stale is None:
+            source += f" [stale: older packings, {_size(sum(map(disk.size_of, older)))}]"
         print(f"{_size(sizes[e.path]):>9}  {used:<16}  {_relative(e.path, root):<40}  {source}")
 
 

@@ -18,8 +18,6 @@ from minivllm import cli
 from minivllm.loader import cache
 from minivllm.loader import gguf as gguf_loader
 
-DAY = 24 * 3600
-
 
 @pytest.fixture
 def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -186,7 +184,7 @@ def test_a_newer_packing_replaces_the_older_tags_of_its_format(root: Path) -> No
     for tag in ("q8_0-w8-aaaaaaaaaaaa", "int8-w8-cccccccccccc"):
         os.utime(entry / f"{tag}.safetensors", (past, past))
     lease = cache.lease_packed(entry / "int8-w8-cccccccccccc.safetensors")
-    done = cache.prune_tags(entry)
+    done = cache.prune()
     lease.release()
     assert {(r.path.name, r.removed) for r in done} == {
         ("q8_0-w8-aaaaaaaaaaaa.safetensors", True),
@@ -203,7 +201,7 @@ def test_entries_without_a_record_go_once_unused_for_long(root: Path) -> None:
     memo = root / "gguf" / "digests" / "0123"
     memo.parent.mkdir(parents=True)
     memo.write_text("f" * 64 + "\n")
-    long_ago = time.time() - cache.STALE_AFTER_S - DAY
+    long_ago = time.time() - cache.STALE_AFTER_S - cache.DAY
     for path in (old, old / "q8_0-w8-aaaaaaaaaaaa.safetensors", memo):
         os.utime(path, (long_ago, long_ago))
     removed = {r.path for r in cache.prune() if r.removed}
@@ -211,13 +209,24 @@ def test_entries_without_a_record_go_once_unused_for_long(root: Path) -> None:
     assert recent.is_dir()
 
 
-def test_a_removers_leftovers_are_swept(root: Path) -> None:
-    """What a remover renamed aside but did not delete (killed) goes at the next prune."""
+def test_what_a_killed_remover_or_writer_left_is_swept(root: Path) -> None:
+    """What a remover renamed aside but did not delete goes at the next prune; a writer's
+    temporary folder or file once a day old (a younger one may be being written)."""
     left = root / "packed" / ".trash-abc-123-xyz"
     left.mkdir(parents=True)
     (left / "q8_0-w8-aaaaaaaaaaaa.safetensors").write_bytes(b"packed")
+    crashed = root / "gguf" / ".model-0123.tmp-abc"
+    converting = root / "gguf" / ".model-4567.tmp-def"
+    lock = root / "gguf" / ".model-4567.lock"
+    for folder in (crashed, converting):
+        folder.mkdir(parents=True)
+    lock.write_text("")
+    day_ago = time.time() - cache.DAY - 60
+    os.utime(crashed, (day_ago, day_ago))
+    os.utime(lock, (day_ago, day_ago))
     cache.prune()
-    assert not left.exists()
+    assert not left.exists() and not crashed.exists()
+    assert converting.is_dir() and lock.is_file()
 
 
 # -- converted GGUFs -------------------------------------------------------------------------
@@ -301,17 +310,23 @@ def test_the_cli_lists_prunes_and_clears(
     source.mkdir()
     live = _packed_entry(root, "live", source, ["q8_0-w8-aaaaaaaaaaaa"])
     gone = _packed_entry(root, "gone", tmp_path / "deleted", ["q8_0-w8-aaaaaaaaaaaa"])
+    (live / "q8_0-w8-bbbbbbbbbbbb.safetensors").write_bytes(b"packed again")
+    past = time.time() - 60
+    os.utime(live / "q8_0-w8-aaaaaaaaaaaa.safetensors", (past, past))
     assert _cli() == 0
     out = capsys.readouterr().out
     assert f"{root}: 2 entries" in out
+    assert "[stale: older packings, 6 B]" in out
     assert "packed/live" in out and str(source) in out
     assert f"[stale: its source {tmp_path / 'deleted'} no longer exists]" in out
 
     assert _cli("--prune") == 0
     out = capsys.readouterr().out
     assert "removed packed/gone" in out and not gone.exists() and live.is_dir()
+    assert "removed packed/live/q8_0-w8-aaaaaaaaaaaa.safetensors" in out
+    assert "freed" in out
 
-    lease = cache.lease_packed(live / "q8_0-w8-aaaaaaaaaaaa.safetensors")
+    lease = cache.lease_packed(live / "q8_0-w8-bbbbbbbbbbbb.safetensors")
     assert _cli("--clear") == 1
     captured = capsys.readouterr()
     assert "kept packed/live" in captured.out and live.is_dir()

@@ -41,14 +41,20 @@ from pathlib import Path
 
 from ..envs import read
 
+try:
+    import fcntl
+except ImportError:  # Windows: no locks; an open file cannot be removed there anyway
+    fcntl = None  # type: ignore[assignment]
+
 # The kinds of entries, each a folder of the cache's root.
 KINDS = ("gguf", "packed")
 # In each entry: what it was made from; its mtime is the entry's last use.
 ENTRY_FILE = "minivllm_cache.json"
 # Digest memos of GGUF files (gguf/digests/), kept apart from the entries.
 DIGESTS = "digests"
+DAY = 24 * 3600
 # An entry without ENTRY_FILE, or a digest memo, unused this long is removed by a prune.
-STALE_AFTER_S = 30 * 24 * 3600
+STALE_AFTER_S = 30 * DAY
 # Prefix of what a remover renamed aside before deleting it.
 _TRASH = ".trash-"
 # A packing tag: the format, the kernel's block width, a hash of the code and torch.
@@ -197,14 +203,13 @@ def entry_of(path: Path) -> Path | None:
 def _shared_lock(path: Path) -> int | None:
     """An fd holding a shared lock on `path` (a folder or a file), None where `path` is
     missing or was moved away while we waited for a remover to finish."""
-    import fcntl
-
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_SH)
         if os.stat(path).st_ino == os.fstat(fd).st_ino:
             return fd
     except OSError:
@@ -282,7 +287,7 @@ def stale_reason(entry: Entry, newer: dict[str, float], now: float) -> str | Non
     """Why a prune removes `entry`, None where it stays. `newer` maps each source to the
     time its newest entry recorded it."""
     if not entry.recorded:
-        days = (now - entry.last_use) / 86400
+        days = (now - entry.last_use) / DAY
         if now - entry.last_use > STALE_AFTER_S:
             return f"unused for {days:.0f} days (written by an older minivllm)"
         return None
@@ -311,27 +316,30 @@ def newest_by_source(found: list[Entry]) -> dict[str, float]:
 
 def prune(now: float | None = None) -> list[Removal]:
     """Remove stale entries and stale packed weights (see the module's docstring), old
-    digest memos and what a remover left behind; returns what was removed, and what
-    was stale but in use (kept)."""
+    digest memos and what a killed writer or remover left behind; returns what was
+    removed, and what was stale but in use (kept)."""
     now = time.time() if now is None else now
-    _sweep_trash()
     found = entries()
+    _sweep_leftovers(found, now)
     newer = newest_by_source(found)
     done = []
     for entry in found:
         reason = stale_reason(entry, newer, now)
         if reason is not None:
             done.append(_remove_entry(entry.path, reason))
-        else:
-            done.extend(prune_tags(_packed_folder(entry)))
+            continue
+        folder = packed_folder(entry)
+        for tag, newest in stale_tags(folder).items():
+            done.append(_remove_tag(folder, tag, f"replaced by {newest}"))
     done.extend(_prune_digests(now))
     return done
 
 
 def clear() -> list[Removal]:
     """Remove every entry and digest memo (those in use are kept, and say so)."""
-    _sweep_trash()
-    done = [_remove_entry(e.path, "cleared") for e in entries()]
+    found = entries()
+    _sweep_leftovers(found, time.time())
+    done = [_remove_entry(e.path, "cleared") for e in found]
     memos = gguf_cache_dir() / "gguf" / DIGESTS
     if memos.is_dir():
         done.append(Removal(memos, size_of(memos), "cleared"))
@@ -339,11 +347,16 @@ def clear() -> list[Removal]:
     return done
 
 
-def prune_tags(folder: Path) -> list[Removal]:
-    """In a folder of packed weights, remove each tag that a newer tag of the same format
-    and block width replaced."""
+def packed_folder(entry: Entry) -> Path:
+    """Where `entry` keeps its packed weights."""
+    return entry.path / "packed" if entry.kind == "gguf" else entry.path
+
+
+def stale_tags(folder: Path) -> dict[str, str]:
+    """In a folder of packed weights, each tag that a newer tag of the same format and
+    block width replaced, with that newer tag."""
     groups: dict[str, dict[str, float]] = {}
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         for file in folder.iterdir():
             tag = _tag_of(file.name)
             match = _TAG.fullmatch(tag) if tag else None
@@ -356,13 +369,19 @@ def prune_tags(folder: Path) -> list[Removal]:
             if file.name == f"{tag}.safetensors":
                 with contextlib.suppress(OSError):
                     tags[tag] = file.stat().st_mtime
-    done = []
+    stale = {}
     for tags in groups.values():
         newest = max(tags, key=tags.__getitem__)
-        for tag in tags:
-            if tag != newest:
-                done.append(_remove_tag(folder, tag, f"replaced by {newest}"))
-    return done
+        stale.update({tag: newest for tag in tags if tag != newest})
+    return stale
+
+
+def tag_files(folder: Path, tag: str) -> list[Path]:
+    """The files of packed weights `tag` (and its prefill copies) in `folder`."""
+    try:
+        return [f for f in folder.iterdir() if _tag_of(f.name) == tag]
+    except FileNotFoundError:
+        return []
 
 
 def _tag_of(name: str) -> str | None:
@@ -371,13 +390,10 @@ def _tag_of(name: str) -> str | None:
     return name.removesuffix(".safetensors").partition(_PREFILL)[0]
 
 
-def _packed_folder(entry: Entry) -> Path:
-    return entry.path / "packed" if entry.kind == "gguf" else entry.path
-
-
 def _remove_entry(path: Path, reason: str) -> Removal:
     """Rename `path` aside under its exclusive lock, then delete it; kept where another
-    process holds it (in use) or a concurrent remover took it first."""
+    process holds it (in use), a concurrent remover took it first, or it cannot be
+    renamed (a read-only cache)."""
     size = size_of(path)
     with _exclusive_now(path) as locked:
         if not locked:
@@ -387,6 +403,8 @@ def _remove_entry(path: Path, reason: str) -> Removal:
             os.rename(path, trash)
         except FileNotFoundError:
             return Removal(path, 0, "removed meanwhile by another process", removed=False)
+        except OSError as e:
+            return Removal(path, size, f"cannot be removed: {e}", removed=False)
     shutil.rmtree(trash, ignore_errors=True)
     return Removal(path, size, reason)
 
@@ -394,10 +412,7 @@ def _remove_entry(path: Path, reason: str) -> Removal:
 def _remove_tag(folder: Path, tag: str, reason: str) -> Removal:
     """Remove a tag's packed-weights files (renamed aside, then deleted), kept where a
     process holds the tag's file."""
-    try:
-        files = [f for f in folder.iterdir() if _tag_of(f.name) == tag]
-    except FileNotFoundError:  # a concurrent remover took the whole entry
-        return Removal(folder, 0, "removed meanwhile by another process", removed=False)
+    files = tag_files(folder, tag)
     size = sum(size_of(f) for f in files)
     main = folder / f"{tag}.safetensors"
     with _exclusive_now(main if main.exists() else None) as locked:
@@ -405,9 +420,14 @@ def _remove_tag(folder: Path, tag: str, reason: str) -> Removal:
             return Removal(main, size, "in use by another process", removed=False)
         trash = []
         for file in files:
-            with contextlib.suppress(FileNotFoundError):
-                os.rename(file, _trash_name(file))
-                trash.append(_trash_name(file))
+            aside = _trash_name(file)
+            try:
+                os.rename(file, aside)
+            except FileNotFoundError:
+                continue  # a concurrent remover took it
+            except OSError as e:
+                return Removal(main, size, f"cannot be removed: {e}", removed=False)
+            trash.append(aside)
     for file in trash:
         file.unlink(missing_ok=True)
     return Removal(main, size, reason)
@@ -417,8 +437,6 @@ def _remove_tag(folder: Path, tag: str, reason: str) -> Removal:
 def _exclusive_now(path: Path | None) -> Iterator[bool]:
     """Yields whether an exclusive lock on `path` was taken without waiting (True for
     None: nothing to lock); the lock is held until the block ends."""
-    import fcntl
-
     if path is None:
         yield True
         return
@@ -429,7 +447,8 @@ def _exclusive_now(path: Path | None) -> Iterator[bool]:
         return
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             still_there = os.stat(path).st_ino == os.fstat(fd).st_ino
         except OSError:
             still_there = False
@@ -438,33 +457,36 @@ def _exclusive_now(path: Path | None) -> Iterator[bool]:
         os.close(fd)
 
 
-_trash_suffix = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-
 def _trash_name(path: Path) -> Path:
-    return path.with_name(f"{_TRASH}{path.name}-{_trash_suffix}")
+    return path.with_name(f"{_TRASH}{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
-def _sweep_trash() -> None:
-    """Delete what a remover renamed aside but did not delete (it was killed)."""
+def _sweep_leftovers(found: list[Entry], now: float) -> None:
+    """Delete what a remover renamed aside but did not delete (it was killed), and what
+    a killed writer left: the hidden temporary files and folders of a conversion or a
+    save, once a day old (no writer takes that long)."""
     root = gguf_cache_dir()
-    folders = [root / kind for kind in KINDS]
-    folders += [e.path / "packed" if e.kind == "gguf" else e.path for e in entries()]
+    folders = [root / kind for kind in KINDS] + [packed_folder(e) for e in found]
     for folder in folders:
-        with contextlib.suppress(FileNotFoundError):
-            for path in folder.glob(f"{_TRASH}*"):
-                if path.is_dir():
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    path.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            for path in folder.iterdir():
+                if not path.name.startswith(".") or path.name.endswith(".lock"):
+                    continue
+                with contextlib.suppress(OSError):
+                    if not path.name.startswith(_TRASH) and now - path.stat().st_mtime < DAY:
+                        continue
+                    if path.is_dir():
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        path.unlink(missing_ok=True)
 
 
 def _prune_digests(now: float) -> list[Removal]:
     """Remove the GGUF digest memos unused for STALE_AFTER_S (a later start hashes the
     file once again)."""
     done = []
-    days = STALE_AFTER_S // 86400
-    with contextlib.suppress(FileNotFoundError):
+    days = STALE_AFTER_S // DAY
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         for memo in (gguf_cache_dir() / "gguf" / DIGESTS).iterdir():
             with contextlib.suppress(OSError):
                 st = memo.stat()
