@@ -282,7 +282,13 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "warmup":
             warmup(args)
         elif args.command == "cache":
-            cache(args)
+            try:
+                cache(args)
+            except BrokenPipeError:  # its reader left (`minivllm cache | head`): quietly
+                import os
+
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                sys.exit(1)
         else:
             from .bench.workloads import main as bench_main
 
