@@ -169,23 +169,21 @@ def warmup(args: argparse.Namespace) -> None:
 
 def cache(args: argparse.Namespace) -> None:
     """List the on-disk cache's entries (size, last use, source), or prune or clear it.
-    A clear exits 1 where it kept an entry (in use by another process)."""
+    A clear that had to keep an entry (in use by another process) exits 1."""
+    from .loader import cache as disk
+
+    if args.prune or args.clear:
+        _remove_from_cache(disk.prune() if args.prune else disk.clear(), args.clear)
+    else:
+        _list_cache()
+
+
+def _list_cache() -> None:
     import time
 
     from .loader import cache as disk
 
     root = disk.gguf_cache_dir()
-    if args.prune or args.clear:
-        done = disk.prune() if args.prune else disk.clear()
-        for r in done:
-            verb = "removed" if r.removed else "kept"
-            print(f"{verb} {_relative(r.path, root)} ({_size(r.size)}): {r.reason}")
-        freed = sum(r.size for r in done if r.removed)
-        kept = [r for r in done if not r.removed and "in use" in r.reason]
-        print(f"minivllm cache: {root}: freed {_size(freed)}")
-        if kept and args.clear:
-            raise OSError(f"{len(kept)} entries in use by another process were kept")
-        return
     found = disk.entries()
     newer = disk.newest_by_source(found)
     now = time.time()
@@ -197,13 +195,27 @@ def cache(args: argparse.Namespace) -> None:
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_use))
         source = ", ".join(e.sources) or "(not recorded: an older minivllm)"
         stale = disk.stale_reason(e, newer, now)
-        if stale is not None:
-            source += f" [stale: {stale}]"
         folder = disk.packed_folder(e)
         older = [f for tag in disk.stale_tags(folder) for f in disk.tag_files(folder, tag)]
-        if older and stale is None:
-            source += f" [stale: older packings, {_size(sum(map(disk.size_of, older)))}]"
+        if stale is None and older:
+            stale = f"older packings, {_size(sum(map(disk.size_of, older)))}"
+        if stale is not None:
+            source += f" [stale: {stale}]"
         print(f"{_size(sizes[e.path]):>9}  {used:<16}  {_relative(e.path, root):<40}  {source}")
+
+
+def _remove_from_cache(done: list[Any], clearing: bool) -> None:
+    """Print what a prune or a clear removed and kept; raises where a clear kept some."""
+    from .loader import cache as disk
+
+    root = disk.gguf_cache_dir()
+    for r in done:
+        verb = "removed" if r.removed else "kept"
+        print(f"{verb} {_relative(r.path, root)} ({_size(r.size)}): {r.reason}")
+    print(f"minivllm cache: {root}: freed {_size(sum(r.size for r in done if r.removed))}")
+    in_use = sum(1 for r in done if not r.removed and r.reason == disk.IN_USE)
+    if clearing and in_use:
+        raise OSError(f"{in_use} of the cache's entries were kept: {disk.IN_USE}")
 
 
 def _relative(path: Any, root: Any) -> str:
@@ -213,12 +225,15 @@ def _relative(path: Any, root: Any) -> str:
         return str(path)
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+def _size(n: float) -> str:
+    """Bytes for a reader: 512 B, 1.3 kB, 96.5 MB, 1.3 GB."""
+    if n < 1000:
+        return f"{n:.0f} B"
+    for unit in ("kB", "MB"):
         n /= 1000
-    raise AssertionError("unreachable")
+        if n < 1000:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1000:.1f} GB"
 
 
 def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:

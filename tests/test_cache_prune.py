@@ -162,7 +162,7 @@ def test_an_entry_in_use_is_never_removed(root: Path, tmp_path: Path) -> None:
     lease = cache.lease_packed(entry / "q8_0-w8-aaaaaaaaaaaa.safetensors")
     with open(entry / "q8_0-w8-aaaaaaaaaaaa.safetensors", "rb") as reading:
         (kept,) = cache.prune()
-        assert not kept.removed and kept.reason == "in use by another process"
+        assert not kept.removed and kept.reason == cache.IN_USE
         assert [r.removed for r in cache.clear()] == [False]
         assert reading.read() == b"packed"
     assert entry.is_dir()
@@ -331,7 +331,7 @@ def test_the_cli_lists_prunes_and_clears(
     captured = capsys.readouterr()
     assert "kept packed/live" in captured.out and live.is_dir()
     assert captured.err.strip().splitlines() == [
-        "minivllm: error: 1 entries in use by another process were kept"
+        "minivllm: error: 1 of the cache's entries were kept: in use by another process"
     ]
     lease.release()
     assert _cli("--clear") == 0

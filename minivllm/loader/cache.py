@@ -55,6 +55,8 @@ DIGESTS = "digests"
 DAY = 24 * 3600
 # An entry without ENTRY_FILE, or a digest memo, unused this long is removed by a prune.
 STALE_AFTER_S = 30 * DAY
+# Why a remover kept an entry or packed weights that a process holds.
+IN_USE = "in use by another process"
 # Prefix of what a remover renamed aside before deleting it.
 _TRASH = ".trash-"
 # A packing tag: the format, the kernel's block width, a hash of the code and torch.
@@ -157,7 +159,7 @@ def hold_for_process(entry: Path) -> bool:
             return True
         fd = _shared_lock(entry)
         if fd is None:
-            return False
+            return entry.is_dir()  # there but not lockable (no flock here): used unlocked
         _held[entry] = fd
         return True
 
@@ -202,7 +204,8 @@ def entry_of(path: Path) -> Path | None:
 
 def _shared_lock(path: Path) -> int | None:
     """An fd holding a shared lock on `path` (a folder or a file), None where `path` is
-    missing or was moved away while we waited for a remover to finish."""
+    missing, was moved away while we waited for a remover to finish, or cannot be locked
+    here."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -397,7 +400,7 @@ def _remove_entry(path: Path, reason: str) -> Removal:
     size = size_of(path)
     with _exclusive_now(path) as locked:
         if not locked:
-            return Removal(path, size, "in use by another process", removed=False)
+            return Removal(path, size, IN_USE, removed=False)
         trash = _trash_name(path)
         try:
             os.rename(path, trash)
@@ -417,7 +420,7 @@ def _remove_tag(folder: Path, tag: str, reason: str) -> Removal:
     main = folder / f"{tag}.safetensors"
     with _exclusive_now(main if main.exists() else None) as locked:
         if not locked:
-            return Removal(main, size, "in use by another process", removed=False)
+            return Removal(main, size, IN_USE, removed=False)
         trash = []
         for file in files:
             aside = _trash_name(file)

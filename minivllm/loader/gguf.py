@@ -123,7 +123,7 @@ def _use_converted(folder: Path, gguf: Path, digest: str) -> bool:
 
 def _prune_quietly() -> None:
     """Prune the cache after writing an entry; a failure only leaves stale entries."""
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError, ValueError):
         cache.prune()
 
 
