@@ -115,7 +115,7 @@ def record_entry(entry: Path, kind: str, source: str | os.PathLike[str],
     """Record in `entry` that it was made from `source` (whose content or version
     `identity` names); a source recorded already only marks the entry used. Written
     aside and renamed into place, so a reader never sees half a file."""
-    source = os.fspath(source)
+    source = os.path.abspath(source)  # a prune may run from another folder
     meta = entry / ENTRY_FILE
     data = _read_metadata(entry)
     if data is not None and source in data["sources"] and data.get("identity") == identity:
@@ -469,7 +469,8 @@ def _sweep_leftovers(found: list[Entry], now: float) -> None:
     a killed writer left: the hidden temporary files and folders of a conversion or a
     save, once a day old (no writer takes that long)."""
     root = gguf_cache_dir()
-    folders = [root / kind for kind in KINDS] + [packed_folder(e) for e in found]
+    folders = {root / kind for kind in KINDS} | {root / "gguf" / DIGESTS}
+    folders |= {e.path for e in found} | {packed_folder(e) for e in found}
     for folder in folders:
         with contextlib.suppress(FileNotFoundError, NotADirectoryError):
             for path in folder.iterdir():
