@@ -1,4 +1,4 @@
-"""The `minivllm` command: `generate`, `warmup` and `bench`.
+"""The `minivllm` command: `generate`, `warmup`, `bench` and `cache`.
 
 User errors (a bad option value, a missing model, no GPU for `--device cuda`) end with
 one line naming the option and the value, and exit status 1; never a traceback.
@@ -167,8 +167,78 @@ def warmup(args: argparse.Namespace) -> None:
                   "runs without it, slower", file=sys.stderr)
     print(f"minivllm warmup: {args.model} ready ({done}) in {time.perf_counter() - start:.1f} s")
 
+def cache(args: argparse.Namespace) -> None:
+    """List the on-disk cache's entries (size, last use, source), or prune or clear it.
+    A clear that had to keep an entry (in use by another process) exits 1."""
+    from .loader import cache as disk
+
+    if args.prune or args.clear:
+        _remove_from_cache(disk.prune() if args.prune else disk.clear(), args.clear)
+    else:
+        _list_cache()
+
+
+def _list_cache() -> None:
+    import time
+
+    from .loader import cache as disk
+
+    root = disk.gguf_cache_dir()
+    found = disk.entries()
+    newer = disk.newest_by_source(found)
+    now = time.time()
+    sizes = {e.path: disk.size_of(e.path) for e in found}
+    print(f"minivllm cache: {root}: {len(found)} entries, {_size(sum(sizes.values()))}")
+    if found:
+        print(f"{'SIZE':>9}  {'LAST USE':<16}  {'ENTRY':<40}  SOURCE")
+    for e in sorted(found, key=lambda e: e.last_use, reverse=True):
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.last_use))
+        source = ", ".join(e.sources) or "(not recorded: an older minivllm)"
+        stale = disk.stale_reason(e, newer, now)
+        folder = disk.packed_folder(e)
+        older = [f for tag in disk.stale_tags(folder) for f in disk.tag_files(folder, tag)]
+        if stale is None and older:
+            stale = f"older packings, {_size(sum(map(disk.size_of, older)))}"
+        if stale is not None:
+            source += f" [stale: {stale}]"
+        print(f"{_size(sizes[e.path]):>9}  {used:<16}  {_relative(e.path, root):<40}  {source}")
+
+
+def _remove_from_cache(done: list[Any], clearing: bool) -> None:
+    """Print what a prune or a clear removed and kept; raises where a clear kept some."""
+    from .loader import cache as disk
+
+    root = disk.gguf_cache_dir()
+    for r in done:
+        verb = "removed" if r.removed else "kept"
+        print(f"{verb} {_relative(r.path, root)} ({_size(r.size)}): {r.reason}")
+    print(f"minivllm cache: {root}: freed {_size(sum(r.size for r in done if r.removed))}")
+    in_use = sum(1 for r in done if not r.removed and r.reason == disk.IN_USE)
+    if clearing and in_use:
+        raise OSError(f"{in_use} of the cache's entries were kept: {disk.IN_USE}")
+
+
+def _relative(path: Any, root: Any) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def _size(n: float) -> str:
+    """Bytes for a reader: 512 B, 1.3 kB, 96.5 MB, 1.3 GB."""
+    if n < 1000:
+        return f"{n:.0f} B"
+    for unit in ("kB", "MB"):
+        n /= 1000
+        if n < 1000:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1000:.1f} GB"
+
+
 def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
-    """`generate` and `bench` (whose options are added only `with_bench`)."""
+    """`generate`, `warmup`, `bench` (whose options are added only `with_bench`) and
+    `cache`."""
     parser = argparse.ArgumentParser(prog="minivllm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -198,6 +268,14 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
         from .bench.workloads import add_arguments
 
         add_arguments(b)
+
+    c = sub.add_parser("cache", help="list the on-disk cache (converted GGUFs, packed "
+                       "weights) with sizes and sources; prune or clear it")
+    action = c.add_mutually_exclusive_group()
+    action.add_argument("--prune", action="store_true", help="remove the stale entries: "
+                        "those whose source is gone or has a newer entry, and older packings")
+    action.add_argument("--clear", action="store_true",
+                        help="remove every entry not in use (the next start rebuilds them)")
     return parser
 
 
@@ -218,6 +296,14 @@ def main(argv: list[str] | None = None) -> None:
             generate(args)
         elif args.command == "warmup":
             warmup(args)
+        elif args.command == "cache":
+            try:
+                cache(args)
+            except BrokenPipeError:  # its reader left (`minivllm cache | head`): quietly
+                import os
+
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                sys.exit(1)
         else:
             from .bench.workloads import main as bench_main
 

@@ -26,8 +26,9 @@ DECODE_TILES = ("128x4x2", "128x4x1", "128x8x1", "128x8x2", "64x4x1", "64x4x2", 
 VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     # Where files go.
     EnvVar("MINIVLLM_CACHE", None,
-           "folder of the GGUF checkpoints converted once (default: $XDG_CACHE_HOME/minivllm, "
-           "else ~/.cache/minivllm)"),
+           "folder of the GGUF checkpoints converted once and the CPU's packed weights "
+           "(default: $XDG_CACHE_HOME/minivllm, else ~/.cache/minivllm; `minivllm cache` "
+           "lists, prunes and clears it)"),
     EnvVar("MINIVLLM_DATA_DIR", None,
            "the chat app's sessions and exports (default: $XDG_DATA_HOME/minivllm, else "
            "~/.local/share/minivllm)"),

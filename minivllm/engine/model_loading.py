@@ -5,6 +5,7 @@ checkpoint), oneDNN-packed linears, bf16 copies for prefill rows and int8 activa
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,8 @@ from ..layers.cpu_linear import (
     use_lowp_linears,
     weight_format,
 )
-from ..loader import packed_weights_file
+from ..loader import packed_weights_file, packed_weights_read, packed_weights_written
+from ..loader.cache import lease_packed
 from ..models import build_model
 from ..models.weights import init_dummy_weights, load_weights
 
@@ -79,14 +81,24 @@ def load_model(
         # One rank only: a tensor-parallel rank packs its own shard of each weight.
         if fmt is not None and get_tp_size() == 1 and lowp_kernel_unavailable() is None:
             cache = packed_weights_file(config.model_path, packing_tag(fmt))
+            # Held while the model lives: a prune in another process keeps these files
+            # (the prefill copies beside them are read at the first prefill).
+            lease = lease_packed(cache)
+            weakref.finalize(model, lease.release)
             copies = read_lowp_linears(model, cache)
         # The packed weights cached replace the linears' weights: those stay unread.
         skip = replaced_weights(model) if copies is not None else frozenset()
         load_weights(model, config.model_path, skip)
         if copies is not None:
             fmt = use_lowp_linears(model, copies)
+            packed_weights_read(config.model_path, cache)
         elif fmt is not None:
             fmt = _lowp_linears(model, fmt, cache, progress)
+            if cache is not None:
+                # A new entry: record its source, prune the stale ones, hold the files.
+                packed_weights_written(config.model_path, cache)
+                lease = lease_packed(cache)
+                weakref.finalize(model, lease.release)
     model.eval()
     # NOTE: fp32 stays unpacked: it is the exact-parity path checked against
     # transformers (oneDNN's packed sums differ from F.linear by ~1e-6, enough to move

