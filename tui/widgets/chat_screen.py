@@ -29,7 +29,7 @@ def _binding(key: str, action: str, desc: str, id: str, show: bool = True,
 
 class ChatScreen(Screen):
     BINDINGS = [
-        _binding("escape", "stop", "Stop", "stop", priority=False),
+        _binding("escape", "stop", "Stop", "stop"),
         # ctrl+c stops the reply too (what a terminal user reaches for); it never quits.
         _binding("ctrl+c", "interrupt", "Stop", "interrupt", show=False),
         # NOTE: the footer shows few keys, so ctrl+q still fits on an 80-column terminal;
