@@ -18,6 +18,7 @@ from .chat_defaults import (
 )
 from .config import APP_CPU_WEIGHT_DTYPE
 from .engine_args import DEFAULT_MODEL, EngineArgs, option_of_key
+from .envs import default_openmp_waits
 from .progress import print_progress
 
 # Config key -> the command-line option that sets it, for error messages.
@@ -280,6 +281,7 @@ def build_parser(with_bench: bool = True) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    default_openmp_waits()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:  # the HTTP server, with vLLM's flag names
         from .server.cli import main as serve

@@ -96,3 +96,20 @@ def read(name: str) -> str | None:
         raise ValueError(f"{name}={value!r}: must be one of {', '.join(var.choices)}")
     return value
 
+
+
+# OpenMP's threads (torch's CPU ops and the CPU kernels) spin at each barrier before they
+# sleep: by default for 300,000 turns, which on a machine whose cores are busy with other
+# work (the chat app's own thread, another process) holds a core that the thread being
+# waited for needs. A sixth of that keeps an idle machine's decode speed and gives a busy
+# one back part of what spinning took; sleeping at once (OMP_WAIT_POLICY=passive) halves
+# an idle machine's batch-1 decode.
+OPENMP_SPIN_TURNS = "50000"
+
+
+def default_openmp_waits() -> None:
+    """The command lines' OpenMP waits (`OPENMP_SPIN_TURNS`), unless the user chose theirs
+    (OMP_WAIT_POLICY or GOMP_SPINCOUNT). Call before torch is imported: OpenMP reads them
+    once, as it loads."""
+    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = OPENMP_SPIN_TURNS

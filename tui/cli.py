@@ -17,6 +17,7 @@ from typing import Any
 from minivllm.chat_defaults import SMALL_MODEL_PARAMS, SMALL_MODEL_REPETITION_PENALTY
 from minivllm.config import APP_CPU_WEIGHT_DTYPE
 from minivllm.engine_args import EngineArgs
+from minivllm.envs import default_openmp_waits
 
 from .conversation import Settings
 from .engine_client import EngineFactory
@@ -204,6 +205,7 @@ def fail(error: BaseException | str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    default_openmp_waits()
     argv = sys.argv[1:] if argv is None else argv
     if "--bench" in argv:  # the app's benchmark, with its own options
         from minivllm.bench.chat_app import main as bench_main
