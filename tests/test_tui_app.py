@@ -662,6 +662,32 @@ def test_a_plain_paragraph_is_drawn_cell_for_cell_as_markdown_draws_it(lines, wi
     assert cells(plain) == cells(render_lines(console, markdown(block), width))
 
 
+@pytest.mark.parametrize("block", [
+    "```python\nfor wave in sea:\n\tprint(wave)  # a tab\n```",
+    "```\nno language\n```",
+    "```no-such-language extra words\nplain text\n```",
+    "    indented code\n    second line",
+    "Some text:\n\n```rust\nfn main() {}\n```\n\nand more.",
+])
+def test_code_blocks_are_drawn_as_rich_draws_them(block):
+    """The app's code blocks reuse one lexer per language: what they draw must be rich's
+    own Markdown, cell for cell (and so is the highlighting)."""
+    import io
+
+    from minivllm.tui.markdown import keep_line_breaks
+    from minivllm.tui.widgets.entries import markdown, render_lines
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    console = Console(width=80, file=io.StringIO(), color_system="truecolor")
+    stock = Markdown(block, hyperlinks=False)
+    keep_line_breaks(stock.parsed)
+    for width in (20, 60):
+        ours = render_lines(console, markdown(block), width)
+        theirs = render_lines(console, stock, width)
+        assert [list(strip) for strip in ours] == [list(strip) for strip in theirs]
+
+
 def test_only_text_that_markdown_leaves_alone_is_a_plain_paragraph():
     from minivllm.tui.markdown import is_plain_paragraph
 

@@ -10,17 +10,23 @@ lines it streamed with. `transcript.py`'s widget holds the lines of all entries.
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from markdown_it import MarkdownIt
+from pygments.lexer import Lexer
+from pygments.lexers import get_lexer_by_name
+from pygments.util import ClassNotFound
 from rich.cells import cell_len
-from rich.console import Console, RenderableType
+from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
+from rich.markdown import CodeBlock
 from rich.markdown import Markdown as RichMarkdown
 from rich.segment import Segment
 from rich.style import Style
+from rich.syntax import Syntax
 from rich.text import Text
 from textual.strip import Strip
 
@@ -47,11 +53,38 @@ class Look:
     error: Style
 
 
+_TAB_SIZE = Syntax("", "text").tab_size  # rich's default for a code block
+
+
+@functools.lru_cache(maxsize=64)
+def _lexer(name: str) -> Lexer | None:
+    """Pygments' lexer for a code block's language, as rich's `Syntax` makes it, made once
+    per language (rich looks it up again for every block it draws)."""
+    try:
+        return get_lexer_by_name(name, stripnl=False, ensurenl=True, tabsize=_TAB_SIZE)
+    except ClassNotFound:
+        return None
+
+
+class _CodeBlock(CodeBlock):
+    """rich's code block, highlighted with the lexer made once per language."""
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        code = str(self.text).rstrip()
+        # An unknown language goes to rich by name: it falls back to plain text.
+        yield Syntax(code, _lexer(self.lexer_name) or self.lexer_name, theme=self.theme,
+                     word_wrap=True, padding=1)
+
+
+class _Markdown(RichMarkdown):
+    elements = {**RichMarkdown.elements, "fence": _CodeBlock, "code_block": _CodeBlock}
+
+
 # NOTE: rich builds a new parser for every Markdown (~0.4 ms, as much as drawing a short
 # paragraph); a reply is drawn block by block, so the app parses with one parser and
 # copies one built Markdown.
 _PARSER = MarkdownIt().enable("strikethrough").enable("table")  # what rich parses with
-_MARKDOWN = RichMarkdown("", hyperlinks=False)
+_MARKDOWN = _Markdown("", hyperlinks=False)
 
 
 def markdown(source: str, style: Style | str = "none") -> RichMarkdown:
