@@ -23,6 +23,12 @@ class Row:
     note: str = ""
 
 
+def sync(llm: LLMEngine) -> None:
+    """Wait for the device (a CUDA engine's steps return before the GPU is done)."""
+    if llm.device.type == "cuda":
+        torch.cuda.synchronize(llm.device)
+
+
 def report(text: str) -> None:
     """A progress line or a partial result on stderr, as the bench goes (a full run takes
     minutes; the table on stdout comes at the end)."""

@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 
@@ -17,8 +12,10 @@ import torch
 
 from .. import LLMEngine, SamplingParams
 from ..engine_args import EngineArgs
-from .common import Row, build_engine, load_hf_model, report
+from .coldstart import bench_coldstart
+from .common import Row, build_engine, report, sync
 from .cpu import bench_latency_cpu
+from .hf import hf_latency, hf_throughput
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B"
 CPU_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -27,11 +24,6 @@ CPU_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 BENCH_DEFAULTS = {"model": None, "device": "auto", "max_model_length": 4096,
                   "max_num_sequences": 256, "max_num_batched_tokens": 8192, "block_size": 256,
                   "seed": 0}
-
-
-def sync(llm: LLMEngine) -> None:
-    if llm.device.type == "cuda":
-        torch.cuda.synchronize(llm.device)
 
 
 # -- the throughput workload (nano-vllm's benchmark script) -------------------------------
@@ -348,182 +340,6 @@ def bench_chat(args: argparse.Namespace) -> list[Row]:
             f"median of {len(lone)}"),
     ]
     return rows
-
-
-# -- cold start -----------------------------------------------------------------------------
-
-
-def bench_coldstart(args: argparse.Namespace) -> list[Row]:
-    """Start-up and the first requests' slowest step with an empty Triton cache: the
-    measurement runs in a child process whose TRITON_CACHE_DIR is a new empty folder."""
-    if args.child:
-        print(json.dumps(coldstart_child(args)))
-        return []
-    with tempfile.TemporaryDirectory(prefix="minivllm-triton-") as cache:
-        env = {**os.environ, "TRITON_CACHE_DIR": cache}
-        argv = [sys.executable, "-m", "minivllm.cli", "bench", "coldstart",
-                *_coldstart_argv(args), "--child"]
-        done = subprocess.run(argv, env=env, capture_output=True, text=True)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"the cold-start run failed: {done.stderr.strip()[-2000:]}")
-    result = json.loads(lines[-1])
-    rows = [
-        Row("cold start-up", result["startup_s"], "s", "LLMEngine(...) with an empty Triton cache"),
-        Row("cold slowest step", result["slowest_step_ms"], "ms",
-            f"over the first requests ({result['requests']})"),
-    ]
-    for name, ms in result["first_steps"]:
-        rows.append(Row(f"cold first step, {name}", ms, "ms", "slowest step of that request"))
-    return rows
-
-
-def _coldstart_argv(args: argparse.Namespace) -> list[str]:
-    return [*EngineArgs.from_cli_args(args).cli_args(),
-            "--cold-lens", *map(str, args.cold_lens),
-            "--cold-decoders", str(args.cold_decoders),
-            "--cold-arrival", str(args.cold_arrival)]
-
-
-def coldstart_child(args: argparse.Namespace) -> dict:
-    start = time.perf_counter()
-    llm = build_engine(args)
-    sync(llm)
-    startup = time.perf_counter() - start
-    vocab = llm.config.model.vocab_size
-    rng = random.Random(0)
-    limit = min(llm.config.max_len - 1, llm.config.max_num_batched_tokens)
-    lens = [n for n in args.cold_lens if n <= limit]
-
-    def slowest_step(prompts: list[list[int]], max_tokens: int) -> float:
-        for p in prompts:
-            llm.add_prompt(p, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                             ignore_eos=True))
-        worst = 0.0
-        while not llm.scheduler.is_finished():
-            sync(llm)
-            t = time.perf_counter()
-            llm.step()
-            sync(llm)
-            worst = max(worst, time.perf_counter() - t)
-        return worst * 1e3
-
-    first_steps = []
-    for n in lens:  # lone requests of varied lengths
-        first_steps.append((f"{n} tokens", slowest_step([[rng.randrange(vocab)
-                                                          for _ in range(n)]], 4)))
-    # Mid-stream: sequences decoding while a long prompt arrives (a mixed step).
-    decoders = [[rng.randrange(vocab) for _ in range(rng.randint(20, 200))]
-                for _ in range(args.cold_decoders)]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    for p in decoders:
-        llm.add_prompt(p, params)
-    llm.step()  # their prefill
-    arriving = [rng.randrange(vocab) for _ in range(min(args.cold_arrival, limit))]
-    first_steps.append((f"{args.cold_decoders} decoding + {len(arriving)}-token arrival",
-                        slowest_step([arriving], 4)))
-    llm.exit()
-    return {
-        "startup_s": startup,
-        "slowest_step_ms": max(ms for _, ms in first_steps),
-        "first_steps": first_steps,
-        "requests": ", ".join(name for name, _ in first_steps),
-    }
-
-
-# -- transformers on the same weights -----------------------------------------------------
-
-
-def _device_dtype(args) -> tuple[torch.device, torch.dtype]:
-    device = torch.device(
-        "cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
-    )
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if args.dtype not in (None, "auto"):
-        dtype = getattr(torch, args.dtype)
-    return device, dtype
-
-
-@torch.inference_mode()
-def hf_latency(args: argparse.Namespace, vocab: int) -> list[Row]:
-    device, dtype = _device_dtype(args)
-    model, note = load_hf_model(args, device, dtype)
-    prompt = torch.randint(0, vocab, (1, args.prompt_len), device=device)
-    kwargs = dict(
-        max_new_tokens=args.new_tokens,
-        min_new_tokens=args.new_tokens,
-        do_sample=False,
-        pad_token_id=0,
-    )
-    if device.type == "cuda":
-        kwargs["cache_implementation"] = "static"
-        note += ", static cache"
-    model.generate(prompt, **{**kwargs, "max_new_tokens": 8, "min_new_tokens": 8})
-
-    def median_time(new_tokens: int) -> float:
-        times = []
-        for _ in range(args.repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            model.generate(
-                prompt, **{**kwargs, "max_new_tokens": new_tokens, "min_new_tokens": new_tokens}
-            )
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    total, first = median_time(args.new_tokens), median_time(1)
-    return [
-        Row(
-            "transformers decode, batch 1",
-            args.new_tokens / total,
-            "tok/s",
-            note + ", prefill included",
-        ),
-        Row(
-            "transformers decode only, batch 1",
-            (args.new_tokens - 1) / (total - first),
-            "tok/s",
-            "(time of N tokens - time of 1) / (N - 1)",
-        ),
-    ]
-
-
-def hf_throughput(args, prompts, outs, vocab) -> Row:
-    # NOTE: not under inference_mode: transformers' continuous batching updates its
-    # static tensors in place from its own thread.
-    from transformers import GenerationConfig
-
-    device, dtype = _device_dtype(args)
-    model, note = load_hf_model(args, device, dtype)
-    n = min(len(prompts), args.hf_num_seqs)
-    subset, sub_outs = prompts[:n], outs[:n]
-    max_new = max(sub_outs)
-    try:
-        gen = GenerationConfig(
-            max_new_tokens=max_new,
-            do_sample=True,
-            temperature=0.6,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-        start = time.perf_counter()
-        results = model.generate_batch(inputs=subset, generation_config=gen, progress_bar=False)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-        generated = sum(len(r.generated_tokens) for r in results.values())
-    except Exception as e:  # transformers' API moves; report rather than crash the bench
-        return Row("transformers throughput", 0.0, "output tok/s", f"failed: {e!r:.200}")
-    return Row(
-        "transformers throughput",
-        generated / elapsed,
-        "output tok/s",
-        f"continuous batching (generate_batch), {n} of the {len(prompts)} seqs, "
-        f"{max_new} new tokens each; {note}",
-    )
 
 
 def print_rows(title: str, rows: list[Row]) -> None:
