@@ -97,7 +97,6 @@ def read(name: str) -> str | None:
     return value
 
 
-
 # OpenMP's threads (torch's CPU ops and the CPU kernels) spin at each barrier before they
 # sleep: by default for 300,000 turns, which on a machine whose cores are busy with other
 # work (the chat app's own thread, another process) holds a core that the thread being

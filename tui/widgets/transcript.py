@@ -297,6 +297,7 @@ class Transcript(Widget):
             return super().render_lines(crop)
         filters = tuple(self.get_line_filters())
         background = self.background_colors[1]
+        self._keep_rows_for(filters, background)
         strips = [self._row(y, filters, background) for y in crop.line_range]
         if crop.column_span != (0, width):
             x1, x2 = crop.column_span
@@ -306,17 +307,21 @@ class Transcript(Widget):
     def render_line(self, y: int) -> Strip:
         if not self._width:
             return Strip.blank(self._view[0])
+        self._keep_rows_for((), None)
         return self._row(y)  # Textual's styles cache filters it
 
-    def _row(self, y: int, filters: tuple[LineFilter, ...] = (),
-             background: Color | None = None) -> Strip:
-        """Row `y` of the view: its line and the scroll bar's column, through `filters`.
-        Kept per line (a jump or a scroll shows the same rows elsewhere) for one set of
-        filters and background at a time."""
+    def _keep_rows_for(self, filters: tuple[LineFilter, ...], background: Color | None) -> None:
+        """The rows kept are for one set of filters and background at a time."""
         look = (filters, background)
         if look != self._rows_look:
             self._rows.clear()
             self._rows_look = look
+
+    def _row(self, y: int, filters: tuple[LineFilter, ...] = (),
+             background: Color | None = None) -> Strip:
+        """Row `y` of the view: its line and the scroll bar's column, through `filters`
+        (those of `_keep_rows_for`). Kept per line: a jump or a scroll shows the same rows
+        elsewhere."""
         i = self.top + y
         line = self._lines[i] if i < len(self._lines) else self._blank
         thumb = y in self._thumb_rows()
