@@ -415,5 +415,9 @@ def test_gpu_random_weights_constrained_batch_with_graphs_and_overlap():
         assert re.fullmatch(regex, texts[2]) and re.fullmatch(regex, texts[6])
         assert texts[3] in ("yes", "no", "maybe") and texts[7] in ("yes", "no", "maybe")
         assert texts[8:] == alone
+        # The masks are filled in pinned memory (no staging copy on the way up), all ones
+        # where no matcher wrote.
+        mask = llm._grammars.compiler.fill_bitmask(3, [], [])
+        assert mask.is_pinned() and bool((mask == -1).all())
     finally:
         llm.exit()

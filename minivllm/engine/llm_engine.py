@@ -165,7 +165,8 @@ class LLMEngine:
         self._in_flight: _InFlight | None = None
         # Structured outputs: the backend is built at the first constrained request.
         self._grammars = GrammarRequests(
-            self.tokenizer, self.config.model.vocab_size, sorted(self.eos_token_ids)
+            self.tokenizer, self.config.model.vocab_size, sorted(self.eos_token_ids),
+            pinned=self.device.type == "cuda",
         )
         self._closed = False
         atexit.register(self.exit)

@@ -41,8 +41,10 @@ class GrammarRequests:
     """The engine's constrained requests: the grammar backend (built at the first one),
     the sequences whose grammar is compiling, by id, and each step's bitmask."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int],
+                 pinned: bool = False) -> None:
         self._tokenizer = tokenizer
+        self._pinned = pinned  # bitmasks in pinned memory (a CUDA engine)
         self._vocab_size = vocab_size
         self._stop_token_ids = stop_token_ids
         self.compiler: GrammarCompiler | None = None
@@ -51,7 +53,7 @@ class GrammarRequests:
     def _compiler(self) -> GrammarCompiler:
         if self.compiler is None:
             self.compiler = GrammarCompiler(self._tokenizer, self._vocab_size,
-                                            self._stop_token_ids)
+                                            self._stop_token_ids, self._pinned)
         return self.compiler
 
     def prepare(self) -> bool:
