@@ -172,9 +172,32 @@ def check_sample_rows() -> None:
     freq = torch.bincount(tokens, minlength=6).float() / 3000
     assert freq[4] == 0  # a -inf logit is never drawn
     assert (freq - torch.softmax(row / t, -1)).abs().max() < 0.04, freq
+    # A grammar's bitmask: row 0 may take only 7 and 4321, row 1 everything but the
+    # columns below 4096, rows 2-4 everything (all ones).
+    words = (5000 + 31) // 32
+    bitmask = torch.full((5, words), -1, dtype=torch.int32)
+    bitmask[0] = 0
+    bitmask[0, 0] = 1 << 7
+    bitmask[0, 4321 // 32] = 1 << (4321 % 32)
+    bitmask[1, : 4096 // 32] = 0
+    masked = sample_rows(logits, temps, torch.tensor([11]), bitmask)
+    assert masked[0] == 4321  # the larger of the two allowed
+    assert torch.equal(masked[2:], first[2:])  # all-ones rows: the same tokens as unmasked
+    for s in range(10):
+        drawn = sample_rows(logits, temps, torch.tensor([s]), bitmask)
+        assert drawn[0] == 4321 and drawn[1] >= 4096
+    allowed = torch.zeros_like(logits, dtype=torch.bool)
+    allowed[0, [7, 4321]] = True
+    allowed[1, 4096:] = True
+    allowed[2:] = True
+    want = logits.masked_fill(~allowed, float("-inf")).argmax(-1)
+    assert torch.equal(sample_rows(logits, greedy, torch.tensor([1]), bitmask)[:3], want[:3])
     _expect_value_errors([
         (lambda: sample_rows(logits, torch.zeros(4), torch.tensor([1])), "temperatures has 4"),
         (lambda: sample_rows(logits, greedy, torch.tensor([1, 2])), "seed must hold one"),
+        (lambda: sample_rows(logits, greedy, torch.tensor([1]), bitmask[:, :10]),
+         "bitmask has shape"),
+        (lambda: sample_rows(logits, greedy, torch.tensor([1]), bitmask.long()), "bitmask"),
     ])
 
 
@@ -557,9 +580,10 @@ def check_compile_sm90() -> None:
                            MIN_SPLIT_LEN=512 if prefetch else 128,
                            LATE_TRIGGER=4096 if prefetch else 0, KV_FP8=False,
                            FP8_AS_F16=False, FP8_ASM=False), 4, 2)
-    _compile_sm90(_sample_kernel, dict(logits_ptr="*bf16", temps_ptr="*fp32",
-                                       seed_ptr="*i64", out_ptr="*i64"),
-                  dict(BLOCK=BLOCK), num_warps=8)
+    for has_mask in (False, True):
+        _compile_sm90(_sample_kernel, dict(logits_ptr="*bf16", temps_ptr="*fp32",
+                                           seed_ptr="*i64", mask_ptr="*i32", out_ptr="*i64"),
+                      dict(BLOCK=BLOCK, HAS_MASK=has_mask), num_warps=8)
 
 
 # Subprocess groups: each start costs seconds (torch + triton imports), so the cheap

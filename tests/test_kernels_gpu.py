@@ -652,3 +652,24 @@ def test_sample_rows() -> None:
     freq = (tokens[:, None] == cols[None, :]).float().mean(0)
     assert (freq - torch.softmax(x / 0.7, -1)).abs().max() < 0.012, freq
     assert not torch.equal(tokens, sample_rows(big, temps, seed + 1))
+    # Under a bitmask allowing only the last four of the eight: the draws follow their
+    # softmax; greedy rows take the masked argmax.
+    words = (vocab + 31) // 32
+
+    def allow(mask: torch.Tensor, col: int) -> None:  # bit 31 is the int32's sign
+        bit = 1 << (col % 32)
+        mask[:, col // 32] |= bit - (1 << 32) if bit >= 1 << 31 else bit
+
+    bitmask = torch.zeros((rows, words), dtype=torch.int32, device=DEVICE)
+    for c in cols[4:].tolist():
+        allow(bitmask, c)
+    tokens = sample_rows(big, temps, seed, bitmask)
+    freq = (tokens[:, None] == cols[None, 4:]).float().mean(0)
+    assert (freq - torch.softmax(x[4:] / 0.7, -1)).abs().max() < 0.012, freq
+    allowed = torch.full((256, vocab), float("-inf"), device=DEVICE)
+    allowed[:, cols[:6]] = 0.0
+    small = torch.zeros((256, words), dtype=torch.int32, device=DEVICE)
+    for c in cols[:6].tolist():
+        allow(small, c)
+    assert torch.equal(sample_rows(logits, greedy, seed, small),
+                       (logits.float() + allowed).argmax(-1))

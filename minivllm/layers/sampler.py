@@ -155,12 +155,19 @@ class Sampler:
         """logits: [num_seqs, vocab] in any float dtype -> token ids [num_seqs] (int64, on
         device), plus their logprobs when `t.num_logprobs >= 0`."""
         if _takes_fused_kernel(logits, t):
-            # Greedy and plain temperature rows on CUDA: one kernel reads the logits once
-            # (the steps below make an fp32 copy and pass over it about eight times).
+            # Greedy and plain temperature rows on CUDA, under a grammar's bitmask or not:
+            # one kernel reads the logits once (the steps below make an fp32 copy and pass
+            # over it about eight times, the bitmask one more).
             from minivllm.kernels.sample import sample_rows
 
-            seed = torch.randint(1 << 62, (1,), device=logits.device, generator=self.generator)
-            token_ids = sample_rows(logits, t.temperatures, seed, check=False)
+            if t.all_greedy:  # rows under a grammar, all greedy: no noise to seed
+                temperatures = torch.zeros(logits.shape[0], device=logits.device)
+                seed = torch.zeros(1, dtype=torch.int64, device=logits.device)
+            else:
+                temperatures = t.temperatures
+                seed = torch.randint(1 << 62, (1,), device=logits.device,
+                                     generator=self.generator)
+            token_ids = sample_rows(logits, temperatures, seed, t.token_bitmask, check=False)
         else:
             logits = logits.float()
             if t.penalties is not None:
@@ -266,16 +273,20 @@ def candidate_nucleus(
 
 
 def _takes_fused_kernel(logits: torch.Tensor, t: SamplingTensors) -> bool:
-    """Whether `kernels/sample.py` samples this batch: CUDA, some row at a temperature,
-    nothing that changes the logits or cuts the vocabulary, and no per-request seed (a
-    seeded row draws torch's noise from its own generator)."""
+    """Whether `kernels/sample.py` samples this batch: CUDA, some row at a temperature or
+    under a grammar, nothing else that changes the logits or cuts the vocabulary, and no
+    per-request seed (a seeded row draws torch's noise from its own generator). With a
+    grammar, only where no row wants logprobs: those are computed from the masked
+    logits."""
+    mask = t.token_bitmask
     return (
         logits.is_cuda
-        and not t.all_greedy
+        and not (t.all_greedy and mask is None)
         and not (t.needs_top_k or t.needs_top_p or t.needs_min_p)
         and t.penalties is None
         and t.banned is None
-        and t.token_bitmask is None
+        and (mask is None or (t.num_logprobs < 0 and mask.shape[0] == logits.shape[0]
+                              and mask.shape[1] * 32 >= logits.shape[1]))
         and all(seed is None for seed in t.seeds)
         and logits.stride(-1) == 1
     )
