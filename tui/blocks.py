@@ -178,13 +178,18 @@ def _inline(line: str) -> list[tuple[str, tuple[str, ...]]] | None:
     return pieces
 
 
+# Characters a paragraph's line may start with that start no other block.
+_TEXT_START = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                        "\"'(){}$%@^,.;:?!/")
+
+
 def _starts_text(line: str) -> bool:
-    """Whether `line` is a paragraph's line and no other block's start."""
+    """Whether `line` is a paragraph's line and no other block's start (a list item, a
+    heading, a quote, a fence, a rule, HTML, a table's row, a setext underline)."""
     first = line[0]
-    if first in "*_`":
-        return not _MARKER.match(line)
-    return (first.isascii() and first.isalnum() and not _MARKER.match(line)) or (
-        not first.isascii() and first.isprintable())
+    if first in _TEXT_START or (not first.isascii() and first.isprintable()):
+        return True
+    return first in "0123456789*_`" and not _MARKER.match(line)
 
 
 def _read_code(lines: list[str]) -> _Code | None:
