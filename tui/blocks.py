@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from pygments.lexer import Lexer
 from pygments.lexers import get_lexer_by_name
@@ -261,6 +262,9 @@ def _read(block: str) -> list[object] | None:
 # --- Drawing it -----------------------------------------------------------------------
 
 
+Pieces = list[tuple[str, Style]]  # a line's text, each piece in its style
+
+
 class _Styles:
     """The styles rich's Markdown draws with on `console`, from the base `style`."""
 
@@ -270,27 +274,53 @@ class _Styles:
         self.base = get(style)
         self.inline = {kind: get(f"markdown.{kind}") for kind in (_STRONG, _EM, _CODE)}
 
-    def text(self, pieces_lines: list[list[tuple[str, tuple[str, ...]]]], style: Style,
-             justify: str | None) -> Text:
-        """The lines' pieces appended as rich's Markdown appends them: each piece in the
-        block's `style` plus its inline styles, a line break in `style`."""
-        text = Text(justify=justify)  # type: ignore[arg-type]
+    def styled(self, lines: list[list[tuple[str, tuple[str, ...]]]],
+               style: Style) -> list[Pieces]:
+        """Each piece of `lines` in the style rich's Markdown gives it: the element's
+        `style` plus its inline styles, in the order rich enters them."""
         inline = self.inline
-        for n, pieces in enumerate(pieces_lines):
-            if n:
-                text.append("\n", style)
+        out = []
+        for pieces in lines:
+            line = []
             for piece, kinds in pieces:
                 piece_style = style
                 for kind in kinds:
                     piece_style = piece_style + inline[kind]
-                text.append(piece, piece_style)
-        return text
+                line.append((piece, piece_style))
+            out.append(line)
+        return out
 
 
-def _text_rows(console: Console, text: Text, width: int,
-               style: Style | None = None) -> list[Row]:
-    """`text` wrapped and rendered `width` cells wide, as `console.render_lines` does
-    (`style` added to every segment and padding)."""
+def _text(lines: list[Pieces], style: Style, justify: str) -> Text:
+    """The lines as rich's Markdown appends them to an element's `Text`: a line break
+    between lines in the element's `style`."""
+    text = Text(justify=justify)  # type: ignore[arg-type]
+    for n, pieces in enumerate(lines):
+        if n:
+            text.append("\n", style)
+        for piece, piece_style in pieces:
+            text.append(piece, piece_style)
+    return text
+
+
+def _text_rows(console: Console, lines: list[Pieces], line_style: Style, width: int,
+               justify: str = "left", style: Style | None = None) -> list[Row]:
+    """The lines (an element's text, `line_style` its style) wrapped and rendered `width`
+    cells wide, as rich renders the element's `Text` and `console.render_lines` cuts it
+    into rows (`style` added to every segment and padding)."""
+    if justify == "left" and all(piece.isascii() for line in lines for piece, _ in line):
+        rows = _single_cell_rows(lines, width)  # each row `width` cells: no padding
+        if style:
+            rows = [list(Segment.apply_style(row, style)) for row in rows]
+        return rows
+    rows = _rich_rows(console, _text(lines, line_style, justify), width)
+    if style:
+        rows = [list(Segment.apply_style(row, style)) for row in rows]
+    return [Segment.adjust_line_length(row, width, style=style) for row in rows]
+
+
+def _rich_rows(console: Console, text: Text, width: int) -> list[Row]:
+    """`text` wrapped and rendered by rich, `width` cells wide."""
     rows = []
     lines = text.wrap(console, width, justify=text.justify, overflow="fold")
     # rich renders the lines joined: where any line has a styled span, a line without
@@ -300,10 +330,71 @@ def _text_rows(console: Console, text: Text, width: int,
         row: Row = list(line.render(console))
         if null is not None and not line.spans:
             row = [Segment(piece, null) for piece, _, _ in row]
-        if style:
-            row = list(Segment.apply_style(row, style))
-        rows.append(Segment.adjust_line_length(row, width, style=style))
+        rows.append(row)
     return rows
+
+
+_WORD_RUN = re.compile(r"\s*\S+\s*")  # a word and the spaces around it, as rich splits
+
+
+def _breaks(text: str, width: int) -> list[int]:
+    """Where rich's `divide_line` (folding) breaks `text` of single-cell characters."""
+    breaks: list[int] = []
+    used = 0
+    for match in _WORD_RUN.finditer(text):
+        start, end = match.span()
+        size = len(match.group().rstrip())
+        if width - used >= size:
+            used += end - start
+        elif size > width:  # folded into lines of `width` characters
+            for at in range(start, end, width):
+                if at:
+                    breaks.append(at)
+                used = end - at
+        elif used and start:
+            breaks.append(start)
+            used = end - start
+    return breaks
+
+
+def _single_cell_rows(lines: list[Pieces], width: int) -> list[Row]:
+    """Lines of ASCII text wrapped and rendered as rich's `Text.wrap` (justified left,
+    folding) and `Text.render` do it: a segment per styled piece, the unstyled text and
+    the padding between them merged."""
+    rows: list[list[tuple[str, Style | None]]] = []
+    styled = False
+    for pieces in lines:
+        plain = "".join(piece for piece, _ in pieces)
+        cuts = [0, *_breaks(plain, width), len(plain)]
+        for start, end in pairwise(cuts):
+            if end - start > width:  # spaces beyond the width go, then the rest is cut
+                spaces = end - start - len(plain[start:end].rstrip())
+                end = max(start + width, end - spaces)
+                end = min(end, start + width)
+            row: list[tuple[str, Style | None]] = []
+            plain_run = ""
+            at = 0  # where the piece starts in `plain`
+            for piece, style in pieces:
+                part = piece[max(0, start - at):max(0, end - at)]
+                at += len(piece)
+                if not part:
+                    continue
+                if style:
+                    if plain_run:
+                        row.append((plain_run, None))
+                        plain_run = ""
+                    row.append((part, style))
+                    styled = True
+                else:
+                    plain_run += part
+            plain_run += " " * (width - (end - start))
+            if plain_run:
+                row.append((plain_run, None))
+            rows.append(row)
+    # Unstyled text is in the null style where a styled piece is drawn anywhere, else
+    # in none (rich renders the wrapped lines joined).
+    null = Style.null() if styled else None
+    return [[Segment(text, style or null) for text, style in row] for row in rows]
 
 
 def _list_rows(console: Console, styles: _Styles, element: _List, width: int) -> list[Row]:
@@ -325,8 +416,9 @@ def _list_rows(console: Console, styles: _Styles, element: _List, width: int) ->
     inner = width - marker_width
     rows: list[Row] = []
     for marker, item in zip(markers, element.items, strict=True):
-        text = styles.text(item.lines, paragraph_style, "left")
-        for n, row in enumerate(_text_rows(console, text, inner, item_style)):
+        lines = styles.styled(item.lines, paragraph_style)
+        for n, row in enumerate(_text_rows(console, lines, paragraph_style, inner,
+                                           style=item_style)):
             rows.append([marker if n == 0 else blank, *row])
     return rows
 
@@ -387,13 +479,12 @@ def block_rows(console: Console, block: str, width: int,
         elif isinstance(element, _List):
             rows += _list_rows(console, styles, element, width)
         elif isinstance(element, _Heading):
-            tag = f"markdown.h{element.level}"
-            text = styles.text([element.pieces], styles.base + styles.get(tag),
-                               "center" if element.level == 1 else "left")
-            rows += _text_rows(console, text, width)
+            heading = styles.base + styles.get(f"markdown.h{element.level}")
+            rows += _text_rows(console, styles.styled([element.pieces], heading), heading,
+                               width, "center" if element.level == 1 else "left")
         else:
             assert isinstance(element, _Paragraph)
-            text = styles.text(element.lines, styles.base + styles.get("markdown.paragraph"),
-                               "left")
-            rows += _text_rows(console, text, width)
+            paragraph = styles.base + styles.get("markdown.paragraph")
+            rows += _text_rows(console, styles.styled(element.lines, paragraph), paragraph,
+                               width)
     return rows
