@@ -431,29 +431,55 @@ def _theme(name: str) -> tuple[Syntax, Style]:
     return syntax, syntax._get_base_style()
 
 
-def _code_rows(console: Console, element: _Code, width: int) -> list[Row]:
-    """A code block as the app's Markdown draws it: rich's `Syntax` (word wrap, one cell
-    of padding on every side in the theme's background)."""
-    syntax, base = _theme(CODE_THEME)
+def _code_lines(element: _Code) -> list[Pieces]:
+    """The code block's lines as rich's `Syntax` highlights them: each line's pygments
+    tokens in the theme's styles."""
+    syntax, _ = _theme(CODE_THEME)
     token_style = syntax._theme.get_style_for_token
-    code = element.code.rstrip()
-    text = Text(justify="left", style=base, tab_size=_TAB_SIZE)
     # An unknown language is plain text, as rich's `Syntax` falls back to.
     found = lexer(element.language) or lexer("text")
     assert found is not None
-    text.append_tokens((token, token_style(kind)) for kind, token in found.get_tokens(code + "\n"))
+    lines: list[Pieces] = [[]]
+    for kind, token in found.get_tokens(element.code.rstrip() + "\n"):
+        style = token_style(kind)
+        for n, part in enumerate(token.split("\n")):
+            if n:
+                lines.append([])
+            if part:
+                lines[-1].append((part, style))
+    return lines[:-1]  # the line after the code's last line break is not drawn
+
+
+def _code_rows(console: Console, element: _Code, width: int) -> list[Row]:
+    """A code block as the app's Markdown draws it: rich's `Syntax` (word wrap, one cell
+    of padding on every side in the theme's background)."""
+    _, base = _theme(CODE_THEME)
     code_width = width - 2
     side = Segment(" ", base)
     blank = [Segment(" " * width, base)]
+    drawn: dict[Style | None, Style] = {}
+
+    def style_of(style: Style | None) -> Style:
+        """A token's style as drawn: rich renders the line in its base style, adds the
+        background style, then the padding's (both the theme's background)."""
+        if style not in drawn:
+            rendered = Style.combine([base, style]) if style else base
+            drawn[style] = base + (base + rendered)
+        return drawn[style]
+
     rows: list[Row] = [blank]
-    for line in text.split("\n"):
-        for wrapped in line.wrap(console, code_width, justify="left", overflow="fold"):
-            row = [Segment(piece, base + style) if style else Segment(piece, base)
-                   for piece, style, _ in wrapped.render(console)]
-            # rich draws the line in the background style, then the padding in the base
-            # style: the same style twice, added.
-            row = Segment.adjust_line_length(row, code_width, style=base)
-            rows.append([side, *Segment.apply_style(row, base), side])
+    for pieces in _code_lines(element):
+        if all(part.isascii() for part, _ in pieces):
+            wrapped = _single_cell_rows([pieces], code_width)
+        else:  # rich wraps it
+            line = Text(justify="left", style=base)
+            line.append_tokens(pieces)
+            wrapped = [list(part.render(console)) for part in
+                       line.wrap(console, code_width, justify="left", overflow="fold")]
+        for row in wrapped:
+            row = [Segment(part, style_of(style)) for part, style, _ in row]
+            row = Segment.adjust_line_length(row, code_width, style=style_of(None))
+            rows.append([side, *row, side])
     rows.append(blank)
     return rows
 
