@@ -84,8 +84,7 @@ _ORDERED = re.compile(r"(\d{1,9})([.)]) (\S.*)")
 _MARKER = re.compile(r"(?:[-*+]|\d{1,9}[.)])(?: |$)")
 # Characters read as themselves anywhere in a line (ASCII): no escapes, entities, HTML,
 # links, tables, strikethrough; `*`, `_` and backticks are read by `_inline`.
-_LITERAL = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
-                     " ,.;:'\"?!()%$/@^{}-+=#")
+_LITERAL_RUN = re.compile(r"[A-Za-z0-9 ,.;:'\"?!()%$/@^{}+=#-]+|[^\x00-\x7f]+")
 _ASCII_PUNCT = frozenset("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
 _FENCE_OPEN = re.compile(r"(`{3,}|~{3,})([A-Za-z0-9_+#.-]*)")
 
@@ -116,7 +115,7 @@ def _can_open_close(line: str, start: int, end: int) -> tuple[bool, bool] | None
 
 def _inline(line: str) -> list[tuple[str, tuple[str, ...]]] | None:
     """One line's inline content as (text, kinds) pieces; None where it holds anything
-    but words, code spans and single-level strong / emphasis."""
+    but words, code spans and single-level strong / emphasis. (`line` is printable.)"""
     pieces: list[tuple[str, tuple[str, ...]]] = []
     open_kind: str | None = None  # the emphasis open at this point
     open_run = ""
@@ -128,11 +127,12 @@ def _inline(line: str) -> list[tuple[str, tuple[str, ...]]] | None:
         return (open_kind,) if open_kind else ()
 
     while i < n:
-        char = line[i]
-        if char in _LITERAL or (not char.isascii() and char.isprintable()):
-            text += char
-            i += 1
+        literal = _LITERAL_RUN.match(line, i)
+        if literal:
+            text += literal.group()
+            i = literal.end()
             continue
+        char = line[i]
         if char == "`":
             close = line.find("`", i + 1)
             if close < 0 or close == i + 1 or line[close + 1:close + 2] == "`":
@@ -340,6 +340,8 @@ _WORD_RUN = re.compile(r"\s*\S+\s*")  # a word and the spaces around it, as rich
 def _breaks(text: str, width: int) -> list[int]:
     """Where rich's `divide_line` (folding) breaks `text` of single-cell characters."""
     breaks: list[int] = []
+    if len(text) <= width:
+        return breaks
     used = 0
     for match in _WORD_RUN.finditer(text):
         start, end = match.span()
