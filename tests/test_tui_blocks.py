@@ -179,3 +179,26 @@ def test_most_blocks_of_the_benchmark_reply_are_drawn_without_rich():
     assert blocks
     for block in blocks:
         assert block_rows(CONSOLE, block.strip(), 16) is not None, block
+
+
+def test_a_finished_reply_draws_its_blocks_and_thinking_as_rich_would(monkeypatch):
+    """A finished reply (answer blocks and an opened thinking block, in its own style) is
+    drawn line for line as through rich's Markdown alone."""
+    from minivllm.tui.widgets import entries
+    from minivllm.tui.widgets.entries import Look, Reply
+
+    look = Look(CONSOLE, Style(), Style(), Style(), THINKING, Style())
+    thinking = "First **check** the `cache`:\n- it is warm\n- it holds *two* pages"
+    text = (f"<think>{thinking}</think>## Result\n\nThe keeper **lit** the lamp.\n"
+            "1. one\n2. two\n\n```python\nfor wave in sea:\n    print(wave)\n```\n\n"
+            "see [x](y) too")
+    assert block_rows(CONSOLE, thinking, 28, THINKING) is not None
+
+    def lines():
+        reply = Reply(text, status="done")
+        reply.thinking_expanded = True
+        return [list(strip) for strip in reply.lines(look, 30)]
+
+    fast = lines()
+    monkeypatch.setattr(entries, "block_rows", lambda *args, **kwargs: None)
+    assert lines() == fast  # everything through rich

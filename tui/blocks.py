@@ -82,8 +82,9 @@ _HEADING = re.compile(r"(#{1,6}) (\S.*)")
 _BULLET = re.compile(r"([-*+]) (\S.*)")
 _ORDERED = re.compile(r"(\d{1,9})([.)]) (\S.*)")
 _MARKER = re.compile(r"(?:[-*+]|\d{1,9}[.)])(?: |$)")
-# Characters read as themselves anywhere in a line (ASCII): no escapes, entities, HTML,
-# links, tables, strikethrough; `*`, `_` and backticks are read by `_inline`.
+# A run of characters read as themselves anywhere in a line: ASCII without escapes,
+# entities, HTML, links, tables or strikethrough (`*`, `_` and backticks are read by
+# `_inline`), or characters outside ASCII.
 _LITERAL_RUN = re.compile(r"[A-Za-z0-9 ,.;:'\"?!()%$/@^{}+=#-]+|[^\x00-\x7f]+")
 _ASCII_PUNCT = frozenset("!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~")
 _FENCE_OPEN = re.compile(r"(`{3,}|~{3,})([A-Za-z0-9_+#.-]*)")
