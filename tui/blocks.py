@@ -4,8 +4,9 @@ draws them.
 rich's Markdown parses a block with markdown-it, builds an element per token and renders
 each through several layers of `console.render` and line splitting; for a short block
 that costs more than the wrapping itself. `block_rows` reads the blocks chat replies are
-made of and draws them with the same rich pieces (a `Text` with the same styled spans,
-wrapped by `Text.wrap`; a code block's pygments tokens in the same theme styles):
+made of and draws them as rich does: the same styled pieces of text (a code block's
+pygments tokens in the same theme styles), wrapped and padded as `Text.wrap` does it (by
+a loop of its own for ASCII text, by rich for other text):
 paragraphs whose inline content is words, `**strong**`, `*em*` / `_em_` and `` `code` ``
 spans; bullet and numbered lists of such items (a line after an item continues it);
 ATX headings; fenced code blocks. Anything it does not read with certainty (links, HTML,
@@ -30,7 +31,7 @@ from rich.syntax import Syntax
 from rich.text import Text
 
 _TAB_SIZE = Syntax("", "text").tab_size  # rich's default for a code block
-CODE_THEME = "monokai"  # rich Markdown's default code theme, which the app keeps
+CODE_THEME = "monokai"  # the theme of the app's code blocks (rich Markdown's default)
 
 
 @functools.lru_cache(maxsize=64)
@@ -400,7 +401,8 @@ def _single_cell_rows(lines: list[Pieces], width: int) -> list[Row]:
     return [[Segment(text, style or null) for text, style in row] for row in rows]
 
 
-def _list_rows(console: Console, styles: _Styles, element: _List, width: int) -> list[Row]:
+def _list_rows(console: Console, styles: _Styles, element: _List,
+               width: int) -> list[Row] | None:
     """A list as rich's `ListItem` draws it: each item's paragraph `width` less the
     marker's cells wide, the marker (or its blank) before each line."""
     item_style = styles.base + styles.get("markdown.item")
@@ -417,6 +419,8 @@ def _list_rows(console: Console, styles: _Styles, element: _List, width: int) ->
         markers = [Segment(" • ", marker_style)] * len(element.items)
     blank = Segment(" " * marker_width, marker_style)
     inner = width - marker_width
+    if inner < 2:
+        return None
     rows: list[Row] = []
     for marker, item in zip(markers, element.items, strict=True):
         lines = styles.styled(item.lines, paragraph_style)
@@ -493,7 +497,7 @@ def block_rows(console: Console, block: str, width: int,
     rich's Markdown draws it with base `style` (the app's `markdown`), including the
     blank row rich puts before a list that opens the block; None for a block this module
     does not read (the caller draws it with rich)."""
-    if width < 8 or not block:
+    if width < 6 or not block:
         return None
     elements = _read(block)
     if not elements:
@@ -506,7 +510,10 @@ def block_rows(console: Console, block: str, width: int,
         if isinstance(element, _Code):
             rows += _code_rows(console, element, width)
         elif isinstance(element, _List):
-            rows += _list_rows(console, styles, element, width)
+            list_rows = _list_rows(console, styles, element, width)
+            if list_rows is None:  # too narrow for its numbers
+                return None
+            rows += list_rows
         elif isinstance(element, _Heading):
             heading = styles.base + styles.get(f"markdown.h{element.level}")
             rows += _text_rows(console, styles.styled([element.pieces], heading), heading,

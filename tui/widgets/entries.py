@@ -26,7 +26,7 @@ from rich.syntax import Syntax
 from rich.text import Text
 from textual.strip import Strip
 
-from ..blocks import block_rows, lexer
+from ..blocks import CODE_THEME, block_rows, lexer
 from ..conversation import Status
 from ..markdown import is_plain_paragraph, keep_line_breaks, split_blocks
 from ..thinking import ThinkParser, split_thinking
@@ -68,7 +68,7 @@ class _Markdown(RichMarkdown):
 # paragraph); a reply is drawn block by block, so the app parses with one parser and
 # copies one built Markdown.
 _PARSER = MarkdownIt().enable("strikethrough").enable("table")  # what rich parses with
-_MARKDOWN = _Markdown("", hyperlinks=False)
+_MARKDOWN = _Markdown("", hyperlinks=False, code_theme=CODE_THEME)
 
 
 def markdown(source: str, style: Style | str = "none") -> RichMarkdown:
