@@ -24,7 +24,7 @@ from itertools import pairwise
 from pygments.lexer import Lexer
 from pygments.lexers import get_lexer_by_name
 from pygments.util import ClassNotFound
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.segment import Segment
 from rich.style import Style
 from rich.syntax import Syntax
@@ -50,19 +50,20 @@ Row = list[Segment]
 
 # Inline kinds, in the order rich enters their styles.
 _STRONG, _EM, _CODE = "strong", "em", "code"
+Inline = list[tuple[str, tuple[str, ...]]]  # a line's text, each piece with its kinds
 
 
 @dataclass
 class _Paragraph:
-    """A paragraph's lines: each a list of (text, inline kinds) pieces."""
+    """A paragraph's lines."""
 
-    lines: list[list[tuple[str, tuple[str, ...]]]]
+    lines: list[Inline]
 
 
 @dataclass
 class _Heading:
     level: int
-    pieces: list[tuple[str, tuple[str, ...]]]
+    pieces: Inline
 
 
 @dataclass
@@ -115,10 +116,10 @@ def _can_open_close(line: str, start: int, end: int) -> tuple[bool, bool] | None
     return left and (not right or before == "punct"), right and (not left or after == "punct")
 
 
-def _inline(line: str) -> list[tuple[str, tuple[str, ...]]] | None:
+def _inline(line: str) -> Inline | None:
     """One line's inline content as (text, kinds) pieces; None where it holds anything
     but words, code spans and single-level strong / emphasis. (`line` is printable.)"""
-    pieces: list[tuple[str, tuple[str, ...]]] = []
+    pieces: Inline = []
     open_kind: str | None = None  # the emphasis open at this point
     open_run = ""
     text = ""
@@ -276,8 +277,7 @@ class _Styles:
         self.base = get(style)
         self.inline = {kind: get(f"markdown.{kind}") for kind in (_STRONG, _EM, _CODE)}
 
-    def styled(self, lines: list[list[tuple[str, tuple[str, ...]]]],
-               style: Style) -> list[Pieces]:
+    def styled(self, lines: list[Inline], style: Style) -> list[Pieces]:
         """Each piece of `lines` in the style rich's Markdown gives it: the element's
         `style` plus its inline styles, in the order rich enters them."""
         inline = self.inline
@@ -293,10 +293,10 @@ class _Styles:
         return out
 
 
-def _text(lines: list[Pieces], style: Style, justify: str) -> Text:
+def _text(lines: list[Pieces], style: Style, justify: JustifyMethod) -> Text:
     """The lines as rich's Markdown appends them to an element's `Text`: a line break
     between lines in the element's `style`."""
-    text = Text(justify=justify)  # type: ignore[arg-type]
+    text = Text(justify=justify)
     for n, pieces in enumerate(lines):
         if n:
             text.append("\n", style)
@@ -306,7 +306,7 @@ def _text(lines: list[Pieces], style: Style, justify: str) -> Text:
 
 
 def _text_rows(console: Console, lines: list[Pieces], line_style: Style, width: int,
-               justify: str = "left", style: Style | None = None) -> list[Row]:
+               justify: JustifyMethod = "left", style: Style | None = None) -> list[Row]:
     """The lines (an element's text, `line_style` its style) wrapped and rendered `width`
     cells wide, as rich renders the element's `Text` and `console.render_lines` cuts it
     into rows (`style` added to every segment and padding)."""
@@ -481,7 +481,7 @@ def _code_rows(console: Console, element: _Code, width: int) -> list[Row]:
         else:  # rich wraps it
             line = Text(justify="left", style=base)
             line.append_tokens(pieces)
-            wrapped = [list(part.render(console)) for part in
+            wrapped = [list(piece.render(console)) for piece in
                        line.wrap(console, code_width, justify="left", overflow="fold")]
         for row in wrapped:
             row = [Segment(part, style_of(style)) for part, style, _ in row]
