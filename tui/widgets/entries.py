@@ -10,16 +10,12 @@ lines it streamed with. `transcript.py`'s widget holds the lines of all entries.
 from __future__ import annotations
 
 import copy
-import functools
 import io
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from markdown_it import MarkdownIt
-from pygments.lexer import Lexer
-from pygments.lexers import get_lexer_by_name
-from pygments.util import ClassNotFound
 from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, RenderableType, RenderResult
 from rich.markdown import CodeBlock
@@ -30,6 +26,7 @@ from rich.syntax import Syntax
 from rich.text import Text
 from textual.strip import Strip
 
+from ..blocks import CODE_THEME, block_rows, lexer
 from ..conversation import Status
 from ..markdown import is_plain_paragraph, keep_line_breaks, split_blocks
 from ..thinking import ThinkParser, split_thinking
@@ -53,26 +50,13 @@ class Look:
     error: Style
 
 
-_TAB_SIZE = Syntax("", "text").tab_size  # rich's default for a code block
-
-
-@functools.lru_cache(maxsize=64)
-def _lexer(name: str) -> Lexer | None:
-    """Pygments' lexer for a code block's language, as rich's `Syntax` makes it, made once
-    per language (rich looks it up again for every block it draws)."""
-    try:
-        return get_lexer_by_name(name, stripnl=False, ensurenl=True, tabsize=_TAB_SIZE)
-    except ClassNotFound:
-        return None
-
-
 class _CodeBlock(CodeBlock):
     """rich's code block, highlighted with the lexer made once per language."""
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         code = str(self.text).rstrip()
         # An unknown language goes to rich by name: it falls back to plain text.
-        yield Syntax(code, _lexer(self.lexer_name) or self.lexer_name, theme=self.theme,
+        yield Syntax(code, lexer(self.lexer_name) or self.lexer_name, theme=self.theme,
                      word_wrap=True, padding=1)
 
 
@@ -84,7 +68,7 @@ class _Markdown(RichMarkdown):
 # paragraph); a reply is drawn block by block, so the app parses with one parser and
 # copies one built Markdown.
 _PARSER = MarkdownIt().enable("strikethrough").enable("table")  # what rich parses with
-_MARKDOWN = _Markdown("", hyperlinks=False)
+_MARKDOWN = _Markdown("", hyperlinks=False, code_theme=CODE_THEME)
 
 
 def markdown(source: str, style: Style | str = "none") -> RichMarkdown:
@@ -408,7 +392,7 @@ class Reply(Entry):
             out += self._title(look, width)
             if self.thinking_expanded:
                 source = self.thinking_text.strip()
-                out += render_lines(console, markdown(source, look.thinking), width)
+                out += markdown_lines(console, source, width, look.thinking)
         out += self._answer_lines(look, width)
         note = self.note()
         if note:
@@ -427,7 +411,7 @@ class Reply(Entry):
             block = block.strip()
             lines = plain_lines(block, width)  # drawn as it streamed: no Markdown pass
             if lines is None:
-                lines = _trim(render_lines(look.console, markdown(block), width))
+                lines = _trim(markdown_lines(look.console, block, width))
             drawn.append(lines)
         out: list[Strip] = []
         for lines in drawn:
@@ -435,6 +419,19 @@ class Reply(Entry):
                 out.append(gap)  # the same strip every frame: unchanged lines stay unpainted
             out += lines
         return out
+
+
+def markdown_lines(console: Console, source: str, width: int,
+                   style: Style | str = "none") -> list[Strip]:
+    """Markdown `source` drawn `width` columns wide between the margins, as
+    `render_lines(console, markdown(source, style), width)` draws it: the blocks
+    `block_rows` reads without rich's Markdown pipeline, any other through it."""
+    inner = max(1, width - 2 * PAD)
+    rows = block_rows(console, source, inner, style)
+    if rows is None:
+        return render_lines(console, markdown(source, style), width)
+    head = tail = Segment(" " * PAD)
+    return [Strip([head, *row, tail], width) for row in rows]
 
 
 def plain_lines(block: str, width: int) -> list[Strip] | None:
