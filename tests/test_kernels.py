@@ -201,6 +201,43 @@ def check_sample_rows() -> None:
     ])
 
 
+def check_sampler_masked_rows() -> None:
+    """The sampler's rows under a grammar's bitmask take the fused kernel (here under the
+    interpreter) and get the tokens the masked torch path gives: the masked argmax for
+    greedy rows, an allowed token for sampled ones; rows wanting logprobs stay on torch."""
+    import os
+
+    from minivllm.layers.sampler import Sampler, SamplingTensors, _takes_fused_kernel
+
+    os.environ["MINIVLLM_TRITON"] = "1"  # the Triton path on the CPU (interpreted)
+    g = torch.Generator().manual_seed(3)
+    vocab, rows = 3000, 4
+    logits = torch.randn(rows, vocab, generator=g)
+    words = (vocab + 31) // 32
+    allowed = torch.rand(rows, vocab, generator=g) < 0.1
+    allowed[3] = True  # an unconstrained row: all ones
+    bits = torch.zeros(rows, words * 32, dtype=torch.int64)
+    bits[:, :vocab] = allowed.long()
+    weights = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)
+    packed = (bits.view(rows, words, 32) * weights).sum(-1)
+    bitmask = torch.where(packed >= 1 << 31, packed - (1 << 32), packed).to(torch.int32)
+    want = logits.masked_fill(~allowed, float("-inf")).argmax(-1)
+
+    greedy = SamplingTensors.greedy()
+    greedy.token_bitmask, greedy.bitmask_rows = bitmask, [0, 1, 2]
+    assert _takes_fused_kernel(logits, greedy)
+    assert torch.equal(Sampler()(logits, greedy).token_ids, want)
+    hot = SamplingTensors(torch.tensor([0.0, 1.0, 0.7, 1.2]), None, None, None,
+                          [None] * rows, False, False, False, False,
+                          token_bitmask=bitmask, bitmask_rows=[0, 1, 2])
+    for _ in range(5):
+        tokens = Sampler(torch.Generator().manual_seed(_))(logits, hot).token_ids
+        assert tokens[0] == want[0]
+        assert all(allowed[r, tokens[r]] for r in range(rows))
+    greedy.num_logprobs = 0
+    assert not _takes_fused_kernel(logits, greedy)
+
+
 # Each dtype meets each block size and each GQA group (the interpreter is too slow for the
 # full product).
 ATTENTION_CASES = [
@@ -590,7 +627,8 @@ def check_compile_sm90() -> None:
 # kernels share one.
 CHECKS = {
     "elementwise": [check_store_kvcache, check_rms_norm, check_rotary, check_silu_and_mul,
-                    check_fill_tokens, check_wrapper_errors, check_sample_rows],
+                    check_fill_tokens, check_wrapper_errors, check_sample_rows,
+                    check_sampler_masked_rows],
     "prefill_attention": [check_prefill_attention],
     "decode_attention": [check_decode_attention, check_decode_attention_many_splits],
     "fused_decode": [check_gemv, check_qkv_rotary_store, check_fused_wrapper_errors],

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.dispatch import use_triton
 from ..outputs import TokenLogprob
 
 
@@ -280,7 +281,7 @@ def _takes_fused_kernel(logits: torch.Tensor, t: SamplingTensors) -> bool:
     logits."""
     mask = t.token_bitmask
     return (
-        logits.is_cuda
+        use_triton(logits)  # CUDA (or the CPU under Triton's interpreter, for tests)
         and not (t.all_greedy and mask is None)
         and not (t.needs_top_k or t.needs_top_p or t.needs_min_p)
         and t.penalties is None
