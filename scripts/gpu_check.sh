@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; a short table is printed last.
 # Usage on the GPU machine, from the repo root:
-#   bash scripts/gpu_check.sh [quick|profile|decode|decode-ab|host|app|faces|all]
+#   bash scripts/gpu_check.sh [quick|profile|decode|decode-ab|host|app|faces|structured|all]
 # (no argument: tests + benchmarks; quick: tests; profile: tests + step profile;
 #  decode: tests + batch-1/long-context decode benchmarks, kernel table, per-kernel profile;
 #  decode-ab: the decode switches' tests, then scripts/decode_ab.py (kernels/tuning.py's
 #  switches side by side; DECODE_AB_VARIANTS picks them; ~2.5 minutes);
+#  structured: the masked sampling's GPU tests, then bench serve with half the clients
+#  under a JSON schema;
 #  host: tests + the host-overhead benchmarks (throughput overlapped vs synchronous, prefill TTFT
 #  per length, the chat workload, a cold start); app: tests + the chat app's bench;
 #  all: everything)
@@ -44,6 +46,24 @@ if [ "${1:-}" = "faces" ]; then
     ${BASELINE:+--baseline /tmp/baseline-site}) 2>&1 | tee -a "$OUT/faces.log" | tail -16
   echo; echo "== summary =="
   grep -E "^== |^app / headless|^UI thread|^frame lag|/ in-process" "$OUT/faces.log"
+  exit 0
+fi
+
+if [ "${1:-}" = "structured" ]; then
+  # Structured outputs beside plain rows: the masked sampling's GPU tests, then `bench
+  # serve` with half of 32 clients under a JSON schema against all plain (a plain client's
+  # rate is the figure). Needs MINIVLLM_TEST_SMOL_CONFIG: SmolLM2's config.json and
+  # tokenizer files (xgrammar reads the real vocabulary; the weights are random).
+  (cd /tmp && $PY -m pytest "$REPO/tests/test_structured_outputs.py" \
+    "$REPO/tests/test_kernels_gpu.py" -m gpu -k "random_weights or sample_rows" -q \
+    -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -3)
+  (cd /tmp && timeout 300 $PY -c "from minivllm.cli import main; main()" bench serve \
+    --model "${MINIVLLM_TEST_SMOL_CONFIG:?set it to a SmolLM2 config folder}" \
+    --load-format dummy --max-model-len 2048 --max-num-seqs 32 --prompt-len 128 \
+    --output-len 256 --concurrency 32 --modes server --json-fraction 0 0.5 --rounds 3) \
+    2>&1 | grep -v "it/s\]" | tee "$OUT/bench-structured.log" | tail -4
+  echo; echo "== summary =="; grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -1
+  grep -E "^server" "$OUT/bench-structured.log"
   exit 0
 fi
 
