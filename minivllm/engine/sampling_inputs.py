@@ -46,12 +46,10 @@ def sampling_tensors(
             raise ValueError(f"rows {b.bitmask_rows} sample under a grammar: no bitmask")
         t.token_bitmask, t.bitmask_rows = bitmask, b.bitmask_rows
         if device.type == "cuda":
-            # Non-blocking: the mask goes up behind the forward on the same stream; the
-            # rows too (xgrammar would copy a list from pageable memory). The engine's
-            # masks are filled in pinned memory already.
+            # Non-blocking: the mask goes up behind the forward on the same stream. The
+            # engine's masks are filled in pinned memory already.
             pinned = bitmask if bitmask.is_pinned() else bitmask.pin_memory()
             t.token_bitmask = pinned.to(device, non_blocking=True)
-            t.bitmask_rows = to_device(b.bitmask_rows, torch.int32, device)
     return t
 
 

@@ -218,9 +218,9 @@ class GrammarCompiler:
 
 
 def _mask_threads() -> int:
-    """xgrammar's threads for a step's masks: half the CPUs this process may use, at most
-    8 (a mask row takes tens of microseconds; more threads cost more to wake)."""
-    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+    """xgrammar's threads for a step's masks: half the CPUs, at most 8 (a mask row takes
+    tens of microseconds; more threads cost more to wake)."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 def _control_free_words(decoded_vocab: list[bytes], vocab_size: int) -> np.ndarray:

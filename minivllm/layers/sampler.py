@@ -46,9 +46,10 @@ class SamplingTensors:
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     num_logprobs: int = -1  # the most top-N any row asks for; -1 = no row wants logprobs
     # Structured outputs: a [num_seqs, ceil(vocab / 32)] int32 bitmask of the tokens each
-    # row may sample, and the rows it constrains (the others are left alone).
+    # row may sample (all ones where no grammar constrains the row), and the rows it
+    # constrains.
     token_bitmask: torch.Tensor | None = None
-    bitmask_rows: list[int] | torch.Tensor | None = None  # a device tensor on CUDA
+    bitmask_rows: list[int] | None = None
 
     @classmethod
     def greedy(cls) -> SamplingTensors:
@@ -97,11 +98,11 @@ class StepSamples:
 
 
 def apply_token_bitmask(
-    logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | torch.Tensor
+    logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | None
 ) -> None:
-    """Set the logits of the tokens `bitmask` forbids to -inf, in place, in `rows` only:
-    xgrammar's kernel for the logits' device (C++ on the CPU, Triton on CUDA), a batched
-    op outside any captured graph."""
+    """Set the logits of the tokens `bitmask` forbids to -inf, in place, in `rows` only
+    (None: every row): xgrammar's kernel for the logits' device (C++ on the CPU, Triton on
+    CUDA), a batched op outside any captured graph."""
     import xgrammar as xgr
 
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1], indices=rows)
@@ -177,7 +178,10 @@ class Sampler:
                 logits = logits.index_put(
                     t.banned, torch.tensor(float("-inf"), device=logits.device))
             if t.token_bitmask is not None:
-                apply_token_bitmask(logits, t.token_bitmask, t.bitmask_rows)
+                # The other rows' masks are all ones: on CUDA the kernel goes over every
+                # row, and no list of rows has to be copied up.
+                rows = None if logits.is_cuda else t.bitmask_rows
+                apply_token_bitmask(logits, t.token_bitmask, rows)
             token_ids = self._sample(logits, t)
         logprobs = None
         if t.num_logprobs >= 0:
