@@ -81,10 +81,7 @@ def load_model(
         # One rank only: a tensor-parallel rank packs its own shard of each weight.
         if fmt is not None and get_tp_size() == 1 and lowp_kernel_unavailable() is None:
             cache = packed_weights_file(config.model_path, packing_tag(fmt))
-            # Held while the model lives: a prune in another process keeps these files
-            # (the prefill copies beside them are read at the first prefill).
-            lease = lease_packed(cache)
-            weakref.finalize(model, lease.release)
+            _hold_while_alive(model, cache)
             copies = read_lowp_linears(model, cache)
         # The packed weights cached replace the linears' weights: those stay unread.
         skip = replaced_weights(model) if copies is not None else frozenset()
@@ -95,10 +92,10 @@ def load_model(
         elif fmt is not None:
             fmt = _lowp_linears(model, fmt, cache, progress)
             if cache is not None:
-                # A new entry: record its source, prune the stale ones, hold the files.
+                # A new entry: record its source, prune the stale ones, hold the files
+                # (the lease above found none of them).
                 packed_weights_written(config.model_path, cache)
-                lease = lease_packed(cache)
-                weakref.finalize(model, lease.release)
+                _hold_while_alive(model, cache)
     model.eval()
     # NOTE: fp32 stays unpacked: it is the exact-parity path checked against
     # transformers (oneDNN's packed sums differ from F.linear by ~1e-6, enough to move
@@ -115,6 +112,13 @@ def load_model(
     if decode is not None:
         int8_activations(model)
     return LoadedModel(model, fmt, prefill, decode)
+
+
+def _hold_while_alive(model: nn.Module, cache: Path) -> None:
+    """Lease the packed weights' files in `cache` while `model` lives: a prune in another
+    process keeps them (the prefill copies beside them are read at the first prefill)."""
+    lease = lease_packed(cache)
+    weakref.finalize(model, lease.release)
 
 
 def _lowp_linears(

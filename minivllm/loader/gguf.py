@@ -75,15 +75,17 @@ def converted_gguf(gguf: Path, field: str, progress: bool) -> Path:
     digest = _content_digest(gguf, root)
     key = f"{gguf.stem}-{digest[:20]}"
     final = root / key
-    if final.is_dir() and folder_problem(final) is None and _use_converted(final, gguf, digest):
+
+    def converted() -> bool:
+        return (final.is_dir() and folder_problem(final) is None
+                and _use_converted(final, gguf, digest))
+
+    if converted():
         return final
 
     root.mkdir(parents=True, exist_ok=True)
     with _exclusive(root / f".{key}.lock"):
-        # Another process may have finished the conversion while we waited.
-        if final.is_dir() and folder_problem(final) is None and _use_converted(
-            final, gguf, digest
-        ):
+        if converted():  # another process finished the conversion while we waited
             return final
         # Under the lock, leftovers of this key come from a crashed conversion (or from
         # someone deleting files out of the final folder): remove them.
