@@ -7,6 +7,7 @@ streamed outputs equal `LLMEngine.generate`.
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 
 import pytest
@@ -173,3 +174,20 @@ def test_an_engine_built_on_the_engine_thread_is_stepped_there():
     with pytest.raises(ValueError, match="max_model_length=0"):
         failing.start()
     assert not failing.alive
+
+
+def test_a_built_engine_leaves_the_collectors_full_passes():
+    # A full pass over a live engine's objects stalls every stream for tens of ms: what
+    # the start made is frozen out of the passes, and the engine's objects with it.
+    gc.unfreeze()
+    engine = ScriptedEngine(reply="ok", step_delay=0.001)
+    frontend = EngineFrontend(engine, owns_engine=True)
+    try:
+        frontend.start()
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        assert not any(o is engine for o in gc.get_objects())  # the engine is frozen too
+        assert collect(frontend, GenerateRequest("r", GREEDY, prompt="hi"))[-1].finished
+    finally:
+        frontend.close()
+        gc.unfreeze()

@@ -466,3 +466,35 @@ def test_a_huge_prompt_is_refused_before_the_tokenizer_and_the_engine(counted_se
           f"meanwhile {gap:.3f} s")
     assert stream.error is None and stream.status == 200
     assert DEFAULT_MAX_REQUEST_BYTES < len(huge)
+
+
+def test_the_server_freezes_its_start_up_before_it_says_ready():
+    # A full collector pass in the API process stalls every stream's chunks: what the start
+    # made is frozen before /health turns 200 (`loading` false), so none comes mid-stream.
+    import gc
+
+    gc.unfreeze()
+    frozen_when_ready: list[int] = []
+
+    def start(starting: Any) -> Any:
+        class Client:
+            error = None
+
+            def close(self) -> None:
+                pass
+
+        frozen_when_ready.append(gc.get_freeze_count())
+        return Client()
+
+    class Server:
+        should_exit = False
+
+    stop = threading.Event()
+    sup = cli._Supervised(start, restart=False)
+    stop.set()  # the watch returns at once
+    try:
+        sup.load_then_watch(Server(), stop)
+        assert not sup.loading
+        assert frozen_when_ready == [0] and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

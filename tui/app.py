@@ -26,12 +26,12 @@ from textual.screen import Screen
 from textual.theme import Theme
 
 from minivllm.frontend import EngineClient, EngineUnavailable
+from minivllm.heap import settle
 
 from .commands import chat_commands, run_slash
 from .context import count_context, count_prompt_tokens
 from .conversation import Conversation, Settings
 from .engine_client import EngineFactory, EngineSource, engine_info
-from .heap import settle
 from .keys import enable_alt_digits
 from .messages import EngineInfo, EngineReady, LoadFailed, LoadProgress, StatsSnapshot
 from .panes import PaneControl

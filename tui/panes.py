@@ -7,9 +7,10 @@ import copy
 import functools
 from typing import TYPE_CHECKING
 
+from minivllm.heap import settle
+
 from .context import count_context
 from .conversation import Conversation
-from .heap import settle
 from .widgets.confirm import ConfirmModal
 from .widgets.pane import ConversationPane
 

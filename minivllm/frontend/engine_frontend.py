@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..heap import settle
 from ..outputs import EngineStats
 from .outputs import stream_outputs
 from .protocol import (
@@ -186,6 +187,9 @@ class EngineFrontend:
                         raise TypeError("the engine factory returned None, not an engine")
                 self._info = engine_info(self.engine)
                 self._publish_stats()
+                # The engine's objects (torch's, the model's) leave the collector's full
+                # passes, which would stall every stream for tens of milliseconds.
+                settle()
             except BaseException as exc:  # noqa: BLE001 - start() raises it
                 failure.append(exc)
                 return

@@ -17,6 +17,7 @@ from typing import Any
 import uvicorn
 
 from ..engine_args import EngineArgs
+from ..heap import settle
 from ..reasoning import REASONING_PARSERS
 
 
@@ -271,7 +272,11 @@ class _Supervised:
 
     def load_then_watch(self, server: uvicorn.Server, stop: threading.Event) -> None:
         try:
-            self.current = self._start(self._starting)
+            client = self._start(self._starting)
+            # Before /health says ready: the start-up's objects leave the full passes
+            # that would otherwise stall streams under load (see minivllm.heap).
+            settle()
+            self.current = client
         except BaseException as exc:  # noqa: BLE001 - the server exits with its message
             if not self._closed:  # not a load that close() stopped
                 self.load_failed = str(exc) or type(exc).__name__
