@@ -286,3 +286,35 @@ def test_stand_in_engine_generates_every_token_and_frees_everything():
         assert llm.stats().num_used_blocks == 0
     finally:
         llm.exit()
+
+
+def test_the_engine_steps_on_while_the_parent_reads_nothing():
+    # The engine process never waits on the pipe: while the parent reads nothing (its
+    # reader thread held in a callback here; a busy event loop in a server), the engine
+    # goes on stepping, and once the parent reads again every token is there.
+    client = EngineProcessClient(functools.partial(ScriptedEngine, {}, reply=REPLY))
+    client.start()
+    gate = threading.Event()
+    sinks = [Sink() for _ in range(8)]
+
+    def held(sink: Sink):
+        def on_output(out: RequestOutput) -> None:
+            gate.wait()  # the reader thread waits here: nothing more is read from the pipe
+            sink(out)
+        return on_output
+
+    params = SamplingParams(max_tokens=1500, ignore_eos=True)
+    try:
+        for i, sink in enumerate(sinks):  # ~1 MB of outputs: more than the pipe holds
+            client.add_request(GenerateRequest(f"r{i}", params, prompt="hi"), held(sink))
+        time.sleep(4.0)
+        released = time.monotonic()
+        gate.set()
+        for sink in sinks:
+            assert sink.ended.wait(60)
+        assert [sum(len(o.token_ids) for o in s.outs) for s in sinks] == [1500] * 8
+        # Every request's last token was made while the parent was reading nothing.
+        assert max(s.outs[-1].at for s in sinks) < released
+    finally:
+        gate.set()
+        client.close()

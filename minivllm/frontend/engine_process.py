@@ -11,8 +11,10 @@ another core and falls behind gracefully (outputs of one request merge into one 
 The child is a fresh interpreter (`python -c`, not fork: the parent may have touched
 CUDA through torch, and a forked child could not use it) that gets the engine factory
 pickled over a socket pair. It runs an `EngineFrontend` (the same loop the app uses)
-whose outputs are collected during a step and sent once per step; the parent routes
-them to each request's callback from a reader thread. Requests, aborts and shutdown go
+whose outputs are collected during a step and sent by a thread of their own, once per
+step (or, while the parent reads slowly, all steps' since the last send in one message:
+the engine never waits on the pipe); the parent routes them to each request's callback
+from a reader thread. Requests, aborts and shutdown go
 the other way. The child ignores SIGINT (the parent decides when it stops) and exits
 when the socket closes, so a parent that dies leaves no engine behind.
 """
@@ -334,33 +336,56 @@ def _pack(o: RequestOutput) -> tuple[Any, ...]:
 
 
 class _Outbox:
-    """Outputs gathered during one turn of the engine loop, sent as one message; with
-    them, a new stats snapshot whenever the front end published one."""
+    """Outputs gathered on the engine thread, sent to the parent by a thread of their own.
+
+    The engine thread only appends a step's outputs and wakes the sender (`flush`): it
+    never waits on the pipe. A parent that reads slowly (its event loop busy writing
+    chunks) once filled the socket's buffer, and the engine thread then sat in `send`,
+    stepping nobody. Now, while one send waits, the outputs of the steps meanwhile pile
+    up and go in the next message, all of them. With each message, a new stats snapshot
+    whenever the front end published one.
+    """
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.frontend: EngineFrontend | None = None
         self.items: list[RequestOutput] = []
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # guards items
+        self.send_lock = threading.Lock()  # one writer at a time: messages must not interleave
         self.sent_stats: Any = None
+        self._wake = threading.Event()
+        self._stopping = False
+        self._sender: threading.Thread | None = None
 
     def put(self, output: RequestOutput) -> None:
         with self.lock:
             self.items.append(output)
 
     def send(self, msg: tuple[Any, ...]) -> None:
-        with self.lock:  # one writer at a time: messages must not interleave on the pipe
+        with self.send_lock:
             self.conn.send(msg)
 
+    def start(self) -> None:
+        self._sender = threading.Thread(target=self._send_loop, name="minivllm-engine-outbox",
+                                        daemon=True)
+        self._sender.start()
+
     def flush(self) -> None:
+        """Have what was gathered sent soon (on the sender thread)."""
+        self._wake.set()
+
+    def drain(self) -> None:
+        """Send what was gathered now, on the calling thread."""
         frontend = self.frontend
         assert frontend is not None
-        with self.lock:
-            items, self.items = self.items, []
+        with self.send_lock:
+            with self.lock:
+                items, self.items = self.items, []
             stats = frontend.stats()
             try:
                 # Stats first: a caller that hears a request finished and then reads
-                # stats() must see it gone (as with the in-process front end).
+                # stats() must see it gone (as with the in-process front end). They are
+                # read after the outputs were taken, so they are never older than those.
                 if stats is not self.sent_stats:
                     self.sent_stats = stats
                     self.conn.send(("stats", stats, frontend.prefix_cache_counters(),
@@ -369,6 +394,22 @@ class _Outbox:
                     self.conn.send(("out", [_pack(o) for o in items]))
             except (OSError, ValueError):
                 pass  # the parent is gone: the command loop sees EOF and exits
+
+    def stop(self) -> None:
+        """Stop the sender, then send what is left."""
+        self._stopping = True
+        self._wake.set()
+        if self._sender is not None:
+            self._sender.join(10)
+        self.drain()
+
+    def _send_loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._stopping:
+                return
+            self.drain()
 
 
 def _run_commands(frontend: EngineFrontend, outbox: _Outbox, batch: list[tuple[Any, ...]]
@@ -430,12 +471,13 @@ def _child_main(factory: EngineFactory, conn: Connection, stats_interval: float)
         engine_factory=factory, owns_engine=True, stats_interval=stats_interval,
         on_iteration=outbox.flush)
     try:
-        with outbox.lock:  # before the engine thread's first flush
+        with outbox.send_lock:  # the first message: nothing else is sent before it
             info = frontend.start(
                 lambda stage, fraction: conn.send(("progress", stage, fraction)))
             engine = frontend.engine
             conn.send(("ready", info, _picklable(getattr(engine, "tokenizer", None)),
                        frontend.stats(), frontend.prefix_cache_counters(), {}))
+        outbox.start()
     except BaseException as exc:  # noqa: BLE001 - the parent raises it
         try:
             conn.send(("failed", type(exc).__name__, str(exc) or describe(exc)))
@@ -447,7 +489,7 @@ def _child_main(factory: EngineFactory, conn: Connection, stats_interval: float)
         while True:
             if not conn.poll(0.2):
                 if frontend.error is not None and not dead_reported:
-                    outbox.flush()  # the failed requests' last outputs, then why
+                    outbox.drain()  # the failed requests' last outputs, then why
                     outbox.send(("dead", frontend.error))
                     dead_reported = True
                 continue
@@ -459,5 +501,5 @@ def _child_main(factory: EngineFactory, conn: Connection, stats_interval: float)
         pass  # the parent is gone
     finally:
         frontend.close()
-        outbox.flush()
+        outbox.stop()
         conn.close()
