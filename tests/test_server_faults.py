@@ -476,7 +476,7 @@ def test_the_server_freezes_its_start_up_before_it_says_ready():
     gc.unfreeze()
     frozen_when_ready: list[int] = []
 
-    def start(starting: Any) -> Any:
+    def start(*_: Any) -> Any:
         class Client:
             error = None
 
