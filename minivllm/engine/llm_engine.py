@@ -259,12 +259,6 @@ class LLMEngine:
             if not self.async_scheduling or _needs_sync(out):
                 self._in_flight = None
                 finished += self._apply(launched, start)
-            elif isinstance(masked, MaskedForward):
-                # Its sampling goes into the device's queue now, behind its forward: while
-                # the host hands out this step's outputs and schedules the next, the
-                # device has work queued (as an unconstrained step's graph gives it), not
-                # a forward alone and then a wait for the host's next call.
-                self._sample_if_masked(launched, [])
         if self._in_flight is not None and self.scheduler.is_finished():
             # Everything ended (or was aborted) while the last step ran: nothing will
             # read it; wait for it so an idle engine leaves no work on the device.

@@ -24,8 +24,8 @@ class MaskedForward:
     """A step with rows under a grammar: its forward is launched, its sampling waits for
     their bitmask, which the mask thread fills (`mask`) once their matchers hold every
     token sampled before: at launch if none is in flight, else once the step before is
-    applied. The engine launches the sampling at the end of the step that launched the
-    forward (or earlier, if reading the step or the next forward needs it first)."""
+    applied. The sampling is launched when something needs it: the next step's forward,
+    or reading this step."""
 
     forward: LaunchedForward
     rows: list[int]
