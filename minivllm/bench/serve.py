@@ -187,13 +187,21 @@ async def _http_request(client: Any, prompt: list[int], max_tokens: int,
 
 
 async def run_http(url: str, prompts: list[list[int]], max_tokens: int,
-                   model: str = "bench", constrained: int = 0) -> tuple[float, list]:
+                   model: str = "bench", constrained: int = 0, ready: Any = None
+                   ) -> tuple[float, list]:
     """The prompts as concurrent streaming requests; the first `constrained` ask for
-    BENCH_SCHEMA."""
+    BENCH_SCHEMA. With `ready` (a barrier), they start once every client process is
+    ready."""
     import httpx
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=len(prompts))
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+        # NOTE: one request before the clock starts. A process's first request paid the
+        # HTTP stack's lazy imports and its first connection (50-150 ms), which showed as
+        # the server's TTFT p99 in every run (one request per client process).
+        await client.get("/health")
+        if ready is not None:
+            ready.wait()  # blocks the loop, which has nothing else to do yet
         start = time.perf_counter()
         traces = await asyncio.gather(*(_http_request(client, p, max_tokens, model,
                                                       i < constrained)
@@ -204,8 +212,9 @@ async def run_http(url: str, prompts: list[list[int]], max_tokens: int,
 
 def _client_process(url: str, prompts: list[list[int]], max_tokens: int, model: str,
                     ready: Any, results: Any, constrained: int = 0) -> None:
-    ready.wait()  # every client process starts its requests at the same moment
-    _, traces = asyncio.run(run_http(url, prompts, max_tokens, model, constrained))
+    # Every client process starts its requests at the same moment (`ready`), its client
+    # built and warmed up before.
+    _, traces = asyncio.run(run_http(url, prompts, max_tokens, model, constrained, ready))
     results.put([(t.sent, t.arrivals, t.constrained) for t in traces])
 
 
