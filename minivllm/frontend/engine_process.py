@@ -11,12 +11,12 @@ another core and falls behind gracefully (outputs of one request merge into one 
 The child is a fresh interpreter (`python -c`, not fork: the parent may have touched
 CUDA through torch, and a forked child could not use it) that gets the engine factory
 pickled over a socket pair. It runs an `EngineFrontend` (the same loop the app uses)
-whose outputs are collected during a step and sent by a thread of their own, once per
-step (or, while the parent reads slowly, all steps' since the last send in one message:
-the engine never waits on the pipe); the parent routes them to each request's callback
-from a reader thread. Requests, aborts and shutdown go
-the other way. The child ignores SIGINT (the parent decides when it stops) and exits
-when the socket closes, so a parent that dies leaves no engine behind.
+whose outputs are collected during a step and sent by a thread of their own: one
+message a step, or, while the parent reads slowly, one message for every step since the
+last send (the engine never waits on the pipe). The parent routes them to each
+request's callback from a reader thread. Requests, aborts and shutdown go the other
+way. The child ignores SIGINT (the parent decides when it stops) and exits when the
+socket closes, so a parent that dies leaves no engine behind.
 """
 
 from __future__ import annotations
