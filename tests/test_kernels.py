@@ -226,7 +226,11 @@ def check_sampler_masked_rows() -> None:
     greedy = SamplingTensors.greedy()
     greedy.token_bitmask, greedy.bitmask_rows = bitmask, [0, 1, 2]
     assert _takes_fused_kernel(logits, greedy)
-    assert torch.equal(Sampler()(logits, greedy).token_ids, want)
+    sampler = Sampler()
+    assert torch.equal(sampler(logits, greedy).token_ids, want)
+    fewer = SamplingTensors.greedy()  # the same sampler, a smaller batch next step
+    fewer.token_bitmask, fewer.bitmask_rows = bitmask[:2], [0, 1]
+    assert torch.equal(sampler(logits[:2], fewer).token_ids, want[:2])
     hot = SamplingTensors(torch.tensor([0.0, 1.0, 0.7, 1.2]), None, None, None,
                           [None] * rows, False, False, False, False,
                           token_bitmask=bitmask, bitmask_rows=[0, 1, 2])

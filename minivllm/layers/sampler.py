@@ -152,6 +152,18 @@ def _exponential_noise(
 class Sampler:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
+        # A greedy step's inputs to the sample kernel (temperatures of 0, a seed of 0):
+        # constants, made once per device and sliced, not filled again every step.
+        self._greedy: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _greedy_inputs(self, rows: int, device: torch.device
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Temperatures of 0 for `rows` rows and a seed of 0, on `device`."""
+        cached = self._greedy
+        if cached is None or cached[0].device != device or cached[0].numel() < rows:
+            cached = self._greedy = (torch.zeros(max(rows, 256), device=device),
+                                     torch.zeros(1, dtype=torch.int64, device=device))
+        return cached[0][:rows], cached[1]
 
     def __call__(self, logits: torch.Tensor, t: SamplingTensors) -> SamplerOutput:
         """logits: [num_seqs, vocab] in any float dtype -> token ids [num_seqs] (int64, on
@@ -163,8 +175,7 @@ class Sampler:
             from minivllm.kernels.sample import sample_rows
 
             if t.all_greedy:  # rows under a grammar, all greedy: no noise to seed
-                temperatures = torch.zeros(logits.shape[0], device=logits.device)
-                seed = torch.zeros(1, dtype=torch.int64, device=logits.device)
+                temperatures, seed = self._greedy_inputs(logits.shape[0], logits.device)
             else:
                 temperatures = t.temperatures
                 seed = torch.randint(1 << 62, (1,), device=logits.device,
