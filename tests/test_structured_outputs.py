@@ -181,6 +181,38 @@ def test_engine_fills_masks_on_a_thread_without_overlapped_scheduling(engine, mo
     assert any(t.startswith("minivllm-bitmask") for t in threads), threads
 
 
+def test_engine_masked_greedy_steps_replay_the_greedy_graph(engine, smollm2_path,
+                                                            monkeypatch):
+    """A greedy decode step with rows under a grammar takes the greedy decode graph (its
+    staged inputs and its logits; the pick under the mask follows it), with the replies
+    of the engine without graphs (graphs replayed eagerly on the CPU)."""
+    from minivllm import LLMEngine
+
+    prompts = [PERSON, "A product code:", "The capital of France is"]
+    params = [constrained(40, json=SCHEMA), constrained(16, regex=r"[A-Z]{3}-\d{4}"),
+              SamplingParams(temperature=0, max_tokens=16)]
+    want = engine.generate(prompts, params)["text"]
+    llm = LLMEngine({"model_name_or_path": str(smollm2_path), "device": "cpu",
+                     "dtype": "float32", "max_model_length": 1024, "block_size": 16,
+                     "async_scheduling": True})
+    try:
+        llm.runner.capture_cuda_graphs(replay_eagerly=True)
+        masked: list[bool] = []
+        replay = llm.runner._replay_greedy
+
+        def spy(b):
+            masked.append(bool(b.bitmask_rows))
+            return replay(b)
+
+        monkeypatch.setattr(llm.runner, "_replay_greedy", spy)
+        got = llm.generate(prompts, params)["text"]
+    finally:
+        llm.exit()
+    assert got == want
+    assert re.fullmatch(r"[A-Z]{3}-\d{4}", got[1])
+    assert masked.count(True) >= 10, masked  # the constrained decode steps
+
+
 def test_compiled_grammars_are_cached_per_schema_and_the_vocabulary_read_ahead(engine):
     compiler = GrammarCompiler(engine.tokenizer, engine.config.model.vocab_size, [2])
     try:

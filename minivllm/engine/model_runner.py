@@ -288,6 +288,12 @@ class ModelRunner:
     def forward(self, b: ForwardBatch) -> LaunchedForward:
         """Enqueue a step's forward: its logits (rank 0), not yet sampled. `sample` must
         follow before the next step's forward (a graph's logits buffer is reused)."""
+        if b.bitmask_rows and self._greedy_graph_takes(b):
+            # A greedy decode step with rows under a grammar: the greedy graph's fast
+            # inputs and its logits buffer; the graph's own argmax goes unused (`sample`
+            # picks under the mask).
+            self._replay_greedy(b)
+            return LaunchedForward(b, self.graphs.logits(b.num_seqs))
         input_ids, positions, meta = self.prepare(b)
         if b.fill_rows:
             # After prepare (which may have written the graph's static inputs) and before
@@ -363,25 +369,33 @@ class ModelRunner:
         """An all-greedy decode step that a greedy decode graph holds (cuda_graph.py's
         `run_greedy`): inputs straight from the batch's lists, the argmax in the graph,
         no sampler. None: the step takes the general path."""
-        graphs = self.graphs
-        if (
-            graphs is None
-            or not graphs.greedy
-            or not b.is_decode
-            or b.extras
-            or b.bitmask_rows
-            or any(t != 0 for t in b.temperatures)
-            or not graphs.greedy_fits(b.num_seqs, max(len(t) for t in b.block_tables))
-        ):
+        if b.bitmask_rows or not self._greedy_graph_takes(b):
             return None
-        tokens = graphs.run_greedy(b.input_ids, b.positions, b.slot_mapping, b.seq_lens,
-                                   b.block_tables, b.fill_rows, b.fill_from, self.last_sampled)
-        self.last_sampled = tokens
+        tokens = self.last_sampled = self._replay_greedy(b)
         # The view is overwritten by the next replay: on the CPU (no copy queued before
         # it) the handle keeps its own copy.
         handle = StepHandle(tokens if self._host_tokens else tokens.clone())
         self._copy_to_host(handle)
         return handle
+
+    def _greedy_graph_takes(self, b: ForwardBatch) -> bool:
+        """Whether a greedy decode graph holds step `b` (its rows' masks aside)."""
+        graphs = self.graphs
+        return (
+            graphs is not None
+            and graphs.greedy
+            and b.is_decode
+            and not b.extras
+            and all(t == 0 for t in b.temperatures)
+            and graphs.greedy_fits(b.num_seqs, max(len(t) for t in b.block_tables))
+        )
+
+    def _replay_greedy(self, b: ForwardBatch) -> torch.Tensor:
+        """Replay the greedy decode graph over `b` (`_greedy_graph_takes`); its argmax."""
+        assert self.graphs is not None
+        return self.graphs.run_greedy(b.input_ids, b.positions, b.slot_mapping, b.seq_lens,
+                                      b.block_tables, b.fill_rows, b.fill_from,
+                                      self.last_sampled)
 
     def collect(self, handle: StepHandle) -> StepSamples | None:
         """Wait for a launched step's tokens (and logprobs); None off rank 0."""
