@@ -786,6 +786,74 @@ async def test_a_long_streaming_reply_repaints_only_its_new_lines(tmp_path):
         assert transcript.scroll_y == transcript.max_scroll_y  # the end, no blank lines
 
 
+async def test_a_block_drawn_again_repaints_only_the_lines_that_look_different(tmp_path):
+    """A reply's block drawn again once it completes (as Markdown where it streamed as
+    plain text): the lines that look the same, in other segments or with no style
+    against the null style, keep their strips and are not repainted; a heading that
+    changed above them repaints its own row only."""
+    from minivllm.tui.widgets.entries import Entry
+    from rich.segment import Segment
+    from rich.style import Style
+    from textual.strip import Strip
+
+    class Lines(Entry):
+        def __init__(self, strips: list[Strip]) -> None:
+            self.strips = strips
+
+        def lines(self, look, width):
+            return self.strips
+
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_ready(pilot)
+        transcript = app.panes[0].transcript
+        width = transcript._width
+
+        def line(text: str, style: Style | None = Style(), split: bool = False) -> Strip:
+            pieces = [text[:3], text[3:]] if split else [text]
+            return Strip([*(Segment(p, style) for p in pieces),
+                          Segment(" " * (width - len(text)))], width)
+
+        entry = Lines([line("## Plan"), line(""), line("first line"), line("second line")])
+        transcript.add(entry)
+        before = list(transcript._lines)
+        painted: list[object] = []
+        real = transcript.refresh
+
+        def spy(*regions, **kwargs):
+            painted.append([(r.y, r.height) for r in regions] or "all")
+            return real(*regions, **kwargs)
+
+        transcript.refresh = spy
+        entry.strips = [line("Plan", Style(bold=True)), line(""),
+                        line("first line", split=True), line("second line", None)]
+        transcript.changed(entry)
+        row = transcript._starts[-1] - transcript.scroll_y
+        assert painted == [[(row, 1)]]
+        assert transcript._lines[-3:] == before[-3:]
+        assert all(a is b for a, b in zip(transcript._lines[-3:], before[-3:], strict=True))
+        assert transcript._lines[-4].text.startswith("Plan")
+
+
+def test_a_streamed_line_is_the_same_strip_before_and_after_its_last_space():
+    """A wrapped line's trailing spaces are padding: the line does not change when the
+    space after its last word arrives, nor when the next word wraps below it."""
+    from minivllm.tui.widgets.entries import GrowingText
+    from rich.style import Style
+
+    grown = GrowingText()
+    seen = []
+    for piece in ["tower", " stone", " ", "lighthouse"]:
+        grown.add(piece)
+        seen.append(grown.lines(16, Style())[0])
+    assert seen[1] == seen[2] == seen[3] and seen[3].text.startswith(" tower stone ")
+    # Where trailing spaces show (a background), they stay in the line's own style.
+    grown = GrowingText("tower stone lighthouse")
+    shaded = Style(bgcolor="blue")
+    assert any(seg.text == "tower stone " and seg.style == shaded
+               for seg in grown.lines(16, shaded)[0])
+
+
 async def test_resumed_and_reopened_panes_show_their_context(tmp_path):
     data = tmp_path / "data" / "sessions"
     data.mkdir(parents=True)

@@ -154,6 +154,12 @@ def warm_up() -> None:
     render_lines(console, markdown("**a**\n\n- b\n\n```python\nx = 1\n```\n"), 40)
 
 
+def _shows_on_spaces(style: Style) -> bool:
+    """Whether a space drawn in `style` looks unlike a blank cell."""
+    return bool(style.bgcolor or style.underline or style.underline2 or style.strike
+                or style.reverse or style.overline)
+
+
 class GrowingText:
     """Plain text that only grows, wrapped as it grows: lines before the last do not
     change (greedy wrapping), so an update wraps only the last line or two and the new
@@ -173,12 +179,17 @@ class GrowingText:
         if key != self._key:
             self._key, self._done, self._from = key, [], 0
         inner = max(1, width - 2 * PAD)
+        # A line's trailing spaces go into its padding where they look the same: a line
+        # drawn before and after the space that ends its last word arrived is then one
+        # strip, not a change that repaints it and every line below it.
+        trim = not _shows_on_spaces(style)
         paragraphs = self.text[self._from:].split("\n")
         pos = self._from
         last: list[Strip] = []
         for n, paragraph in enumerate(paragraphs):
             wrapped = wrap(paragraph, inner)
-            strips = [self._strip(line, width, inner, style) for _, line in wrapped]
+            strips = [self._strip(line.rstrip(" ") if trim else line, width, inner, style)
+                      for _, line in wrapped]
             if n < len(paragraphs) - 1:
                 self._done.extend(strips)
                 pos += len(paragraph) + 1

@@ -18,6 +18,7 @@ from bisect import bisect_right
 from typing import Any
 
 from rich.segment import Segment
+from rich.style import Style
 from textual import events
 from textual.color import Color
 from textual.filter import LineFilter
@@ -28,6 +29,7 @@ from textual.widget import Widget
 from .entries import Entry, Look, Reply
 
 _SPACE = Segment(" ")
+_NO_STYLE = Style()
 SCROLL_LINES = 3  # lines a mouse wheel step scrolls
 # A view that follows a streaming reply jumps when the text reaches its bottom: the last
 # line moves up to 1/JUMP_KEEP of the view (a jump repaints the whole pane; the frames
@@ -136,17 +138,23 @@ class Transcript(Widget):
         old = self._lines
         first = start
         end = min(len(old), start + len(new))
-        while first < end and (old[first] is new[first - start]
-                               or old[first] == new[first - start]):
-            # Unchanged lines: finished paragraphs are the same strips; a plain paragraph
-            # once complete is drawn again equal to how it streamed.
+        while first < end and _looks_same(old[first], new[first - start]):
+            # Unchanged lines (the old strip is kept): finished paragraphs are the same
+            # strips; a paragraph once complete is drawn again as it streamed, though
+            # perhaps in other segments.
             first += 1
         before = len(old)
         if first == before and first == start + len(new):
             return
-        del old[first:]
-        old.extend(new[first - start:])
-        self._show_changes(first, before)
+        # The same from the end: a block drawn again above lines that stay (a heading
+        # that streamed as plain text, say) repaints its own lines only.
+        same_end = 0
+        if start + len(new) == before:
+            while (first < before - same_end
+                   and _looks_same(old[before - 1 - same_end], new[-1 - same_end])):
+                same_end += 1
+        old[first:before - same_end] = new[first - start:len(new) - same_end]
+        self._show_changes(first, before, before - same_end if same_end else None)
 
     def insert(self, index: int, entry: Entry) -> None:
         self.entries.insert(index, entry)
@@ -207,9 +215,10 @@ class Transcript(Widget):
                     thinking=get("transcript--thinking", partial=True),
                     error=get("transcript--error", partial=True))
 
-    def _show_changes(self, first: int, before: int) -> None:
-        """Repaint lines `first` on (there were `before` lines, now `len(_lines)`); a
-        view that follows the end jumps when the text passes its bottom (`JUMP_KEEP`)."""
+    def _show_changes(self, first: int, before: int, last: int | None = None) -> None:
+        """Repaint lines `first` on (there were `before` lines, now `len(_lines)`), or
+        only up to `last` (exclusive) where the lines after it stayed; a view that
+        follows the end jumps when the text passes its bottom (`JUMP_KEEP`)."""
         view = self.view_height
         count = len(self._lines)
         if self.follow and count > self.top + view:
@@ -218,7 +227,7 @@ class Transcript(Widget):
             self.refresh()
             return
         y = max(0, first - self.top)
-        end = min(view, max(count, before) - self.top)
+        end = min(view, (max(count, before) if last is None else last) - self.top)
         if end > y:
             self.refresh(Region(0, y, self._view[0], end - y))
 
@@ -349,3 +358,21 @@ class Transcript(Widget):
             self._thumb_key = key
             self._thumb_range = range(start, start + size) if total > view else range(0)
         return self._thumb_range
+
+
+def _looks_same(a: Strip, b: Strip) -> bool:
+    """Whether two lines draw the same cells, however their segments split the text (no
+    style and the null style look alike)."""
+    return a is b or a == b or (a.text == b.text and _style_runs(a) == _style_runs(b))
+
+
+def _style_runs(strip: Strip) -> list[tuple[Style, int]]:
+    """The strip's styles in runs: (style, characters) each, adjacent equal ones merged."""
+    runs: list[tuple[Style, int]] = []
+    for segment in strip:
+        style = segment.style or _NO_STYLE
+        if runs and runs[-1][0] == style:
+            runs[-1] = (style, runs[-1][1] + len(segment.text))
+        else:
+            runs.append((style, len(segment.text)))
+    return runs
