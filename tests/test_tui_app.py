@@ -807,9 +807,9 @@ async def test_a_block_drawn_again_repaints_only_the_lines_that_look_different(t
     async with app.run_test(size=SIZE) as pilot:
         await wait_ready(pilot)
         transcript = app.panes[0].transcript
-        width = transcript._width
+        width, null = transcript._width, Style()
 
-        def line(text: str, style: Style | None = Style(), split: bool = False) -> Strip:
+        def line(text: str, style: Style | None = null, split: bool = False) -> Strip:
             pieces = [text[:3], text[3:]] if split else [text]
             return Strip([*(Segment(p, style) for p in pieces),
                           Segment(" " * (width - len(text)))], width)
