@@ -84,6 +84,29 @@ def test_the_scheduler_passes_over_a_request_whose_grammar_compiles():
     assert [item.seq for item in sched.schedule().scheduled] == [second, first]
 
 
+def test_a_constrained_request_whose_token_is_in_flight_sits_out_while_others_run():
+    """Overlapped scheduling: a sequence under a grammar whose newest token is still being
+    sampled waits a step (its mask needs that token) unless nothing else would run."""
+    sched = Scheduler(BlockManager(16, 4, True), 4, 64)
+    under = Sequence(0, [1, 2, 3], SamplingParams(), 64)
+    under.grammar = object()  # a matcher; the scheduler only asks whether there is one
+    plain = Sequence(1, [4, 5, 6], SamplingParams(), 64)
+    sched.add(under)
+    sched.add(plain)
+    prefill = sched.schedule()  # both sample their first token: both now in flight
+    assert [item.seq for item in prefill.scheduled] == [under, plain]
+    second = sched.schedule()
+    assert [item.seq for item in second.scheduled] == [plain]
+    sched.update_from_output(prefill, [7, 8])  # the first tokens are read
+    third = sched.schedule()  # `under`'s token is known now; `plain`'s is in flight
+    assert [item.seq for item in third.scheduled] == [under, plain]
+    assert third.scheduled[0].fill_from is None and third.scheduled[1].fill_from == 0
+    sched.update_from_output(second, [9])
+    sched.finish(plain, "stop")
+    alone = sched.schedule()  # nothing else runs: it goes with its token in flight
+    assert [(item.seq, item.fill_from) for item in alone.scheduled] == [(under, 0)]
+
+
 def test_the_bitmask_masks_only_the_rows_it_constrains():
     vocab = 70
     logits = torch.randn(3, vocab)
@@ -156,6 +179,38 @@ def test_engine_constrained_steps_overlap_the_read_of_the_step_before(engine, mo
     # forward (N), collect (N-1), sample (N): decode after decode, the read came between.
     steps = "".join(e[0] for e in events)
     assert "fcs" in steps, steps
+
+
+def test_engine_plain_rows_decode_every_step_beside_constrained_ones(engine, monkeypatch):
+    """While an unconstrained request runs, a constrained one decodes every other step,
+    its mask filled from its step's launch, so no step's sampling waits for a matcher to
+    take the step before's token; both replies are those of each request alone."""
+    prompts = ["A product code:", "The capital of France is"]
+    params = [constrained(24, regex=r"[A-Z]{3}-\d{4}, lot [0-9]{6}"),
+              SamplingParams(temperature=0, max_tokens=16)]
+    alone = [engine.generate([p], [sp])["text"][0] for p, sp in zip(prompts, params,
+                                                                       strict=True)]
+    steps, late = [], []
+    launch, fill = engine._launch, engine._grammars.fill_bitmask
+
+    def launch_spy(out):
+        steps.append(len(out.scheduled))
+        return launch(out)
+
+    def fill_spy(out, rows):
+        if len(engine.scheduler.running) == 2 and engine._in_flight is not None and any(
+                out.scheduled[i].fill_from is not None for i in rows):
+            late.append(len(steps))  # a mask that waited for the step before's token
+        return fill(out, rows)
+
+    monkeypatch.setattr(engine, "_launch", launch_spy)
+    monkeypatch.setattr(engine._grammars, "fill_bitmask", fill_spy)
+    out = engine.generate(prompts, params)["text"]
+    assert out == alone
+    assert re.fullmatch(r"[A-Z]{3}-\d{4}, lot [0-9]{6}", out[0])
+    decode = steps[1:]  # after the prefill of both
+    assert decode[:8] == [1, 2] * 4, steps
+    assert not late, (late, steps)
 
 
 def test_engine_fills_masks_on_a_thread_without_overlapped_scheduling(engine, monkeypatch):

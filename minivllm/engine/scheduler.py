@@ -88,30 +88,12 @@ class Scheduler:
         sequence then continues from `num_scheduled_tokens`, and one whose in-flight
         token ends it by length is left out (its end is already known)."""
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        # A sequence under a grammar whose newest token is still being sampled sits the
+        # step out when others run: its bitmask needs that token, and the step's sampling
+        # would wait for the mask. Left out, it runs every other step, its mask filled
+        # while the step without it runs; the other rows wait for no mask.
+        budget, num_ending, num_sat_out = self._schedule_running(out, sit_out=True)
         bm = self.block_manager
-
-        num_ending = 0  # running sequences that end when the step in flight is collected
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            start = seq.num_scheduled_tokens
-            num_tokens = min(seq.num_tokens_ahead - start, budget)
-            if num_tokens <= 0 or (seq.num_placeholders and seq.finishes_by_length):
-                num_ending += 1
-                i += 1
-                continue
-            # The pool must cover what is in flight too (allocate counts from computed).
-            while not bm.allocate(seq, seq.num_inflight_tokens + num_tokens):
-                victim = self.running.pop()  # the newest
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                out.scheduled.append(self._scheduled(seq, start, num_tokens))
-                budget -= num_tokens
-                i += 1
 
         # Admitting while preempting would only thrash: wait for blocks to come back.
         w = 0  # the first waiting sequence not passed over
@@ -147,6 +129,9 @@ class Scheduler:
             out.scheduled.append(self._scheduled(seq, seq.num_computed_tokens, num_tokens))
             budget -= num_tokens
 
+        if num_sat_out and not out.scheduled and not out.preempted:
+            self._schedule_running(out, sit_out=False)  # nothing else runs: they do
+
         # The step is now in flight for its sequences.
         for row, item in enumerate(out.scheduled):
             seq = item.seq
@@ -155,6 +140,40 @@ class Scheduler:
                 seq.num_placeholders += 1
                 seq.sample_row = row
         return out
+
+    def _schedule_running(self, out: SchedulerOutput, sit_out: bool) -> tuple[int, int, int]:
+        """Give the running sequences their tokens, in order, preempting the newest where
+        the pool runs out. Returns the budget left, how many end when the step in flight
+        is collected, and how many sat out (`sit_out`: those under a grammar whose newest
+        token is in flight)."""
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        num_ending = num_sat_out = 0
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            start = seq.num_scheduled_tokens
+            num_tokens = min(seq.num_tokens_ahead - start, budget)
+            if num_tokens <= 0 or (seq.num_placeholders and seq.finishes_by_length):
+                num_ending += 1
+                i += 1
+                continue
+            if sit_out and seq.num_placeholders and seq.grammar is not None:
+                num_sat_out += 1
+                i += 1
+                continue
+            # The pool must cover what is in flight too (allocate counts from computed).
+            while not bm.allocate(seq, seq.num_inflight_tokens + num_tokens):
+                victim = self.running.pop()  # the newest
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(self._scheduled(seq, start, num_tokens))
+                budget -= num_tokens
+                i += 1
+        return budget, num_ending, num_sat_out
 
     def _scheduled(self, seq: Sequence, start: int, num_tokens: int) -> ScheduledSeq:
         end = start + num_tokens
