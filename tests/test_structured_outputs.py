@@ -213,6 +213,21 @@ def test_engine_plain_rows_decode_every_step_beside_constrained_ones(engine, mon
     assert not late, (late, steps)
 
 
+def test_engine_a_grammar_that_ended_ends_its_request_even_with_ignore_eos(engine):
+    """The grammar's end token ends the request ("stop"): with `ignore_eos` it would
+    otherwise go on, and its matcher, already ended, cannot fill another mask."""
+    plain = SamplingParams(temperature=0, max_tokens=12)
+    alone = engine.generate(["The capital of France is"], plain)["text"][0]
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                             structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+              for _ in range(2)] + [plain]
+    out = engine.generate(["Is water wet? Answer yes or no.", "Is fire cold?",
+                           "The capital of France is"], params)
+    assert all(text in ("yes", "no") for text in out["text"][:2]), out["text"]
+    assert out["finish_reason"] == ["stop", "stop", "length"]
+    assert out["text"][2] == alone
+
+
 def test_engine_fills_masks_on_a_thread_without_overlapped_scheduling(engine, monkeypatch):
     """Synchronous steps (the CPU's default): the mask is filled on the mask thread beside
     the forward, and the constrained and plain replies are those of the overlapped engine."""

@@ -300,6 +300,10 @@ class LLMEngine:
                 # Cannot happen with the mask applied; a matcher out of step fails loudly.
                 seq.error = f"structured_outputs: the grammar rejected token {seq.last_token}"
                 self.scheduler.finish(seq, "error")
+            elif seq.grammar is not None and seq.grammar.is_terminated():
+                # It took its end token: nothing may follow, whatever ignore_eos or
+                # min_tokens ask.
+                self.scheduler.finish(seq, "stop")
             reason = None if seq.is_finished else self._finish_reason(seq)
             if reason is not None:
                 self.scheduler.finish(seq, reason)

@@ -254,6 +254,9 @@ class _JsonMatcher:
     def accept_token(self, token_id: int) -> bool:
         return self.matcher.accept_token(token_id)
 
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
 
 class MaskFill:
     """A bitmask being filled on the mask thread. `result()` fills it on the calling thread
