@@ -280,11 +280,12 @@ class RequestStreams:
         app = self.app
         progress = getattr(app.client, "prompt_progress", None)  # a remote has none
         now = time.monotonic()
-        for pane in app.panes:
+        panes = app.panes
+        for pane in panes:
             if progress is not None and pane.state in ("queued", "prefill") \
                     and pane.request_id is not None:
                 pane.set_prefill_progress(progress(str(pane.request_id)))
-        for pane in app.panes:
+        for pane in panes:
             oldest = pane.pending_since
             if (oldest is not None and now - oldest < SHOW_WITHIN
                     and pane.pending_chars < SHOW_CHARS):
