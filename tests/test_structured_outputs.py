@@ -107,6 +107,28 @@ def test_a_constrained_request_whose_token_is_in_flight_sits_out_while_others_ru
     assert [(item.seq, item.fill_from) for item in alone.scheduled] == [(under, 0)]
 
 
+def test_constrained_requests_take_the_same_steps():
+    """While a step that samples under a mask is in flight, every request under a grammar
+    waits, its token known or not, and a new one is not admitted: they all run in the
+    steps between, and the plain rows' other steps sample without a mask."""
+    sched = Scheduler(BlockManager(32, 4, True), 8, 64)
+    first, second = (Sequence(i, [1, 2, 3], SamplingParams(), 64) for i in (0, 1))
+    plain = Sequence(2, [4, 5, 6], SamplingParams(), 64)
+    for seq in (first, second, plain):
+        seq.grammar = object() if seq is not plain else None
+    sched.add(first)
+    sched.add(plain)
+    prefill = sched.schedule()
+    sched.add(second)
+    # `first` samples under its mask in the step in flight: `second`, ready to start,
+    # waits for the next step, and so would `first` were its token known.
+    behind = sched.schedule(masked_in_flight=True)
+    assert [item.seq for item in behind.scheduled] == [plain]
+    sched.update_from_output(prefill, [7, 8])
+    together = sched.schedule()
+    assert [item.seq for item in together.scheduled] == [first, plain, second]
+
+
 def test_the_bitmask_masks_only_the_rows_it_constrains():
     vocab = 70
     logits = torch.randn(3, vocab)
@@ -211,6 +233,35 @@ def test_engine_plain_rows_decode_every_step_beside_constrained_ones(engine, mon
     decode = steps[1:]  # after the prefill of both
     assert decode[:8] == [1, 2] * 4, steps
     assert not late, (late, steps)
+
+
+def test_engine_constrained_requests_that_came_apart_decode_in_the_same_steps(engine,
+                                                                             monkeypatch):
+    """A constrained request that arrives while another decodes beside a plain one joins
+    the other's steps: every step then holds both or neither."""
+    regex = r"[A-Z]{3}-\d{4}, lot [0-9]{6}, bin [0-9]{4}"
+    steps = []
+    launch = engine._launch
+
+    def launch_spy(out):
+        steps.append({item.seq.seq_id for item in out.scheduled if item.seq.grammar})
+        return launch(out)
+
+    monkeypatch.setattr(engine, "_launch", launch_spy)
+    first = engine.add_prompt("A product code:", constrained(40, regex=regex))
+    engine.add_prompt("The capital of France is", SamplingParams(temperature=0, max_tokens=40,
+                                                                  ignore_eos=True))
+    while sum(first in ids for ids in steps) < 3:  # its grammar compiled; it decodes
+        engine.step()
+    second = engine.add_prompt("Another product code:", constrained(40, regex=regex))
+    while not engine.scheduler.is_finished():
+        engine.step()
+    # From its first decode step to the other's last step.
+    start = [i for i, ids in enumerate(steps) if second in ids][1]
+    end = max(i for i, ids in enumerate(steps) if first in ids)
+    assert end - start >= 8, steps
+    for i in range(start, end + 1):
+        assert steps[i] in (set(), {first, second}), (i, steps)
 
 
 def test_engine_a_grammar_that_ended_ends_its_request_even_with_ignore_eos(engine):

@@ -236,7 +236,9 @@ class LLMEngine:
         self._check_alive()
         start = time.perf_counter()
         failed = self._poll_grammars() if self._grammars.compiling else []
-        out = self.scheduler.schedule()
+        in_flight = self._in_flight
+        out = self.scheduler.schedule(masked_in_flight=in_flight is not None
+                                      and isinstance(in_flight.handle, MaskedForward))
         launched = None
         if not out.is_empty:
             if self._in_flight is not None:

@@ -83,16 +83,19 @@ class Scheduler:
 
     # -- scheduling --------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, masked_in_flight: bool = False) -> SchedulerOutput:
         """Choose the next step's work. May run while the previous step is in flight: a
         sequence then continues from `num_scheduled_tokens`, and one whose in-flight
-        token ends it by length is left out (its end is already known)."""
+        token ends it by length is left out (its end is already known).
+
+        Sequences under a grammar sit a step out while others run, when their newest
+        token is still being sampled (their bitmask needs it: the step's sampling would
+        wait for the mask) or when the step in flight samples under a mask
+        (`masked_in_flight`: they all take the same steps, every other one, and the
+        steps between sample as plain ones do)."""
         out = SchedulerOutput()
-        # A sequence under a grammar whose newest token is still being sampled sits the
-        # step out when others run: its bitmask needs that token, and the step's sampling
-        # would wait for the mask. Left out, it runs every other step, its mask filled
-        # while the step without it runs; the other rows wait for no mask.
-        budget, num_ending, num_sat_out = self._schedule_running(out, sit_out=True)
+        budget, num_ending, num_sat_out = self._schedule_running(
+            out, sit_out=True, align=masked_in_flight)
         bm = self.block_manager
 
         # Admitting while preempting would only thrash: wait for blocks to come back.
@@ -104,7 +107,9 @@ class Scheduler:
             and len(self.running) - num_ending < self.max_num_sequences
         ):
             seq = self.waiting[w]
-            if seq.awaiting_grammar:  # its grammar still compiles: those behind it go first
+            if seq.awaiting_grammar or (masked_in_flight and seq.grammar is not None):
+                # Its grammar still compiles, or its turn is the next step: those behind
+                # it go first.
                 w += 1
                 continue
             if seq.num_placeholders:  # preempted while its token was in flight
@@ -141,11 +146,12 @@ class Scheduler:
                 seq.sample_row = row
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, sit_out: bool) -> tuple[int, int, int]:
+    def _schedule_running(self, out: SchedulerOutput, sit_out: bool,
+                          align: bool = False) -> tuple[int, int, int]:
         """Give the running sequences their tokens, in order, preempting the newest where
         the pool runs out. Returns the budget left, how many end when the step in flight
         is collected, and how many sat out (`sit_out`: those under a grammar whose newest
-        token is in flight)."""
+        token is in flight, and with `align` every one under a grammar)."""
         budget = self.max_num_batched_tokens
         bm = self.block_manager
         num_ending = num_sat_out = 0
@@ -158,7 +164,7 @@ class Scheduler:
                 num_ending += 1
                 i += 1
                 continue
-            if sit_out and seq.num_placeholders and seq.grammar is not None:
+            if sit_out and seq.grammar is not None and (seq.num_placeholders or align):
                 num_sat_out += 1
                 i += 1
                 continue
