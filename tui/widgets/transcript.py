@@ -138,6 +138,8 @@ class Transcript(Widget):
         old = self._lines
         first = start
         end = min(len(old), start + len(new))
+        while first < end and old[first] is new[first - start]:
+            first += 1  # the same strips (kept lines): no call per line
         while first < end and _looks_same(old[first], new[first - start]):
             # Unchanged lines (the old strip is kept): finished paragraphs are the same
             # strips; a paragraph once complete is drawn again as it streamed, though
