@@ -3,10 +3,12 @@
 The same batch runs twice, interleaved over several rounds: every request unconstrained,
 then with a share of them (default 1/4) under a JSON schema. Both use greedy sampling, and
 the plain requests ignore the end of sequence, so every request decodes `--tokens` tokens
-unless its grammar ends it first (the schema asks for a long array: it does not). Only
-steps that decode the whole batch are timed; the figure is what each unconstrained request
-gets (tokens per second: one a step, over the median step), and the ratio to the same
-request's rate in the all-unconstrained batch.
+unless its grammar ends it first (the schema asks for a long array: it does not). The
+figure is what each unconstrained request gets: a token every decode step from the first
+one to the plain requests' end, over that time (constrained requests may sit steps out:
+with overlapped scheduling they decode every other step beside plain ones), and the ratio
+to the same request's rate in the all-unconstrained batch; a constrained request's rate
+(its tokens over the time to its end) follows.
 
     python scripts/bench_structured.py                     # SmolLM2 on the CPU
     python scripts/bench_structured.py --device cuda --load-format dummy \\
