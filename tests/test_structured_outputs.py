@@ -378,6 +378,37 @@ def test_json_masks_refuse_control_characters_inside_length_limited_strings(engi
         compiler.close()
 
 
+def test_bitmask_buffers_reused_in_turn_hold_only_this_steps_masks(engine):
+    """The two bitmask buffers are reused in turn, only the rows their last mask filled
+    set back to all ones: each mask equals one built from scratch, whatever rows and row
+    counts the steps before had."""
+    tokenizer, vocab = engine.tokenizer, engine.config.model.vocab_size
+    compiler = GrammarCompiler(tokenizer, vocab, [2])
+    try:
+        def matcher(spec, prefix):
+            m = compiler.matcher(compiler.compile(spec).result())
+            assert all(m.accept_token(t)
+                       for t in tokenizer.encode(prefix, add_special_tokens=False))
+            return m
+
+        matchers = [matcher(StructuredOutputsParams(json=SCHEMA), '{"name": "Al'),
+                    matcher(StructuredOutputsParams(regex=r"[A-Z]{3}-\d{4}"), "AB"),
+                    matcher(StructuredOutputsParams(choice=["yes", "no"]), ""),
+                    matcher(StructuredOutputsParams(json=SCHEMA), "")]
+        steps = [(4, [0, 2]), (3, [1]), (4, [0, 1, 2, 3]), (5, [3]), (2, []), (4, [2]),
+                 (6, [5]), (6, [0, 4])]
+        for num_rows, rows in steps:
+            picked = [matchers[i % len(matchers)] for i in rows]
+            got = compiler.fill_bitmask(num_rows, rows, picked).clone()
+            want = torch.full_like(got, -1)
+            for row, m in zip(rows, picked, strict=True):
+                fresh = GrammarCompiler.fill_bitmask(compiler, 1, [0], [m])
+                want[row] = fresh[0]
+            assert torch.equal(got, want), (num_rows, rows)
+    finally:
+        compiler.close()
+
+
 def test_engine_grammar_error_fails_the_request_and_the_engine_serves_on(engine):
     with pytest.raises(RuntimeError, match=r"structured_outputs\.regex: cannot be compiled"):
         engine.generate(["x"], constrained(4, regex="a(b"))

@@ -94,11 +94,13 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._compiler: Any = None
         self._no_control: np.ndarray | None = None  # see `_control_free_words`
-        # For a CUDA engine: bitmasks are filled in pinned memory, which the device copies
-        # from without a staging copy; two buffers, used in turn (a step's mask is filled
-        # only once every earlier step was read, so the copy of the one before is done).
+        # Two bitmask buffers, used in turn (a step's mask is filled only once every
+        # earlier step but the one before was sampled, so their use of it is over); for a
+        # CUDA engine in pinned memory, which the device copies from without a staging
+        # copy. Each keeps the rows its last mask filled: only those go back to all ones.
         self._pinned = pinned
         self._buffers: list[torch.Tensor | None] = [None, None]
+        self._filled: list[set[int]] = [set(), set()]
         self._turn = 0
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher, made at the first batch
 
@@ -169,9 +171,10 @@ class GrammarCompiler:
         """A [num_rows, ceil(vocab / 32)] int32 bitmask (CPU, pinned for a CUDA engine):
         all ones, except each of `rows` filled by its matcher with the tokens that may
         come next."""
-        bitmask = self._all_ones(num_rows)
         if not rows:
-            return bitmask
+            return torch.from_numpy(np.full((num_rows, (self.vocab_size + 31) // 32), -1,
+                                            dtype=np.int32))
+        bitmask = self._all_ones(num_rows, rows)
         inner = [m.matcher if isinstance(m, _JsonMatcher) else m for m in matchers]
         if len(rows) == 1:
             inner[0].fill_next_token_bitmask(bitmask, rows[0])
@@ -182,7 +185,8 @@ class GrammarCompiler:
         if json_rows:
             assert self._no_control is not None  # set with the compiler
             words = bitmask.numpy()  # a view; numpy's `&=` costs a tenth of torch's
-            words[json_rows] &= self._no_control
+            for row in json_rows:
+                np.bitwise_and(words[row], self._no_control, out=words[row])
         return bitmask
 
     def _batch_matcher(self) -> Any:
@@ -192,20 +196,27 @@ class GrammarCompiler:
             self._batch = xgr.BatchGrammarMatcher(max_threads=_mask_threads())
         return self._batch
 
-    def _all_ones(self, num_rows: int) -> torch.Tensor:
-        # NOTE: filled through numpy: torch's fill or copy of this size opens an OpenMP
-        # parallel region (3 ms on a loaded 2-core CPU; numpy's memset: ~50 us).
-        words = (self.vocab_size + 31) // 32
-        if not self._pinned:
-            return torch.from_numpy(np.full((num_rows, words), -1, dtype=np.int32))
+    def _all_ones(self, num_rows: int, rows: list[int]) -> torch.Tensor:
+        """The next buffer's first `num_rows` rows, all ones but for `rows` (which the
+        matchers fill whole)."""
+        # NOTE: through numpy: torch's fill or copy of this size opens an OpenMP parallel
+        # region (3 ms on a loaded 2-core CPU; numpy's memset: ~50 us). Only the rows the
+        # buffer's last mask filled are set again.
         self._turn ^= 1
-        buffer = self._buffers[self._turn]
+        buffer, filled = self._buffers[self._turn], self._filled[self._turn]
         if buffer is None or buffer.shape[0] < num_rows:
-            buffer = torch.empty((num_rows, words), dtype=torch.int32, pin_memory=True)
+            words = (self.vocab_size + 31) // 32
+            buffer = torch.empty((num_rows, words), dtype=torch.int32, pin_memory=self._pinned)
+            buffer.numpy().fill(-1)
             self._buffers[self._turn] = buffer
-        bitmask = buffer[:num_rows]
-        bitmask.numpy().fill(-1)
-        return bitmask
+            filled.clear()
+        view = buffer.numpy()
+        for row in filled.difference(rows):
+            if row < num_rows:
+                view[row] = -1
+                filled.discard(row)
+        filled.update(rows)
+        return buffer[:num_rows]
 
     def fill_bitmask_async(self, num_rows: int, rows: list[int], matchers: list[Any]) -> MaskFill:
         """`fill_bitmask` on the mask thread."""

@@ -114,13 +114,18 @@ class StandInRunner:
             import numpy as np
 
             # A word of the row with an allowed token, then one of its set bits: not
-            # uniform over the allowed tokens, but cheap, as sampling on a device is.
-            mask = bitmask.numpy()
+            # uniform over the allowed tokens, but cheap for the host, as sampling on a
+            # device is.
+            mask = bitmask.numpy().view(np.uint32)
+            rng = self._rng
             for row in handle.rows:
                 words = np.flatnonzero(mask[row])
-                w = int(words[self._rng.randrange(len(words))])
-                bits = [b for b in range(32) if (int(mask[row, w]) >> b) & 1]
-                handle.forced[row] = w * 32 + bits[self._rng.randrange(len(bits))]
+                w = int(words[rng.randrange(len(words))])
+                word, turn = int(mask[row, w]), rng.randrange(32)
+                # The lowest set bit of the word turned by `turn`, turned back.
+                turned = ((word >> turn) | (word << (32 - turn))) & 0xFFFFFFFF
+                bit = ((turned & -turned).bit_length() - 1 + turn) % 32
+                handle.forced[row] = w * 32 + bit
         return handle
 
     def collect(self, handle: _Handle) -> StepSamples:
