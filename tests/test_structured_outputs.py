@@ -409,6 +409,39 @@ def test_bitmask_buffers_reused_in_turn_hold_only_this_steps_masks(engine):
         compiler.close()
 
 
+def test_engine_a_failed_mask_ends_the_constrained_requests_not_the_plain_ones(engine,
+                                                                              monkeypatch):
+    """The grammar backend failing on a step's masks ends the requests under a grammar in
+    that step, with the error; a plain request beside them gets the text it gets alone."""
+    plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    alone = engine.generate(["The capital of France is"], plain)["token_ids"][0]
+    fill, calls = engine._grammars.fill_bitmask, []
+
+    class Failed:  # a fill that raised on the mask thread
+        def result(self):
+            raise RuntimeError("matcher out of step")
+
+    def failing(out, rows):
+        calls.append(len(calls))
+        return Failed() if len(calls) == 4 else fill(out, rows)
+
+    monkeypatch.setattr(engine._grammars, "fill_bitmask", failing)
+    ids = [engine.add_prompt("A product code:", constrained(24, regex=r"[A-Z]{3}-\d{4}, lot \d+")),
+           engine.add_prompt("The capital of France is", plain)]
+    seqs = [engine._seqs[i] for i in ids]
+    reported = []
+    while not engine.scheduler.is_finished():
+        reported += [seq_id for seq_id, _ in engine.step()[0]]
+    under, free = seqs
+    assert under.finish_reason == "error" and "matcher out of step" in under.error
+    assert under.error.startswith("structured_outputs:")
+    assert free.finish_reason == "length" and free.completion_token_ids == alone
+    assert sorted(reported) == sorted(ids)
+    monkeypatch.undo()
+    again = engine.generate(["Name a color:"], constrained(4, choice=["red", "blue"]))
+    assert again["text"][0] in ("red", "blue")  # the engine serves on
+
+
 def test_engine_grammar_error_fails_the_request_and_the_engine_serves_on(engine):
     with pytest.raises(RuntimeError, match=r"structured_outputs\.regex: cannot be compiled"):
         engine.generate(["x"], constrained(4, regex="a(b"))

@@ -163,6 +163,10 @@ class LLMEngine:
             else self.device.type == "cuda"
         )
         self._in_flight: _InFlight | None = None
+        # Requests whose step's masks failed: to end when that step is read, then ended
+        # (for step() to report).
+        self._mask_failing: list[Sequence] = []
+        self._mask_failed: list[tuple[int, list[int]]] = []
         # Structured outputs: the backend is built at the first constrained request.
         self._grammars = GrammarRequests(
             self.tokenizer, self.config.model.vocab_size, sorted(self.eos_token_ids),
@@ -266,6 +270,9 @@ class LLMEngine:
             # read it; wait for it so an idle engine leaves no work on the device.
             last, self._in_flight = self._in_flight, None
             self._apply(last, start)
+        if self._mask_failed:
+            finished += self._mask_failed
+            self._mask_failed = []
         if launched is None:
             if (self._grammars.compiling and self._in_flight is None
                     and not self.scheduler.running):
@@ -290,6 +297,8 @@ class LLMEngine:
         pending = [out] if self._in_flight is None else [out, self._in_flight.out]
         self._sample_if_masked(step, pending)
         sampled = self._guarded(pending, self._collect, step.handle)
+        if self._mask_failing:
+            self._end_mask_failures()  # before their tokens would be kept
         prompt_tokens = sum(s.num_tokens for s in out.scheduled if s.is_prefill)
         _record_logprobs(out, sampled)
         grown = self.scheduler.update_from_output(out, sampled.token_ids)
@@ -369,8 +378,37 @@ class LLMEngine:
     def _sample_if_masked(self, step: _InFlight, outs: list[SchedulerOutput]) -> None:
         """Launch a masked step's sampling (waiting for its mask) if it is still due."""
         masked = step.handle
-        if isinstance(masked, MaskedForward):
-            step.handle = self._guarded([step.out, *outs], masked.sample, self.runner)
+        if not isinstance(masked, MaskedForward):
+            return
+        assert masked.mask is not None
+        try:
+            bitmask = masked.mask.result()
+        except Exception as e:  # noqa: BLE001 - the grammar's requests fail, the rest go on
+            bitmask = self._fail_masked_rows(step.out, masked.rows, e)
+        step.handle = self._guarded([step.out, *outs], self.runner.sample, masked.forward,
+                                    bitmask)
+
+    def _fail_masked_rows(self, out: SchedulerOutput, rows: list[int],
+                          error: Exception) -> torch.Tensor:
+        """The grammar backend failed on a step's masks: the requests of `rows` end with
+        the error when the step is read (their tokens from it dropped; a step already
+        scheduled may hold them); returns a bitmask that lets the step sample every row,
+        the others as they would have."""
+        for i in rows:
+            seq = out.scheduled[i].seq
+            if not seq.is_finished:
+                seq.error = f"structured_outputs: {type(error).__name__}: {error}"
+                self._mask_failing.append(seq)
+        words = (self.config.model.vocab_size + 31) // 32
+        return torch.full((len(out.scheduled), words), -1, dtype=torch.int32)
+
+    def _end_mask_failures(self) -> None:
+        for seq in self._mask_failing:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "error")
+                self._mask_failed.append((seq.seq_id, seq.completion_token_ids))
+                self._forget_if_unstreamed(seq)
+        self._mask_failing.clear()
 
     def _step_input(self, out: SchedulerOutput, batch: ForwardBatch) -> StepInput:
         """What the workers need for this step beyond what they hold already."""

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from .structured_outputs import GrammarCompiler, GrammarError, MaskFill
 
 if TYPE_CHECKING:
-    from .model_runner import LaunchedForward, ModelRunner, StepHandle
+    from .model_runner import LaunchedForward
     from .scheduler import SchedulerOutput
     from .sequence import Sequence
 
@@ -30,11 +30,6 @@ class MaskedForward:
     forward: LaunchedForward
     rows: list[int]
     mask: MaskFill | None = None
-
-    def sample(self, runner: ModelRunner) -> StepHandle:
-        """Launch the step's sampling under its mask (waiting for the mask)."""
-        assert self.mask is not None
-        return runner.sample(self.forward, self.mask.result())
 
 
 class GrammarRequests:
