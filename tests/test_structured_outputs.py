@@ -129,6 +129,20 @@ def test_constrained_requests_take_the_same_steps():
     assert [item.seq for item in together.scheduled] == [first, plain, second]
 
 
+def test_a_constrained_request_held_for_its_turn_starts_when_nothing_else_runs():
+    """A constrained request arriving while another decodes alone is not held back for a
+    turn that never comes: with nothing else to run, both go."""
+    sched = Scheduler(BlockManager(32, 4, True), 8, 64)
+    first, second = (Sequence(i, [1, 2, 3], SamplingParams(), 64) for i in (0, 1))
+    first.grammar = second.grammar = object()
+    sched.add(first)
+    sched.schedule()  # its prefill samples its first token under its mask
+    sched.add(second)
+    both = sched.schedule(masked_in_flight=True)
+    assert [(item.seq, item.fill_from) for item in both.scheduled] == [(first, 0),
+                                                                       (second, None)]
+
+
 def test_the_bitmask_masks_only_the_rows_it_constrains():
     vocab = 70
     logits = torch.randn(3, vocab)

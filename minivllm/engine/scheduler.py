@@ -94,10 +94,31 @@ class Scheduler:
         (`masked_in_flight`: they all take the same steps, every other one, and the
         steps between sample as plain ones do)."""
         out = SchedulerOutput()
-        budget, num_ending, num_sat_out = self._schedule_running(
+        budget, num_ending, held = self._schedule_running(
             out, sit_out=True, align=masked_in_flight)
-        bm = self.block_manager
+        held += self._admit(out, budget, num_ending, hold_grammar=masked_in_flight)
+        if held and not out.scheduled and not out.preempted:
+            # Nothing else runs: those held back for their grammar run now.
+            budget, num_ending, _ = self._schedule_running(out, sit_out=False)
+            self._admit(out, budget, num_ending, hold_grammar=False)
 
+        # The step is now in flight for its sequences.
+        for row, item in enumerate(out.scheduled):
+            seq = item.seq
+            seq.num_inflight_tokens += item.num_tokens
+            if item.samples:
+                seq.num_placeholders += 1
+                seq.sample_row = row
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int, num_ending: int,
+               hold_grammar: bool) -> int:
+        """Admit waiting sequences in arrival order with what is left of the budget
+        (`num_ending`: running ones that end when the step in flight is collected).
+        Returns how many under a grammar it held back (`hold_grammar`: their turn is the
+        step after)."""
+        bm = self.block_manager
+        held = 0
         # Admitting while preempting would only thrash: wait for blocks to come back.
         w = 0  # the first waiting sequence not passed over
         while (
@@ -107,9 +128,10 @@ class Scheduler:
             and len(self.running) - num_ending < self.max_num_sequences
         ):
             seq = self.waiting[w]
-            if seq.awaiting_grammar or (masked_in_flight and seq.grammar is not None):
+            if seq.awaiting_grammar or (hold_grammar and seq.grammar is not None):
                 # Its grammar still compiles, or its turn is the next step: those behind
                 # it go first.
+                held += not seq.awaiting_grammar
                 w += 1
                 continue
             if seq.num_placeholders:  # preempted while its token was in flight
@@ -133,18 +155,7 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(self._scheduled(seq, seq.num_computed_tokens, num_tokens))
             budget -= num_tokens
-
-        if num_sat_out and not out.scheduled and not out.preempted:
-            self._schedule_running(out, sit_out=False)  # nothing else runs: they do
-
-        # The step is now in flight for its sequences.
-        for row, item in enumerate(out.scheduled):
-            seq = item.seq
-            seq.num_inflight_tokens += item.num_tokens
-            if item.samples:
-                seq.num_placeholders += 1
-                seq.sample_row = row
-        return out
+        return held
 
     def _schedule_running(self, out: SchedulerOutput, sit_out: bool,
                           align: bool = False) -> tuple[int, int, int]:
