@@ -7,7 +7,7 @@
 #  decode-ab: the decode switches' tests, then scripts/decode_ab.py (kernels/tuning.py's
 #  switches side by side; DECODE_AB_VARIANTS picks them; ~2.5 minutes);
 #  structured: the masked sampling's GPU tests, then bench serve with half the clients
-#  under a JSON schema;
+#  under a JSON schema, then scripts/bench_structured.py in process;
 #  host: tests + the host-overhead benchmarks (throughput overlapped vs synchronous, prefill TTFT
 #  per length, the chat workload, a cold start); app: tests + the chat app's bench;
 #  all: everything)
@@ -62,8 +62,13 @@ if [ "${1:-}" = "structured" ]; then
     --load-format dummy --max-model-len 2048 --max-num-seqs 32 --prompt-len 128 \
     --output-len 256 --concurrency 32 --modes server --json-fraction 0 0.5 --rounds 3) \
     2>&1 | grep -v "it/s\]" | tee "$OUT/bench-structured.log" | tail -4
+  # The same in process: a plain request's rate next to 16 of 32 constrained ones.
+  (cd /tmp && timeout 200 $PY "$REPO/scripts/bench_structured.py" --device cuda \
+    --load-format dummy --model "$MINIVLLM_TEST_SMOL_CONFIG" --batch 32 --constrained 0.5 \
+    --tokens 256 --rounds 3) 2>&1 | tee "$OUT/bench-structured-engine.log" | tail -2
   echo; echo "== summary =="; grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -1
   grep -E "^server" "$OUT/bench-structured.log"
+  tail -2 "$OUT/bench-structured-engine.log"
   exit 0
 fi
 
