@@ -163,10 +163,8 @@ class LLMEngine:
             else self.device.type == "cuda"
         )
         self._in_flight: _InFlight | None = None
-        # Requests whose step's masks failed: to end when that step is read, then ended
-        # (for step() to report).
+        # Requests whose step's masks failed: they end when that step is read.
         self._mask_failing: list[Sequence] = []
-        self._mask_failed: list[tuple[int, list[int]]] = []
         # Structured outputs: the backend is built at the first constrained request.
         self._grammars = GrammarRequests(
             self.tokenizer, self.config.model.vocab_size, sorted(self.eos_token_ids),
@@ -270,9 +268,6 @@ class LLMEngine:
             # read it; wait for it so an idle engine leaves no work on the device.
             last, self._in_flight = self._in_flight, None
             self._apply(last, start)
-        if self._mask_failed:
-            finished += self._mask_failed
-            self._mask_failed = []
         if launched is None:
             if (self._grammars.compiling and self._in_flight is None
                     and not self.scheduler.running):
@@ -297,13 +292,12 @@ class LLMEngine:
         pending = [out] if self._in_flight is None else [out, self._in_flight.out]
         self._sample_if_masked(step, pending)
         sampled = self._guarded(pending, self._collect, step.handle)
-        if self._mask_failing:
-            self._end_mask_failures()  # before their tokens would be kept
+        # Before their tokens would be kept.
+        finished = self._end_mask_failures() if self._mask_failing else []
         prompt_tokens = sum(s.num_tokens for s in out.scheduled if s.is_prefill)
         _record_logprobs(out, sampled)
         grown = self.scheduler.update_from_output(out, sampled.token_ids)
         now = time.perf_counter()
-        finished = []
         for seq in grown:
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -311,9 +305,10 @@ class LLMEngine:
                 # Cannot happen with the mask applied; a matcher out of step fails loudly.
                 seq.error = f"structured_outputs: the grammar rejected token {seq.last_token}"
                 self.scheduler.finish(seq, "error")
-            elif seq.grammar is not None and seq.grammar.is_terminated():
-                # It took its end token: nothing may follow, whatever ignore_eos or
-                # min_tokens ask.
+            elif (seq.grammar is not None and seq.last_token in self.eos_token_ids
+                  and seq.grammar.is_terminated()):
+                # It took its end token (the grammars end on the eos ids): nothing may
+                # follow, whatever ignore_eos or min_tokens ask.
                 self.scheduler.finish(seq, "stop")
             reason = None if seq.is_finished else self._finish_reason(seq)
             if reason is not None:
@@ -399,16 +394,19 @@ class LLMEngine:
             if not seq.is_finished:
                 seq.error = f"structured_outputs: {type(error).__name__}: {error}"
                 self._mask_failing.append(seq)
-        words = (self.config.model.vocab_size + 31) // 32
-        return torch.full((len(out.scheduled), words), -1, dtype=torch.int32)
+        assert self._grammars.compiler is not None  # it filled the masks that failed
+        return self._grammars.compiler.all_ones(len(out.scheduled))
 
-    def _end_mask_failures(self) -> None:
+    def _end_mask_failures(self) -> list[tuple[int, list[int]]]:
+        """End the requests whose masks failed; returns them as `_apply` reports ends."""
+        ended = []
         for seq in self._mask_failing:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "error")
-                self._mask_failed.append((seq.seq_id, seq.completion_token_ids))
+                ended.append((seq.seq_id, seq.completion_token_ids))
                 self._forget_if_unstreamed(seq)
         self._mask_failing.clear()
+        return ended
 
     def _step_input(self, out: SchedulerOutput, batch: ForwardBatch) -> StepInput:
         """What the workers need for this step beyond what they hold already."""

@@ -86,6 +86,7 @@ class GrammarCompiler:
                  pinned: bool = False) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32  # a bitmask row's int32 words
         self.stop_token_ids = list(stop_token_ids)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-grammar")
         # Masks fill on their own thread: never queued behind a long compilation.
@@ -172,8 +173,7 @@ class GrammarCompiler:
         all ones, except each of `rows` filled by its matcher with the tokens that may
         come next."""
         if not rows:
-            return torch.from_numpy(np.full((num_rows, (self.vocab_size + 31) // 32), -1,
-                                            dtype=np.int32))
+            return self.all_ones(num_rows)
         bitmask = self._all_ones(num_rows, rows)
         inner = [m.matcher if isinstance(m, _JsonMatcher) else m for m in matchers]
         if len(rows) == 1:
@@ -196,6 +196,10 @@ class GrammarCompiler:
             self._batch = xgr.BatchGrammarMatcher(max_threads=_mask_threads())
         return self._batch
 
+    def all_ones(self, num_rows: int) -> torch.Tensor:
+        """A new bitmask of `num_rows` rows that allows every token."""
+        return torch.from_numpy(np.full((num_rows, self.words), -1, dtype=np.int32))
+
     def _all_ones(self, num_rows: int, rows: list[int]) -> torch.Tensor:
         """The next buffer's first `num_rows` rows, all ones but for `rows` (which the
         matchers fill whole)."""
@@ -205,8 +209,8 @@ class GrammarCompiler:
         self._turn ^= 1
         buffer, filled = self._buffers[self._turn], self._filled[self._turn]
         if buffer is None or buffer.shape[0] < num_rows:
-            words = (self.vocab_size + 31) // 32
-            buffer = torch.empty((num_rows, words), dtype=torch.int32, pin_memory=self._pinned)
+            buffer = torch.empty((num_rows, self.words), dtype=torch.int32,
+                                 pin_memory=self._pinned)
             buffer.numpy().fill(-1)
             self._buffers[self._turn] = buffer
             filled.clear()
