@@ -22,6 +22,9 @@ class EnvVar:
 _SPLIT_LENGTHS = ("0", "128", "256", "512", "1024")
 DECODE_TILES = ("128x4x2", "128x4x1", "128x8x1", "128x8x2", "64x4x1", "64x4x2", "64x4x3",
                 "64x8x1", "32x4x1", "32x4x2")
+PREFILL_TILES = ("64x64x4x2", "64x64x4x3", "128x32x4x3", "128x32x4x4", "128x64x4x2",
+                 "128x64x4x3", "128x64x4x4", "128x64x8x3", "128x128x4x3", "128x128x8x2",
+                 "128x128x8x3", "256x64x8x3", "256x128x8x2")
 
 VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     # Where files go.
@@ -75,6 +78,15 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "programs resident per SM)", DECODE_TILES),
     EnvVar("MINIVLLM_DECODE_LOADED_TILE_FP8", "128x4x2",
            "the same with an fp8 KV cache", DECODE_TILES),
+    EnvVar("MINIVLLM_PREFILL_TILE", "128x64x4x3",
+           "BLOCK_M x BLOCK_N x warps x stages of the 16-bit prefill attention's tiles",
+           PREFILL_TILES),
+    EnvVar("MINIVLLM_PREFILL_TMA", "1",
+           "1: prefill attention loads K/V tiles through TMA descriptors on Hopper and "
+           "later (where BLOCK_N divides the KV block)", ("0", "1")),
+    EnvVar("MINIVLLM_PREFILL_LAST_FIRST", "1",
+           "1: prefill attention's last query tiles (the longest rows) start first",
+           ("0", "1")),
     EnvVar("MINIVLLM_DECODE_SHORT", "256",
            "steps whose longest context is at most this many positions launch decode "
            "attention with one split, one program per sequence and KV head (0: never)",

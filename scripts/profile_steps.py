@@ -4,6 +4,8 @@ python3 scripts/profile_steps.py  (Qwen3-0.6B config, random weights, bf16)
 python3 scripts/profile_steps.py --decode 1x128 --decode 1x32768 --decode 8x128
     per-kernel time of one decode step (batch x context) and the bandwidth each reaches
     (--kv-cache-dtype fp8: over an fp8 KV cache)
+python3 scripts/profile_steps.py --prefill 8192 --prefill 32768 [--kv-cache-dtype fp8]
+    where a lone prompt's time to first token goes: wall, GPU busy, kernels by name
 python3 scripts/profile_steps.py --throughput [--kv-cache-dtype fp8]
     `bench throughput`'s workload step by step: wall and GPU busy / idle time a step in a few
     profiled windows, and where the busy time goes
@@ -164,6 +166,57 @@ def decode_kernels(batch: int, context: int, steps: int = 5, kv_cache_dtype: str
     llm.exit()
 
 
+def prefill_kernels(length: int, kv_cache_dtype: str = "auto") -> None:
+    """Where a lone `length`-token prompt's time to first token goes (chunks of 8,192
+    tokens): its wall time, the GPU's busy time and the kernels' time, by name."""
+    from torch.autograd import DeviceType
+
+    llm = LLMEngine(
+        {
+            "model_name_or_path": "Qwen/Qwen3-0.6B",
+            "load_format": "dummy",
+            "max_model_length": length + 512,
+            "max_num_batched_tokens": 8192,
+            "gpu_memory_utilization": 0.5,
+            "kv_cache_dtype": kv_cache_dtype,
+        }
+    )
+    rng = random.Random(0)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    def prefill() -> float:
+        llm.add_prompt([rng.randrange(150000) for _ in range(length)], one)  # no prefix hit
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        while not llm.scheduler.is_finished():
+            llm.step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3
+
+    prefill()  # compiles and warms up this shape
+    wall_ms = statistics.median(prefill() for _ in range(3))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        prefill()
+    events = sorted(
+        (e for e in prof.events() if e.device_type == DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    times: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    for e in events:
+        label = kernel_group(e.name)
+        times[label] += e.time_range.elapsed_us() / 1e3
+        calls[label] += 1
+    busy = sum(time_past_earlier(events)) / 1e3
+    total = sum(times.values())
+    print(f"\n== prefill of {length} tokens, KV {kv_cache_dtype}: {wall_ms:.1f} ms (wall, "
+          f"median of 3), GPU busy {busy:.1f} ms, kernels {total:.1f} ms ==")
+    print(f"{'kernel':50} {'calls':>6} {'ms':>8} {'share':>6}")
+    for label, t in sorted(times.items(), key=lambda kv: -kv[1])[:14]:
+        print(f"{label:50} {calls[label]:6d} {t:8.2f} {100 * t / total:5.1f}%")
+    llm.exit()
+
+
 def kernel_group(name: str) -> str:
     """A coarse label for a kernel of the throughput run's steps."""
     low = name.lower()
@@ -266,10 +319,16 @@ def main() -> None:
     parser.add_argument("--decode", action="append", default=[], metavar="BATCHxCONTEXT",
                         help="only the per-kernel decode profile of these shapes")
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
-                        help="--decode: the KV cache's storage")
+                        help="--decode / --prefill / --throughput: the KV cache's storage")
     parser.add_argument("--throughput", action="store_true",
                         help="profiled windows of `bench throughput`'s workload")
+    parser.add_argument("--prefill", action="append", type=int, default=[], metavar="TOKENS",
+                        help="only the kernels of a lone prompt of this many tokens")
     opts = parser.parse_args()
+    if opts.prefill:
+        for length in opts.prefill:
+            prefill_kernels(length, opts.kv_cache_dtype)
+        return
     if opts.throughput:
         throughput_windows(opts.kv_cache_dtype)
         return

@@ -288,9 +288,12 @@ def check_compile_sm90() -> None:
     sig = {n: "*bf16" for n in _prefill_kernel.arg_names if n.endswith("_ptr")}
     sig.update(fp8, cu_seqlens_ptr="*i32", seq_lens_ptr="*i32", block_tables_ptr="*i32",
                **scalars)
-    _compile_sm90(_prefill_kernel, sig,
-                  dict(GROUP=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=64,
-                       BLOCK_N=64, DOT_PRECISION="tf32", KV_FP8=True), 4, 2)
+    tiles = dict(GROUP=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=128,
+                 BLOCK_N=64, DOT_PRECISION="tf32", KV_FP8=True, LAST_FIRST=True)
+    _compile_sm90(_prefill_kernel, sig, dict(tiles, k_desc=None, v_desc=None, TMA=False), 4, 3)
+    desc = "tensordesc<fp8e4nv[64, 128]>"  # TMA loads of the fp8 tiles
+    _compile_sm90(_prefill_kernel, dict(sig, k_desc=desc, v_desc=desc), dict(tiles, TMA=True),
+                  4, 3)
     sig = {n: "*fp32" for n in _decode_attention_kernel.arg_names if n.endswith("_ptr")}
     sig.update(fp8, q_ptr="*bf16", out_ptr="*bf16", block_tables_ptr="*i32",
                seq_lens_ptr="*i32", counters_ptr="*i32", positions_ptr="*i64",

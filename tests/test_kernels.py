@@ -264,7 +264,9 @@ def check_prefill_attention() -> None:
 
     seq_lens = [s for s, _ in PREFILL_SEQS]
     cu = torch.tensor([0, *itertools.accumulate(q for _, q in PREFILL_SEQS)], dtype=torch.int32)
-    small_tiles = dict(BLOCK_M=16, BLOCK_N=16, DOT_PRECISION="ieee", num_warps=4, num_stages=1)
+    # The last query tiles first: the grid's order does not change a row's result.
+    small_tiles = dict(BLOCK_M=16, BLOCK_N=16, DOT_PRECISION="ieee", num_warps=4, num_stages=1,
+                       LAST_FIRST=True)
     for dtype, block_size, (num_heads, num_kv_heads) in ATTENTION_CASES:
         cache = paged_kv(seq_lens, num_kv_heads, HEAD_DIM, block_size, dtype, "cpu")
         args = (cache.k_cache, cache.v_cache, cu, cache.seq_lens, cache.block_tables)
@@ -583,6 +585,7 @@ def _compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: in
 def check_compile_sm90() -> None:
     from minivllm.kernels.decode_attention import _decode_attention_kernel
     from minivllm.kernels.gemv import _gemv_kernel
+    from minivllm.kernels.prefill_attention import _prefill_kernel
     from minivllm.kernels.qkv_rotary_store import _qkv_rotary_store_kernel
     from minivllm.kernels.sample import BLOCK, _sample_kernel
 
@@ -621,6 +624,17 @@ def check_compile_sm90() -> None:
                            MIN_SPLIT_LEN=512 if prefetch else 128,
                            LATE_TRIGGER=4096 if prefetch else 0, KV_FP8=False,
                            FP8_AS_F16=False, FP8_ASM=False), 4, 2)
+    # Prefill: pointer loads and TMA descriptors, in the grid's order and last tiles first.
+    sig = {name: "*bf16" for name in _prefill_kernel.arg_names if name.endswith("_ptr")}
+    sig.update(cu_seqlens_ptr="*i32", seq_lens_ptr="*i32", block_tables_ptr="*i32",
+               qk_scale="fp32", v_scale="fp32")
+    tiles = dict(GROUP=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=128,
+                 BLOCK_N=64, DOT_PRECISION="tf32", KV_FP8=False)
+    _compile_sm90(_prefill_kernel, sig, dict(tiles, k_desc=None, v_desc=None, TMA=False,
+                                             LAST_FIRST=False), 4, 3)
+    desc = "tensordesc<bf16[64, 128]>"
+    _compile_sm90(_prefill_kernel, dict(sig, k_desc=desc, v_desc=desc),
+                  dict(tiles, TMA=True, LAST_FIRST=True), 4, 3)
     for has_mask in (False, True):
         _compile_sm90(_sample_kernel, dict(logits_ptr="*bf16", temps_ptr="*fp32",
                                            seed_ptr="*i64", mask_ptr="*i32", out_ptr="*i64"),

@@ -163,6 +163,36 @@ def test_prefill_attention_tile_variants() -> None:
         _assert_close(f"prefill tiles {describe_tiles(tiles)}", out, ref, TOL[torch.bfloat16])
 
 
+def test_prefill_attention_tma_reads_only_the_sequence() -> None:
+    """TMA loads whole tiles of a page: slots past a sequence's end (another sequence's
+    values, here NaN) must not reach its output."""
+    from minivllm.kernels.prefill_attention import (
+        _tile_config,
+        prefill_attention,
+        prefill_attention_ref,
+    )
+    from minivllm.kernels.testing import paged_kv
+
+    seqs = [(17, 17), (300, 300), (2048, 1000), (70, 1)]
+    cu = torch.tensor([0, *itertools.accumulate(q for _, q in seqs)], dtype=torch.int32,
+                      device=DEVICE)
+    cache = paged_kv([s for s, _ in seqs], 8, 128, 256, torch.bfloat16, DEVICE)
+    owned = torch.zeros(cache.k_cache.shape[:2], dtype=torch.bool, device=DEVICE)
+    for i, (seq_len, _) in enumerate(seqs):
+        for pos in range(seq_len):
+            owned[cache.block_tables[i, pos // 256], pos % 256] = True
+    for c in (cache.k_cache, cache.v_cache):
+        c[~owned] = float("nan")
+    args = (cache.k_cache, cache.v_cache, cu, cache.seq_lens, cache.block_tables)
+    q = torch.randn(int(cu[-1]), 16, 128, device=DEVICE).to(torch.bfloat16)
+    ref = prefill_attention_ref(q.double(), *(a.double() for a in args[:2]), *args[2:], 0.088)
+    for block_m, warps in ((64, 4), (128, 8)):
+        tiles = dict(_tile_config(torch.bfloat16, 128), BLOCK_M=block_m, BLOCK_N=64,
+                     num_warps=warps, num_stages=3, TMA=True)
+        out = prefill_attention(q, *args, 0.088, tile_config=tiles)
+        _assert_close(f"prefill TMA M{block_m}", out, ref, TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_store_kvcache(dtype: torch.dtype) -> None:
     from minivllm.kernels.store_kvcache import store_kvcache, store_kvcache_ref

@@ -6,7 +6,12 @@ earlier prefill chunk) and attend to them. This step's K/V must already be store
 The Triton version is flash attention over the paged cache: one program per (query head,
 tile of BLOCK_M queries of one sequence), online softmax over BLOCK_N-token KV tiles
 gathered through the block table, fp32 accumulation. Programs find their sequence by a
-binary search over cu_seqlens_q, so the grid needs no host sync.
+binary search over cu_seqlens_q, so the grid needs no host sync. The tiles before a query
+tile's diagonal skip the causal mask. On Hopper and later, K/V tiles load through TMA
+descriptors of the layer's cache seen as a [slots, heads x head_dim] table (a tile lies in
+one page when BLOCK_N divides the block size); elsewhere, pointer loads. The grid's last
+query tiles, whose rows see the most keys, start first. Tiles, loads and order are
+`kernels/tuning.py`'s prefill switches.
 """
 
 from __future__ import annotations
@@ -14,9 +19,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minivllm.kernels.attention_tile import LOG2E, attend_kv_tile
+from minivllm.kernels.attention_tile import LOG2E
 from minivllm.kernels.dispatch import INDEX_DTYPES, check_paged_attention, check_tensor, tl, triton
 from minivllm.kernels.store_kvcache import dequantize_kv, is_fp8
+from minivllm.kernels.tuning import prefill_tile
 
 
 def gather_kv(
@@ -91,6 +97,71 @@ def prefill_attention_ref(
 
 
 @triton.jit
+def _attend_prefill_tile(
+    q,  # [BLOCK_M, HEAD_DIM] in the compute dtype
+    m,  # [BLOCK_M] running max (base 2)
+    l_sum,  # [BLOCK_M] running sum of exp2(s - m)
+    acc,  # [BLOCK_M, HEAD_DIM] fp32, unnormalised
+    k_cache_ptr,
+    v_cache_ptr,
+    k_desc,  # TMA descriptors of the layer's cache as [slots, NUM_KV_HEADS * HEAD_DIM]
+    v_desc,
+    block_table,  # this sequence's row of the block table
+    kv_start,  # the tile's first context position (a multiple of BLOCK_N)
+    kv_end,  # positions from here on are not read (masked tiles only)
+    q_pos,  # [BLOCK_M] the rows' positions
+    kv_head,
+    qk_scale,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr,  # the tile holds keys some row must not see, or past kv_end
+    TMA: tl.constexpr,  # load through k_desc / v_desc (the tile lies in one page)
+):
+    """One KV tile folded into the rows' online softmax. Tiles before the diagonal (every
+    row sees every key) skip the mask."""
+    offs_n = kv_start + tl.arange(0, BLOCK_N)
+    valid = offs_n < kv_end
+    if TMA:
+        page = tl.load(block_table + kv_start // BLOCK_SIZE).to(tl.int32)
+        row = page * BLOCK_SIZE + kv_start % BLOCK_SIZE
+        k = k_desc.load([row, kv_head * HEAD_DIM])
+        v = v_desc.load([row, kv_head * HEAD_DIM])
+    else:
+        dims = tl.arange(0, HEAD_DIM)[None, :]
+        if MASKED:
+            page = tl.load(block_table + offs_n // BLOCK_SIZE, mask=valid, other=0)
+        else:
+            page = tl.load(block_table + offs_n // BLOCK_SIZE)
+        # NOTE: int64: a layer's pool can exceed 2**31 elements.
+        slot = page.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE  # [BLOCK_N]
+        offsets = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM + dims
+        if MASKED:
+            k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0)
+        else:
+            k = tl.load(k_cache_ptr + offsets)
+            v = tl.load(v_cache_ptr + offsets)
+    # An fp8 cache is upcast to q's dtype (a no-op otherwise); its scales are the caller's.
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
+    if TMA and MASKED:  # the page's slots past the sequence hold another one's values
+        v = tl.where(valid[:, None], v, 0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & valid[None, :]
+        s = tl.where(visible, s, float("-inf"))  # [BLOCK_M, BLOCK_N]
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_sum, acc
+
+
+@triton.jit
 def _find_seq(cu_seqlens_ptr, num_seqs, tile, BLOCK_M: tl.constexpr):
     # Sequence i owns the query tiles [cu[i] // BLOCK_M + i, cu[i + 1] // BLOCK_M + i + 1):
     # at least cdiv(q_len_i, BLOCK_M) of them, and num_tokens // BLOCK_M + num_seqs in all.
@@ -114,6 +185,8 @@ def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_desc,  # TMA only: the cache as [slots, NUM_KV_HEADS * HEAD_DIM] (else None)
+    v_desc,
     out_ptr,
     cu_seqlens_ptr,
     seq_lens_ptr,
@@ -134,11 +207,15 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,  # the cache is fp8: q keeps its dtype, tiles are upcast to it
+    TMA: tl.constexpr,  # K/V tiles through k_desc / v_desc (BLOCK_N divides BLOCK_SIZE)
+    LAST_FIRST: tl.constexpr,  # the grid's last query tiles (the longest rows) start first
 ):
     # Heads vary fastest across the grid so a KV group's heads run together and share
     # their K/V tiles through L2.
     head = tl.program_id(0)
     tile = tl.program_id(1)
+    if LAST_FIRST:
+        tile = tl.num_programs(1) - 1 - tile
     seq = _find_seq(cu_seqlens_ptr, num_seqs, tile, BLOCK_M)
     q_start = tl.load(cu_seqlens_ptr + seq)
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
@@ -165,17 +242,23 @@ def _prefill_kernel(
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     block_table = block_tables_ptr + seq.to(tl.int64) * bt_stride_s
-    head_offset = kv_head * HEAD_DIM + dims[None, :]  # [1, HEAD_DIM]
-    # Causal: nothing past this tile's last query. Every row sees key 0, so the first tile
-    # makes each row's max finite and later fully masked tiles add exp2(-inf) = 0.
-    kv_end = tl.minimum(seq_len, seq_len - q_len + (local_tile + 1) * BLOCK_M)
-    for kv_start in range(0, kv_end, BLOCK_N):
-        offs_n = kv_start + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < kv_end
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_valid[None, :]  # [BLOCK_M, BLOCK_N]
-        m, l_sum, acc = attend_kv_tile(q, m, l_sum, acc, k_cache_ptr, v_cache_ptr, block_table,
-                                       offs_n, n_valid, visible, head_offset, qk_scale,
-                                       BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, DOT_PRECISION)
+    # Causal: nothing past this tile's last query. The tiles before the first row's own
+    # position are seen whole by every row (no mask); the rest hold the diagonal. Every
+    # row sees key 0, so the first tile makes each row's max finite and later fully masked
+    # tiles add exp2(-inf) = 0.
+    first_pos = seq_len - q_len + local_tile * BLOCK_M
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_M)
+    full_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+    for kv_start in range(0, full_end, BLOCK_N):
+        m, l_sum, acc = _attend_prefill_tile(
+            q, m, l_sum, acc, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_table,
+            kv_start, kv_end, q_pos, kv_head, qk_scale, BLOCK_SIZE, NUM_KV_HEADS,
+            HEAD_DIM, BLOCK_N, DOT_PRECISION, False, TMA)
+    for kv_start in range(full_end, kv_end, BLOCK_N):
+        m, l_sum, acc = _attend_prefill_tile(
+            q, m, l_sum, acc, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_table,
+            kv_start, kv_end, q_pos, kv_head, qk_scale, BLOCK_SIZE, NUM_KV_HEADS,
+            HEAD_DIM, BLOCK_N, DOT_PRECISION, True, TMA)
 
     out = acc / l_sum[:, None]
     if KV_FP8:
@@ -185,11 +268,30 @@ def _prefill_kernel(
 
 
 def _tile_config(dtype: torch.dtype, head_dim: int) -> dict:
+    flags = dict(TMA=False, LAST_FIRST=False)
     if dtype == torch.float32:  # exact fp32 dots; small tiles to keep registers in check
-        return dict(BLOCK_M=32, BLOCK_N=32, DOT_PRECISION="ieee", num_warps=4, num_stages=1)
+        return dict(flags, BLOCK_M=32, BLOCK_N=32, DOT_PRECISION="ieee", num_warps=4,
+                    num_stages=1)
     if head_dim > 128:
-        return dict(BLOCK_M=64, BLOCK_N=32, DOT_PRECISION="tf32", num_warps=4, num_stages=2)
-    return dict(BLOCK_M=64, BLOCK_N=64, DOT_PRECISION="tf32", num_warps=4, num_stages=2)
+        return dict(flags, BLOCK_M=64, BLOCK_N=32, DOT_PRECISION="tf32", num_warps=4,
+                    num_stages=2)
+    return dict(prefill_tile(), DOT_PRECISION="tf32")  # kernels/tuning.py
+
+
+def _kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> tuple:
+    """TMA descriptors of a layer's K and V as [slots, NUM_KV_HEADS * HEAD_DIM] tables of
+    [block_n, head_dim] tiles; (None, None) where TMA cannot serve: not a CUDA device of
+    compute capability 9.0 or later, or tiles that would straddle two pages."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    if (k_cache.device.type != "cuda" or block_size % block_n
+            or torch.cuda.get_device_capability(k_cache.device)[0] < 9):
+        return None, None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    shape = [num_blocks * block_size, num_kv_heads * head_dim]
+    strides = [num_kv_heads * head_dim, 1]
+    return tuple(TensorDescriptor(cache, shape, strides, [block_n, head_dim])
+                 for cache in (k_cache, v_cache))
 
 
 def prefill_attention(
@@ -229,11 +331,17 @@ def prefill_attention(
     fp8 = is_fp8(k_cache.dtype)
     compute_dtype = q.dtype if fp8 else k_cache.dtype
     config = _tile_config(compute_dtype, head_dim) if tile_config is None else tile_config
+    config = dict(config)
+    k_desc = v_desc = None
+    if config.pop("TMA", False):
+        k_desc, v_desc = _kv_descriptors(k_cache, v_cache, config["BLOCK_N"])
     num_tiles = num_tokens // config["BLOCK_M"] + num_seqs
     _prefill_kernel[(num_heads, num_tiles)](
         q,
         k_cache,
         v_cache,
+        k_desc,
+        v_desc,
         out,
         cu_seqlens_q,
         seq_lens,
@@ -251,6 +359,7 @@ def prefill_attention(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         KV_FP8=fp8,
-        **config,
+        TMA=k_desc is not None,
+        **{"LAST_FIRST": False, **config},
     )
     return out

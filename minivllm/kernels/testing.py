@@ -135,16 +135,26 @@ def prefill_tile_variants(dtype: torch.dtype, head_dim: int) -> list[dict]:
     from minivllm.kernels.prefill_attention import _tile_config
 
     default = _tile_config(dtype, head_dim)
+    flags = dict(TMA=False, LAST_FIRST=False)
     return [
-        dict(default, num_stages=3),
-        dict(default, BLOCK_M=128, num_warps=8),
-        dict(default, BLOCK_M=128, num_warps=8, num_stages=3),
-        dict(default, BLOCK_N=32),
+        dict(default, **flags, BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
+        dict(default, **flags, BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2),
+        dict(default, **flags, BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3),
+        dict(default, **flags, BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2),
+        dict(default, **flags, BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2),
+        dict(default, BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, TMA=False,
+             LAST_FIRST=True),
+        dict(default, BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=3, TMA=True,
+             LAST_FIRST=False),
+        dict(default, BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3, TMA=True,
+             LAST_FIRST=True),
     ]
 
 
 def describe_tiles(tiles: dict) -> str:
-    """'M64 N64 w4 s2': query and key tile sizes, warps, pipeline stages."""
+    """'M64 N64 w4 s2': query and key tile sizes, warps, pipeline stages (prefill: then
+    'tma' and 'last' where set)."""
     parts = [f"M{tiles['BLOCK_M']}"] if "BLOCK_M" in tiles else []
     parts += [f"N{tiles['BLOCK_N']}", f"w{tiles['num_warps']}", f"s{tiles['num_stages']}"]
+    parts += [name for key, name in (("TMA", "tma"), ("LAST_FIRST", "last")) if tiles.get(key)]
     return " ".join(parts)

@@ -6,7 +6,8 @@ prints decode tok/s at batch 1 and 8 and at a 32k context side by side). Their m
 are declared with the other variables in `minivllm.envs`: MINIVLLM_GEMV_MAX_K,
 MINIVLLM_GEMV_SILU_TILE, MINIVLLM_GEMV_WIDE, MINIVLLM_DECODE_PREFETCH,
 MINIVLLM_DECODE_MIN_SPLIT, MINIVLLM_DECODE_TILE, MINIVLLM_DECODE_LOADED_TILE(_FP8),
-MINIVLLM_DECODE_SHORT_TILE,
+MINIVLLM_DECODE_SHORT_TILE, MINIVLLM_PREFILL_TILE, MINIVLLM_PREFILL_TMA,
+MINIVLLM_PREFILL_LAST_FIRST,
 MINIVLLM_DECODE_SHORT, MINIVLLM_DECODE_LATE_TRIGGER and MINIVLLM_GRAPH_GREEDY.
 
 With the short launch's own tiles and contexts up to DECODE_MIN_SPLIT, DECODE_SHORT gives
@@ -79,6 +80,15 @@ def decode_short_tile() -> tuple[int, int, int]:
 
 
 @functools.cache
+def prefill_tile() -> dict:
+    """The 16-bit prefill attention's tiles and loads (kernels/prefill_attention.py)."""
+    block_m, block_n, warps, stages = (int(x) for x in _choice("MINIVLLM_PREFILL_TILE").split("x"))
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+                TMA=_choice("MINIVLLM_PREFILL_TMA") == "1",
+                LAST_FIRST=_choice("MINIVLLM_PREFILL_LAST_FIRST") == "1")
+
+
+@functools.cache
 def decode_late_trigger() -> int:
     return int(_choice("MINIVLLM_DECODE_LATE_TRIGGER"))
 
@@ -97,5 +107,5 @@ def clear() -> None:
     """Forget the values read (tests that change the environment)."""
     for fn in (gemv_max_k_tile, gemv_silu_tile, gemv_wide, decode_prefetch, decode_min_split,
                decode_tile, decode_loaded_tile, decode_short_tile, decode_late_trigger,
-               decode_short_max, graph_greedy):
+               decode_short_max, graph_greedy, prefill_tile):
         fn.cache_clear()
