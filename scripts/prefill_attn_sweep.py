@@ -4,6 +4,7 @@ TFLOP/s (causal pairs only), its error against torch's SDPA over the gathered K/
 best variant as the environment that selects it (kernels/tuning.py), printed last.
 
     python scripts/prefill_attn_sweep.py [--fp8] [--baseline DIR]
+    python scripts/prefill_attn_sweep.py --qkv   # the fused q/k norm + rotary + KV store
 
 --baseline DIR: another tree of the repository whose prefill kernel runs first with its
 default tiles (before/after in one process). Cases: an 8k prompt in one chunk, and the last
@@ -64,11 +65,41 @@ def load_baseline(tree: str):
     return module.prefill_attention
 
 
+def qkv_table(num_tokens: int = 8192) -> None:
+    """qkv_rotary_store over one 8k chunk per (tokens a program, warps): time and GB/s
+    (the qkv read, q and the K/V written)."""
+    from minivllm.kernels.qkv_rotary_store import qkv_rotary_store
+    from minivllm.kernels.testing import cos_sin_table, qk_norm_weights
+
+    width = (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
+    qkv = torch.randn(num_tokens, width, device="cuda").to(torch.bfloat16)
+    cache = paged_kv([num_tokens], NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, "cuda")
+    table = cos_sin_table(40960, HEAD_DIM, device="cuda")
+    positions = torch.arange(num_tokens, device="cuda")
+    block = cache.block_tables[0].long()
+    slots = block[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    weights = qk_norm_weights(HEAD_DIM, torch.bfloat16, "cuda")
+    moved = qkv.numel() * 2 + num_tokens * (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM * 2
+    print(f"\nqkv_rotary_store, {num_tokens} tokens ({moved / 1e6:.0f} MB moved)")
+    for block_tokens, warps in ((1, 1), (4, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4),
+                                (32, 8), (64, 8)):
+        ms = triton.testing.do_bench(lambda b=block_tokens, w=warps: qkv_rotary_store(
+            positions, qkv, NUM_HEADS, table, cache.k_cache, cache.v_cache, slots, **weights,
+            block_tokens=b, num_warps=w), warmup=25, rep=100)
+        print(f"  {block_tokens:3d} tokens x {warps} warps: {ms * 1e3:7.1f} us "
+              f"{moved / (ms * 1e-3) / 1e9:6.0f} GB/s", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--fp8", action="store_true", help="an fp8 (e4m3) KV cache")
     parser.add_argument("--baseline", default=None)
+    parser.add_argument("--qkv", action="store_true",
+                        help="only qkv_rotary_store's table (tokens a program x warps)")
     opts = parser.parse_args()
+    if opts.qkv:
+        qkv_table()
+        return
     torch.manual_seed(0)
     kv_dtype = FP8_KV_DTYPE if opts.fp8 else torch.bfloat16
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton "

@@ -283,8 +283,8 @@ def check_compile_sm90() -> None:
     sig.update(fp8, positions_ptr="*i64", slot_mapping_ptr="*i64", cos_sin_ptr="*fp32",
                **scalars)
     _compile_sm90(_qkv_rotary_store_kernel, sig,
-                  dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, QK_NORM=True,
-                       PDL=True, KV_FP8=True), 1)
+                  dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, BLOCK_T=16,
+                       QK_NORM=True, PDL=True, KV_FP8=True), 2)
     sig = {n: "*bf16" for n in _prefill_kernel.arg_names if n.endswith("_ptr")}
     sig.update(fp8, cu_seqlens_ptr="*i32", seq_lens_ptr="*i32", block_tables_ptr="*i32",
                **scalars)

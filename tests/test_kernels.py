@@ -470,17 +470,21 @@ def check_qkv_rotary_store() -> None:
         k_ref, v_ref = cache.k_cache.clone(), cache.v_cache.clone()
         q_ref = qkv_rotary_store_ref(positions, qkv, num_heads, cos_sin, k_ref, v_ref, slots,
                                      **weights)
-        q = qkv_rotary_store(positions, qkv, num_heads, cos_sin, cache.k_cache, cache.v_cache,
-                             slots.int(), **weights)
-        name = f"qkv_rotary_store {dtype} {num_heads}/{num_kv_heads} norm={qk_norm}"
-        _assert_close(name + " q", q, q_ref, TOL[dtype])
-        _assert_close(name + " k_cache", cache.k_cache, k_ref, TOL[dtype])
-        assert torch.equal(cache.v_cache, v_ref), name + " v_cache (a copy)"
-        # Slots nobody writes (-1 included) keep their contents.
-        written = torch.zeros(num_slots, dtype=torch.bool)
-        written[slots[slots >= 0]] = True
-        untouched = ~written.view(cache.k_cache.shape[:2])
-        assert torch.equal(cache.k_cache[untouched], k_ref[untouched]), name
+        # The 9 tokens in one program's tile (its tail masked), then in three of 4 tokens.
+        for block_tokens in (None, 4):
+            k_cache, v_cache = cache.k_cache.clone(), cache.v_cache.clone()
+            q = qkv_rotary_store(positions, qkv, num_heads, cos_sin, k_cache, v_cache,
+                                 slots.int(), **weights, block_tokens=block_tokens)
+            name = (f"qkv_rotary_store {dtype} {num_heads}/{num_kv_heads} norm={qk_norm} "
+                    f"block_tokens={block_tokens}")
+            _assert_close(name + " q", q, q_ref, TOL[dtype])
+            _assert_close(name + " k_cache", k_cache, k_ref, TOL[dtype])
+            assert torch.equal(v_cache, v_ref), name + " v_cache (a copy)"
+            # Slots nobody writes (-1 included) keep their contents.
+            written = torch.zeros(num_slots, dtype=torch.bool)
+            written[slots[slots >= 0]] = True
+            untouched = ~written.view(k_cache.shape[:2])
+            assert torch.equal(k_cache[untouched], k_ref[untouched]), name
 
 
 def check_qkv_decode_attention() -> None:
@@ -603,8 +607,8 @@ def check_compile_sm90() -> None:
     sig.update(positions_ptr="*i64", slot_mapping_ptr="*i64", cos_sin_ptr="*fp32", eps="fp32",
                k_scale="fp32", v_scale="fp32")
     _compile_sm90(_qkv_rotary_store_kernel, sig,
-                  dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, QK_NORM=True,
-                       PDL=True, KV_FP8=False), 1)
+                  dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, BLOCK_T=16,
+                       QK_NORM=True, PDL=True, KV_FP8=False), 2)
     sig = {name: "*fp32" for name in _decode_attention_kernel.arg_names if name.endswith("_ptr")}
     sig.update(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16",
                block_tables_ptr="*i32", seq_lens_ptr="*i32", counters_ptr="*i32",

@@ -2,8 +2,9 @@
 optional), rotary embedding of q and k, and the store of k and v into the paged cache.
 
 Replaces up to four launches a layer (q norm, k norm, rotary, KV store). One program per
-(token, head): heads [0, num_heads) are q heads, written to a new q tensor; the next
-num_kv_heads programs normalise and rotate a k head and copy its v head into the cache.
+(BLOCK_TOKENS tokens, head): heads [0, num_heads) are q heads, written to a new q tensor;
+the next num_kv_heads programs normalise and rotate a k head and copy its v head into the
+cache.
 k is not written back to the QKV buffer: attention reads it from the cache.
 """
 
@@ -23,6 +24,12 @@ from minivllm.kernels.pdl import attention_pdl
 from minivllm.kernels.rms_norm import rms_norm_ref
 from minivllm.kernels.rotary import rotary_ref
 from minivllm.kernels.store_kvcache import is_fp8, store_kvcache_ref, to_kv
+
+# Tokens a program (with 2 warps at head_dim 128). One (token, head) a program gave each
+# program so little work that an 8k-token chunk of Qwen3-0.6B (134 MB read and written) took
+# 240 us a layer on an H100, 559 GB/s; 16 tokens: 57.9 us, 2,319 GB/s (8 to 32 tokens and 1
+# to 8 warps within 5%; `python scripts/prefill_attn_sweep.py --qkv`).
+BLOCK_TOKENS = 16
 
 
 def qkv_rotary_store_ref(
@@ -54,7 +61,9 @@ def qkv_rotary_store_ref(
     return q
 
 
-@triton.jit
+# NOTE: the token count changes every step; not specialised on, so a new step size never
+# compiles a new variant mid-run.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _qkv_rotary_store_kernel(
     positions_ptr,
     qkv_ptr,
@@ -66,6 +75,7 @@ def _qkv_rotary_store_kernel(
     v_cache_ptr,
     slot_mapping_ptr,
     qkv_stride_t,
+    num_tokens,
     eps,
     k_scale,  # an fp8 cache's scales (kernels/store_kvcache.py)
     v_scale,
@@ -73,31 +83,35 @@ def _qkv_rotary_store_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,  # HEAD_DIM // 2
+    BLOCK_T: tl.constexpr,  # tokens a program
     QK_NORM: tl.constexpr,
     PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/pdl.py)
     KV_FP8: tl.constexpr,
 ):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    token = tl.program_id(0).to(tl.int64)
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     head = tl.program_id(1)
-    dims = tl.arange(0, HALF)
+    live = (tokens < num_tokens)[:, None]  # [BLOCK_T, 1]
+    dims = tl.arange(0, HALF)[None, :]  # [1, HALF]
     # Positions and the table are step inputs no kernel writes: read before the wait.
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + dims).to(tl.float32)  # [HALF]
-    sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + dims).to(tl.float32)
+    pos = tl.load(positions_ptr + tokens[:, None], mask=live, other=0).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * HEAD_DIM + dims, mask=live, other=0.0).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + pos * HEAD_DIM + HALF + dims, mask=live,
+                  other=0.0).to(tl.float32)  # [BLOCK_T, HALF]
     if PDL:
         tl.extra.cuda.gdc_wait()
     act_dtype = qkv_ptr.dtype.element_ty
-    src = qkv_ptr + token * qkv_stride_t + head * HEAD_DIM  # q heads, then k heads
-    x1 = tl.load(src + dims)
-    x2 = tl.load(src + HALF + dims)
+    src = qkv_ptr + tokens[:, None] * qkv_stride_t + head * HEAD_DIM  # q heads, then k heads
+    x1 = tl.load(src + dims, mask=live, other=0.0)
+    x2 = tl.load(src + HALF + dims, mask=live, other=0.0)
     if QK_NORM:
         # As rms_norm_ref: normed rows rounded, times the weight, rounded again.
-        is_q = (dims * 0 + head) < NUM_HEADS  # [HALF]: q or k weights
+        is_q = (dims * 0 + head) < NUM_HEADS  # [1, HALF]: q or k weights
         f1 = x1.to(tl.float32)
         f2 = x2.to(tl.float32)
-        rstd = tl.rsqrt((tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0)) / HEAD_DIM + eps)
+        rstd = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / HEAD_DIM + eps)
+        rstd = rstd[:, None]
         w1 = tl.where(is_q, tl.load(q_norm_ptr + dims), tl.load(k_norm_ptr + dims))
         w2 = tl.where(is_q, tl.load(q_norm_ptr + HALF + dims), tl.load(k_norm_ptr + HALF + dims))
         w1 = w1.to(tl.float32)
@@ -109,27 +123,26 @@ def _qkv_rotary_store_kernel(
     y1 = f1 * cos - f2 * sin
     y2 = f2 * cos + f1 * sin
     if head < NUM_HEADS:
-        q_dst = q_out_ptr + (token * NUM_HEADS + head) * HEAD_DIM
-        tl.store(q_dst + dims, y1.to(q_out_ptr.dtype.element_ty))
-        tl.store(q_dst + HALF + dims, y2.to(q_out_ptr.dtype.element_ty))
+        q_dst = q_out_ptr + (tokens[:, None] * NUM_HEADS + head) * HEAD_DIM
+        tl.store(q_dst + dims, y1.to(q_out_ptr.dtype.element_ty), mask=live)
+        tl.store(q_dst + HALF + dims, y2.to(q_out_ptr.dtype.element_ty), mask=live)
     else:
         kv_head = head - NUM_HEADS
-        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        # Padding tokens of a CUDA-graph bucket have no slot (-1), nor do the tile's rows
+        # past the step's tokens.
+        slot = tl.load(slot_mapping_ptr + tokens[:, None], mask=live, other=-1).to(tl.int64)
+        keep = slot >= 0  # [BLOCK_T, 1]
         # NOTE: int64 offsets: a layer's pool can exceed 2**31 elements.
         cache_offset = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
         # Rounded to the activation dtype first, as the reference's rotated k is.
-        # Padding tokens of a CUDA-graph bucket have no slot (-1).
-        half_mask = (dims * 0 + slot) >= 0  # [HALF]
         k_dst = k_cache_ptr + cache_offset
-        tl.store(k_dst + dims, to_kv(y1.to(act_dtype), k_scale, k_cache_ptr, KV_FP8),
-                 mask=half_mask)
+        tl.store(k_dst + dims, to_kv(y1.to(act_dtype), k_scale, k_cache_ptr, KV_FP8), mask=keep)
         tl.store(k_dst + HALF + dims, to_kv(y2.to(act_dtype), k_scale, k_cache_ptr, KV_FP8),
-                 mask=half_mask)
-        v_dims = tl.arange(0, HEAD_DIM)
-        v_mask = (v_dims * 0 + slot) >= 0
-        v = tl.load(src + NUM_KV_HEADS * HEAD_DIM + v_dims, mask=v_mask)
+                 mask=keep)
+        v_dims = tl.arange(0, HEAD_DIM)[None, :]
+        v = tl.load(src + NUM_KV_HEADS * HEAD_DIM + v_dims, mask=keep)
         tl.store(v_cache_ptr + cache_offset + v_dims, to_kv(v, v_scale, v_cache_ptr, KV_FP8),
-                 mask=v_mask)
+                 mask=keep)
 
 
 def check_qkv_inputs(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache, slot_mapping,
@@ -182,10 +195,13 @@ def qkv_rotary_store(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     check: bool = True,
+    block_tokens: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:  # q: [num_tokens, num_heads, head_dim], a new tensor
     """Triton version of `qkv_rotary_store_ref`. Positions are not range-checked (that
     would need a host sync); they must be < max_position. `check=False` skips the input
-    checks (an engine checks each kernel's first launch)."""
+    checks (an engine checks each kernel's first launch); `block_tokens` and `num_warps`
+    override a program's tokens (BLOCK_TOKENS) and warps (benchmarks, tests)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     device = k_cache.device
     num_tokens = qkv.shape[0]
@@ -196,7 +212,8 @@ def qkv_rotary_store(
     if num_tokens == 0:
         return q
     pdl = attention_pdl(device)
-    _qkv_rotary_store_kernel[(num_tokens, num_heads + num_kv_heads)](
+    block_t = BLOCK_TOKENS if block_tokens is None else block_tokens
+    _qkv_rotary_store_kernel[(triton.cdiv(num_tokens, block_t), num_heads + num_kv_heads)](
         positions,
         qkv,
         q,
@@ -207,6 +224,7 @@ def qkv_rotary_store(
         v_cache,
         slot_mapping,
         qkv.stride(0),
+        num_tokens,
         eps,
         k_scale,
         v_scale,
@@ -214,10 +232,11 @@ def qkv_rotary_store(
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         HALF=head_dim // 2,
+        BLOCK_T=block_t,
         QK_NORM=q_norm_weight is not None,
         PDL=pdl,
         KV_FP8=is_fp8(k_cache.dtype),
-        num_warps=1 if head_dim <= 128 else 2,
+        num_warps=max(1, min(4, block_t * head_dim // 1024)) if num_warps is None else num_warps,
         **({"launch_pdl": True} if pdl else {}),
     )
     return q
