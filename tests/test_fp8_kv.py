@@ -170,6 +170,9 @@ def test_reference_attention_reads_the_dequantized_cache() -> None:
 
 def check_interpreted() -> None:
     """fp32 activations (the interpreter's bf16 `tl.dot` is wrong) over an fp8 cache."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_kernels import poison_unowned_slots
+
     from minivllm.kernels.decode_attention import (
         decode_attention,
         decode_attention_ref,
@@ -239,8 +242,14 @@ def check_interpreted() -> None:
     cu = torch.tensor([0, 20, 27, 57], dtype=torch.int32)
     q = torch.randn(57, heads, dim, generator=g)
     got = prefill_attention(q, cache.k_cache, cache.v_cache, cu, *args, **scales)
-    torch.testing.assert_close(got, prefill_attention_ref(q, k32, v32, cu, *args),
-                               rtol=1e-4, atol=1e-5)
+    want = prefill_attention_ref(q, k32, v32, cu, *args)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # fp8 K/V tiles through TMA descriptors, NaN in the slots no sequence owns.
+    k_nan, v_nan = poison_unowned_slots(cache, [40, 7, 90])
+    tiles = dict(BLOCK_M=16, BLOCK_N=16, DOT_PRECISION="ieee", num_warps=4, num_stages=1,
+                 TMA=True, LAST_FIRST=True)
+    got = prefill_attention(q, k_nan, v_nan, cu, *args, **scales, tile_config=tiles)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
     # The one-launch decode: store the new token, then attend over the cache with it
     # (compared with the reference's attention over the kernel's own store, which the

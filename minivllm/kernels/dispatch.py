@@ -23,11 +23,13 @@ import torch
 from ..envs import read
 
 _INSTALLED = importlib.util.find_spec("triton") is not None
+# Triton's interpreter runs the kernels on the CPU (tests): read, as Triton does, at import.
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 # Whether Triton is loaded here, the kernels' condition (`use_triton`).
 HAS_TRITON = _INSTALLED and bool(
     torch.version.cuda
     or torch.version.hip
-    or os.environ.get("TRITON_INTERPRET") == "1"
+    or INTERPRETING
     or read("MINIVLLM_TRITON") == "1"
 )
 
@@ -78,8 +80,7 @@ def use_triton(device: torch.device | str | torch.Tensor) -> bool:
         return False
     if device.type == "cuda":
         return True
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    return device.type == "cpu" and interpret and read("MINIVLLM_TRITON") == "1"
+    return device.type == "cpu" and INTERPRETING and read("MINIVLLM_TRITON") == "1"
 
 
 def require_triton() -> None:

@@ -20,7 +20,14 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.kernels.attention_tile import LOG2E
-from minivllm.kernels.dispatch import INDEX_DTYPES, check_paged_attention, check_tensor, tl, triton
+from minivllm.kernels.dispatch import (
+    INDEX_DTYPES,
+    INTERPRETING,
+    check_paged_attention,
+    check_tensor,
+    tl,
+    triton,
+)
 from minivllm.kernels.store_kvcache import dequantize_kv, is_fp8
 from minivllm.kernels.tuning import prefill_tile
 
@@ -280,11 +287,16 @@ def _tile_config(dtype: torch.dtype, head_dim: int) -> dict:
 
 def _kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> tuple:
     """TMA descriptors of a layer's K and V as [slots, NUM_KV_HEADS * HEAD_DIM] tables of
-    [block_n, head_dim] tiles; (None, None) where TMA cannot serve: not a CUDA device of
-    compute capability 9.0 or later, or tiles that would straddle two pages."""
+    [block_n, head_dim] tiles; (None, None) where TMA cannot serve: a GPU older than Hopper
+    (compute capability 9.0), the CPU outside Triton's interpreter (which reads them, for
+    tests), or tiles that would straddle two pages."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    if (k_cache.device.type != "cuda" or block_size % block_n
-            or torch.cuda.get_device_capability(k_cache.device)[0] < 9):
+    if block_size % block_n:
+        return None, None
+    if k_cache.device.type == "cuda":
+        if torch.cuda.get_device_capability(k_cache.device)[0] < 9:
+            return None, None
+    elif not INTERPRETING:
         return None, None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
