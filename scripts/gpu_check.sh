@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; a short table is printed last.
 # Usage on the GPU machine, from the repo root:
-#   bash scripts/gpu_check.sh [quick|profile|decode|decode-ab|host|app|faces|structured|all]
+#   bash scripts/gpu_check.sh [quick|profile|decode|decode-ab|prefill|host|app|faces|
+#                              structured|all]
 # (no argument: tests + benchmarks; quick: tests; profile: tests + step profile;
 #  decode: tests + batch-1/long-context decode benchmarks, kernel table, per-kernel profile;
 #  decode-ab: the decode switches' tests, then scripts/decode_ab.py (kernels/tuning.py's
 #  switches side by side; DECODE_AB_VARIANTS picks them; ~2.5 minutes);
+#  prefill: the prefill kernels' tests, their sweeps, TTFT up to 32k and its profile;
 #  structured: the masked sampling's GPU tests, then bench serve with half the clients
 #  under a JSON schema, then scripts/bench_structured.py in process;
 #  host: tests + the host-overhead benchmarks (throughput overlapped vs synchronous, prefill TTFT
@@ -69,6 +71,27 @@ if [ "${1:-}" = "structured" ]; then
   echo; echo "== summary =="; grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -1
   grep -E "^server" "$OUT/bench-structured.log"
   tail -2 "$OUT/bench-structured-engine.log"
+  exit 0
+fi
+
+if [ "${1:-}" = "prefill" ]; then
+  # Long prompts: the prefill kernels' GPU tests, the attention sweep (bf16 and fp8 KV;
+  # with BASELINE=DIR, that tree's kernel first in the same process), the fused store's
+  # table, TTFT at 1k / 8k / 32k, and where the 8k / 32k TTFT goes (~6 minutes).
+  (cd /tmp && $PY -m pytest "$REPO/tests/test_kernels_gpu.py" "$REPO/tests/test_fp8_kv_gpu.py" \
+    -m gpu -q -p no:cacheprovider -k "prefill or qkv" 2>&1 | tee "$OUT/gpu-tests.log" | tail -3)
+  for kv in "" --fp8; do
+    (cd /tmp && timeout 200 $PY "$REPO/scripts/prefill_attn_sweep.py" $kv \
+      ${BASELINE:+--baseline "$BASELINE"}) 2>&1 | tee "$OUT/prefill-sweep$kv.log" \
+      | sed -n '/^variant/,$p'
+  done
+  (cd /tmp && $PY "$REPO/scripts/prefill_attn_sweep.py" --qkv) 2>&1 | tee "$OUT/qkv.log"
+  (cd /tmp && timeout 200 $PY -m minivllm.cli bench prefill --model Qwen/Qwen3-0.6B \
+    --load-format dummy --max-model-len 33280 \
+    --prefill-lens 1024 8192 32768 --repeats 3) 2>&1 | grep -v "it/s\]" | tail -4
+  (cd /tmp && timeout 200 $PY "$REPO/scripts/profile_steps.py" --prefill 8192 \
+    --prefill 32768) 2>&1 | grep -v "it/s\]" | sed -n '/^== prefill/,$p'
+  echo; echo "== summary =="; grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -1
   exit 0
 fi
 
