@@ -86,9 +86,10 @@ if [ "${1:-}" = "prefill" ]; then
       | sed -n '/^variant/,$p'
   done
   (cd /tmp && $PY "$REPO/scripts/prefill_attn_sweep.py" --qkv) 2>&1 | tee "$OUT/qkv.log"
-  (cd /tmp && timeout 200 $PY -m minivllm.cli bench prefill --model Qwen/Qwen3-0.6B \
-    --load-format dummy --max-model-len 33280 \
-    --prefill-lens 1024 8192 32768 --repeats 3) 2>&1 | grep -v "it/s\]" | tail -4
+  for tree in ${BASELINE:+"$BASELINE"} ""; do
+    (cd /tmp && timeout 200 $PY "$REPO/scripts/prefill_attn_sweep.py" --ttft \
+      ${tree:+--baseline "$tree"}) 2>&1 | grep -v "it/s\]" | tail -5
+  done
   (cd /tmp && timeout 200 $PY "$REPO/scripts/profile_steps.py" --prefill 8192 \
     --prefill 32768) 2>&1 | grep -v "it/s\]" | sed -n '/^== prefill/,$p'
   echo; echo "== summary =="; grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -1

@@ -5,6 +5,9 @@ best variant as the environment that selects it (kernels/tuning.py), printed las
 
     python scripts/prefill_attn_sweep.py [--fp8] [--baseline DIR]
     python scripts/prefill_attn_sweep.py --qkv   # the fused q/k norm + rotary + KV store
+    python scripts/prefill_attn_sweep.py --ttft [--baseline DIR]
+        # bench prefill's TTFT at 1k / 8k / 32k; with --baseline, with that tree's prefill
+        # attention in this tree's engine
 
 --baseline DIR: another tree of the repository whose prefill kernel runs first with its
 default tiles (before/after in one process). Cases: an 8k prompt in one chunk, and the last
@@ -90,15 +93,36 @@ def qkv_table(num_tokens: int = 8192) -> None:
               f"{moved / (ms * 1e-3) / 1e9:6.0f} GB/s", flush=True)
 
 
+def ttft(baseline: str | None, kv_cache_dtype: str) -> None:
+    """`minivllm bench prefill` at 1k / 8k / 32k tokens; with `baseline`, that tree's
+    prefill attention takes this one's place before the engine picks its kernels."""
+    from minivllm.cli import main as cli
+
+    if baseline:
+        import minivllm.kernels.prefill_attention as module
+
+        module.prefill_attention = load_baseline(baseline)
+        print(f"prefill attention from {baseline}", flush=True)
+    sys.argv = ["minivllm", "bench", "prefill", "--model", "Qwen/Qwen3-0.6B", "--load-format",
+                "dummy", "--max-model-len", "33280", "--prefill-lens", "1024", "8192", "32768",
+                "--repeats", "3", "--kv-cache-dtype", kv_cache_dtype]
+    cli()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--fp8", action="store_true", help="an fp8 (e4m3) KV cache")
     parser.add_argument("--baseline", default=None)
     parser.add_argument("--qkv", action="store_true",
                         help="only qkv_rotary_store's table (tokens a program x warps)")
+    parser.add_argument("--ttft", action="store_true",
+                        help="only bench prefill at 1k / 8k / 32k (--baseline: its kernel)")
     opts = parser.parse_args()
     if opts.qkv:
         qkv_table()
+        return
+    if opts.ttft:
+        ttft(opts.baseline, "fp8" if opts.fp8 else "auto")
         return
     torch.manual_seed(0)
     kv_dtype = FP8_KV_DTYPE if opts.fp8 else torch.bfloat16
