@@ -89,13 +89,16 @@ def load_kv_tile(
 
 @triton.jit
 def attend_loaded_tile(q, m, l_sum, acc, k, v, visible, qk_scale,
-                       DOT_PRECISION: tl.constexpr, FP8_ASM: tl.constexpr = False):
+                       DOT_PRECISION: tl.constexpr, FP8_ASM: tl.constexpr = False,
+                       MASKED: tl.constexpr = True):
     """`attend_kv_tile`'s online-softmax step over a tile already in registers (same
-    arithmetic, so both give the same bits)."""
+    arithmetic, so both give the same bits). MASKED=False: every row sees every key of
+    the tile (`visible` is not read)."""
     k = upcast_kv(k, q.dtype, FP8_ASM)
     v = upcast_kv(v, q.dtype, FP8_ASM)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    s = tl.where(visible, s, float("-inf"))  # [ROWS, BLOCK_N]
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))  # [ROWS, BLOCK_N]
     m_new = tl.maximum(m, tl.max(s, axis=1))
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minivllm.kernels.attention_tile import LOG2E
+from minivllm.kernels.attention_tile import LOG2E, attend_loaded_tile
 from minivllm.kernels.dispatch import (
     INDEX_DTYPES,
     INTERPRETING,
@@ -151,21 +151,12 @@ def _attend_prefill_tile(
         else:
             k = tl.load(k_cache_ptr + offsets)
             v = tl.load(v_cache_ptr + offsets)
-    # An fp8 cache is upcast to q's dtype (a no-op otherwise); its scales are the caller's.
-    k = k.to(q.dtype)
-    v = v.to(q.dtype)
     if TMA and MASKED:  # the page's slots past the sequence hold another one's values
-        v = tl.where(valid[:, None], v, 0.0)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    if MASKED:
-        visible = (offs_n[None, :] <= q_pos[:, None]) & valid[None, :]
-        s = tl.where(visible, s, float("-inf"))  # [BLOCK_M, BLOCK_N]
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_sum = l_sum * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_sum, acc
+        v = tl.where(valid[:, None], v.to(q.dtype), 0.0)
+    visible = (offs_n[None, :] <= q_pos[:, None]) & valid[None, :]  # [BLOCK_M, BLOCK_N]
+    # An fp8 cache is upcast to q's dtype there; its scales are the caller's.
+    return attend_loaded_tile(q, m, l_sum, acc, k, v, visible, qk_scale, DOT_PRECISION,
+                              MASKED=MASKED)
 
 
 @triton.jit
