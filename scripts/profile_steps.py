@@ -66,6 +66,28 @@ MATMUL_NAMES = ("gemv", "gemm", "xmma", "cutlass", "nvjet")
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
+def kernel_engine(max_model_length: int, kv_cache_dtype: str, **config) -> LLMEngine:
+    """The per-kernel profiles' engine: Qwen3-0.6B's config, random weights, steps of up
+    to 8,192 tokens, half the GPU's memory."""
+    return LLMEngine({
+        "model_name_or_path": "Qwen/Qwen3-0.6B",
+        "load_format": "dummy",
+        "max_model_length": max_model_length,
+        "max_num_batched_tokens": 8192,
+        "gpu_memory_utilization": 0.5,
+        "kv_cache_dtype": kv_cache_dtype,
+        **config,
+    })
+
+
+def cuda_events(prof: profile) -> list:
+    """The profiled kernels and copies on the GPU, in start order."""
+    from torch.autograd import DeviceType
+
+    return sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                  key=lambda e: e.time_range.start)
+
+
 def decode_kernels(batch: int, context: int, steps: int = 5, kv_cache_dtype: str = "auto"
                    ) -> None:
     """Per-kernel GPU time of a decode step at `batch` x `context` and each one's GB/s.
@@ -73,19 +95,7 @@ def decode_kernels(batch: int, context: int, steps: int = 5, kv_cache_dtype: str
     Matrix-product launches are labelled by their order in the step (qkv, o, gate_up, down
     per layer, then the LM head) and charged their weight bytes; decode attention is
     charged the K/V bytes of the context; other kernels show time only."""
-    from torch.autograd import DeviceType
-
-    llm = LLMEngine(
-        {
-            "model_name_or_path": "Qwen/Qwen3-0.6B",
-            "load_format": "dummy",
-            "max_model_length": context + 512,
-            "max_num_sequences": max(8, batch),
-            "max_num_batched_tokens": 8192,
-            "gpu_memory_utilization": 0.5,
-            "kv_cache_dtype": kv_cache_dtype,
-        }
-    )
+    llm = kernel_engine(context + 512, kv_cache_dtype, max_num_sequences=max(8, batch))
     rng = random.Random(0)
     greedy = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     for _ in range(batch):
@@ -104,10 +114,7 @@ def decode_kernels(batch: int, context: int, steps: int = 5, kv_cache_dtype: str
         for _ in range(steps):
             llm.step()
         torch.cuda.synchronize()
-    events = sorted(
-        (e for e in prof.events() if e.device_type == DeviceType.CUDA),
-        key=lambda e: e.time_range.start,
-    )
+    events = cuda_events(prof)
     model = llm.runner.model
     layers = model.model.layers
     itemsize = llm.runner.dtype.itemsize
@@ -169,18 +176,7 @@ def decode_kernels(batch: int, context: int, steps: int = 5, kv_cache_dtype: str
 def prefill_kernels(length: int, kv_cache_dtype: str = "auto") -> None:
     """Where a lone `length`-token prompt's time to first token goes (chunks of 8,192
     tokens): its wall time, the GPU's busy time and the kernels' time, by name."""
-    from torch.autograd import DeviceType
-
-    llm = LLMEngine(
-        {
-            "model_name_or_path": "Qwen/Qwen3-0.6B",
-            "load_format": "dummy",
-            "max_model_length": length + 512,
-            "max_num_batched_tokens": 8192,
-            "gpu_memory_utilization": 0.5,
-            "kv_cache_dtype": kv_cache_dtype,
-        }
-    )
+    llm = kernel_engine(length + 512, kv_cache_dtype)
     rng = random.Random(0)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
@@ -197,10 +193,7 @@ def prefill_kernels(length: int, kv_cache_dtype: str = "auto") -> None:
     wall_ms = statistics.median(prefill() for _ in range(3))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         prefill()
-    events = sorted(
-        (e for e in prof.events() if e.device_type == DeviceType.CUDA),
-        key=lambda e: e.time_range.start,
-    )
+    events = cuda_events(prof)
     times: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
     for e in events:
@@ -240,7 +233,6 @@ def throughput_windows(kv_cache_dtype: str, windows: tuple[int, ...] = (60, 300,
     union) and idle time a step, the kernel groups' busy time and the longest idle gaps.
     Each window starts from an idle device (its first step is launched after a sync), so
     its idle time includes that first launch: an upper bound on the steady state's."""
-    from torch.autograd import DeviceType
 
     from minivllm.bench.common import build_engine
     from minivllm.bench.workloads import add_arguments, throughput_workload
@@ -273,8 +265,7 @@ def throughput_windows(kv_cache_dtype: str, windows: tuple[int, ...] = (60, 300,
                     batches.append(llm.stats().last_batch_size)
                 torch.cuda.synchronize()
                 wall = (time.perf_counter() - t0) * 1e3 / steps
-            events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
-                            key=lambda e: e.time_range.start)
+            events = cuda_events(prof)
             gains = time_past_earlier(events)
             groups: dict[str, float] = defaultdict(float)
             for e, gain in zip(events, gains, strict=True):
