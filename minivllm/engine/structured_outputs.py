@@ -174,7 +174,7 @@ class GrammarCompiler:
         come next."""
         if not rows:
             return self.all_ones(num_rows)
-        bitmask = self._all_ones(num_rows, rows)
+        bitmask = self._next_buffer(num_rows, rows)
         inner = [m.matcher if isinstance(m, _JsonMatcher) else m for m in matchers]
         if len(rows) == 1:
             inner[0].fill_next_token_bitmask(bitmask, rows[0])
@@ -200,7 +200,7 @@ class GrammarCompiler:
         """A new bitmask of `num_rows` rows that allows every token."""
         return torch.from_numpy(np.full((num_rows, self.words), -1, dtype=np.int32))
 
-    def _all_ones(self, num_rows: int, rows: list[int]) -> torch.Tensor:
+    def _next_buffer(self, num_rows: int, rows: list[int]) -> torch.Tensor:
         """The next buffer's first `num_rows` rows, all ones but for `rows` (which the
         matchers fill whole)."""
         # NOTE: through numpy: torch's fill or copy of this size opens an OpenMP parallel

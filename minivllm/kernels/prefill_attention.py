@@ -333,8 +333,7 @@ def prefill_attention(
         return out
     fp8 = is_fp8(k_cache.dtype)
     compute_dtype = q.dtype if fp8 else k_cache.dtype
-    config = _tile_config(compute_dtype, head_dim) if tile_config is None else tile_config
-    config = dict(config)
+    config = dict(_tile_config(compute_dtype, head_dim) if tile_config is None else tile_config)
     k_desc = v_desc = None
     if config.pop("TMA", False):
         k_desc, v_desc = _kv_descriptors(k_cache, v_cache, config["BLOCK_N"])
