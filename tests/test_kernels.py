@@ -260,7 +260,7 @@ PREFILL_SEQS = [(1, 1), (37, 37), (100, 30), (64, 1), (50, 0), (70, 70)]
 
 def check_prefill_attention() -> None:
     from minivllm.kernels.prefill_attention import prefill_attention, prefill_attention_ref
-    from minivllm.kernels.testing import paged_kv
+    from minivllm.kernels.testing import paged_kv, poison_unowned_slots
 
     seq_lens = [s for s, _ in PREFILL_SEQS]
     cu = torch.tensor([0, *itertools.accumulate(q for _, q in PREFILL_SEQS)], dtype=torch.int32)
@@ -285,24 +285,6 @@ def check_prefill_attention() -> None:
             out = prefill_attention(q, k, v, *args[2:], scale,
                                     tile_config=dict(small_tiles, TMA=True))
             _assert_close(name + " 16x16 tiles, TMA", out, ref, TOL[dtype])
-
-
-def poison_unowned_slots(cache, seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of the cache's K and V with NaN in every slot no sequence owns (the pages'
-    tails, spare blocks)."""
-    block_size = cache.k_cache.shape[1]
-    owned = torch.zeros(cache.k_cache.shape[:2], dtype=torch.bool)
-    for i, seq_len in enumerate(seq_lens):
-        for pos in range(seq_len):
-            owned[cache.block_tables[i, pos // block_size], pos % block_size] = True
-    poisoned = []
-    for c in (cache.k_cache.clone(), cache.v_cache.clone()):
-        if c.dtype == torch.float8_e4m3fn:  # no indexed writes of float8 on the CPU
-            c.view(torch.uint8)[~owned] = 0x7F  # e4m3fn's NaN
-        else:
-            c[~owned] = float("nan")
-        poisoned.append(c)
-    return poisoned[0], poisoned[1]
 
 
 DECODE_SEQ_LENS = [1, 37, 100, 0, 64, 129, 17]  # 0: a padded row of a graph bucket

@@ -171,19 +171,14 @@ def test_prefill_attention_tma_reads_only_the_sequence() -> None:
         prefill_attention,
         prefill_attention_ref,
     )
-    from minivllm.kernels.testing import paged_kv
+    from minivllm.kernels.testing import paged_kv, poison_unowned_slots
 
     seqs = [(17, 17), (300, 300), (2048, 1000), (70, 1)]
     cu = torch.tensor([0, *itertools.accumulate(q for _, q in seqs)], dtype=torch.int32,
                       device=DEVICE)
     cache = paged_kv([s for s, _ in seqs], 8, 128, 256, torch.bfloat16, DEVICE)
-    owned = torch.zeros(cache.k_cache.shape[:2], dtype=torch.bool, device=DEVICE)
-    for i, (seq_len, _) in enumerate(seqs):
-        for pos in range(seq_len):
-            owned[cache.block_tables[i, pos // 256], pos % 256] = True
-    for c in (cache.k_cache, cache.v_cache):
-        c[~owned] = float("nan")
-    args = (cache.k_cache, cache.v_cache, cu, cache.seq_lens, cache.block_tables)
+    k_cache, v_cache = poison_unowned_slots(cache, [s for s, _ in seqs])
+    args = (k_cache, v_cache, cu, cache.seq_lens, cache.block_tables)
     q = torch.randn(int(cu[-1]), 16, 128, device=DEVICE).to(torch.bfloat16)
     ref = prefill_attention_ref(q.double(), *(a.double() for a in args[:2]), *args[2:], 0.088)
     for block_m, warps in ((64, 4), (128, 8)):

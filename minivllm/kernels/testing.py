@@ -52,6 +52,26 @@ def paged_kv(
     )
 
 
+def poison_unowned_slots(cache: PagedKV, seq_lens: list[int]
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of the cache's K and V with NaN in every slot no sequence owns (the pages'
+    tails, spare blocks): a kernel that reads past a sequence puts NaN in its output."""
+    block_size = cache.k_cache.shape[1]
+    device = cache.k_cache.device
+    owned = torch.zeros(cache.k_cache.shape[:2], dtype=torch.bool, device=device)
+    for i, seq_len in enumerate(seq_lens):
+        pos = torch.arange(seq_len, device=device)
+        owned[cache.block_tables[i, pos // block_size].long(), pos % block_size] = True
+    poisoned = []
+    for c in (cache.k_cache.clone(), cache.v_cache.clone()):
+        if c.dtype == torch.float8_e4m3fn:  # no indexed writes of float8 on the CPU
+            c.view(torch.uint8)[~owned] = 0x7F  # e4m3fn's NaN
+        else:
+            c[~owned] = float("nan")
+        poisoned.append(c)
+    return poisoned[0], poisoned[1]
+
+
 # (name, hidden, heads, kv_heads, head_dim, intermediate, vocab) of the models the decode
 # kernels are measured and tested at.
 DECODE_MODELS = [
