@@ -54,9 +54,9 @@ def decode_min_split() -> int:
     return int(_choice("MINIVLLM_DECODE_MIN_SPLIT"))
 
 
-def _tile(name: str) -> tuple[int, int, int]:
-    block_n, warps, stages = _choice(name).split("x")
-    return int(block_n), int(warps), int(stages)
+def _tile(name: str) -> tuple[int, ...]:
+    """A tile switch's 'AxBx...' sizes, as integers."""
+    return tuple(int(x) for x in _choice(name).split("x"))
 
 
 @functools.cache
@@ -82,7 +82,7 @@ def decode_short_tile() -> tuple[int, int, int]:
 @functools.cache
 def prefill_tile() -> dict:
     """The 16-bit prefill attention's tiles and loads (kernels/prefill_attention.py)."""
-    block_m, block_n, warps, stages = (int(x) for x in _choice("MINIVLLM_PREFILL_TILE").split("x"))
+    block_m, block_n, warps, stages = _tile("MINIVLLM_PREFILL_TILE")
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
                 TMA=_choice("MINIVLLM_PREFILL_TMA") == "1",
                 LAST_FIRST=_choice("MINIVLLM_PREFILL_LAST_FIRST") == "1")
