@@ -81,6 +81,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("MINIVLLM_PREFILL_TILE", "128x64x4x3",
            "BLOCK_M x BLOCK_N x warps x stages of the 16-bit prefill attention's tiles",
            PREFILL_TILES),
+    EnvVar("MINIVLLM_PREFILL_SMALL", "2048",
+           "prefill steps of at most this many tokens take MINIVLLM_PREFILL_SMALL_TILE "
+           "(more, shorter programs; 0: never)", ("0", "1024", "2048", "4096")),
+    EnvVar("MINIVLLM_PREFILL_SMALL_TILE", "64x64x4x3",
+           "the prefill tiles of MINIVLLM_PREFILL_SMALL's steps", PREFILL_TILES),
     EnvVar("MINIVLLM_PREFILL_TMA", "1",
            "1: prefill attention loads K/V tiles through TMA descriptors on Hopper and "
            "later (where BLOCK_N divides the KV block)", ("0", "1")),

@@ -180,17 +180,23 @@ def prefill_kernels(length: int, kv_cache_dtype: str = "auto") -> None:
     rng = random.Random(0)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
+    steps: list[float] = []  # each step() call's return, ms after the start
+
     def prefill() -> float:
         llm.add_prompt([rng.randrange(150000) for _ in range(length)], one)  # no prefix hit
         torch.cuda.synchronize()
         start = time.perf_counter()
+        steps.clear()
         while not llm.scheduler.is_finished():
             llm.step()
+            steps.append((time.perf_counter() - start) * 1e3)
         torch.cuda.synchronize()
         return (time.perf_counter() - start) * 1e3
 
     prefill()  # compiles and warms up this shape
     wall_ms = statistics.median(prefill() for _ in range(3))
+    print("step() calls of the last run returned at " + ", ".join(f"{t:.1f}" for t in steps)
+          + " ms (with overlapped scheduling a call returns once its step is launched)")
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         prefill()
     events = cuda_events(prof)
@@ -201,13 +207,32 @@ def prefill_kernels(length: int, kv_cache_dtype: str = "auto") -> None:
         times[label] += e.time_range.elapsed_us() / 1e3
         calls[label] += 1
     busy = sum(time_past_earlier(events)) / 1e3
+    span = (max(e.time_range.end for e in events) - events[0].time_range.start) / 1e3
     total = sum(times.values())
     print(f"\n== prefill of {length} tokens, KV {kv_cache_dtype}: {wall_ms:.1f} ms (wall, "
-          f"median of 3), GPU busy {busy:.1f} ms, kernels {total:.1f} ms ==")
+          f"median of 3), GPU busy {busy:.1f} ms of a {span:.1f} ms span (first kernel to "
+          f"last), kernels {total:.1f} ms ==")
+    gaps = idle_gaps(events)
+    print("idle within the span, longest: " + "; ".join(
+        f"{name} {t / 1e3:.2f} ms" for name, t in gaps[:5]))
     print(f"{'kernel':50} {'calls':>6} {'ms':>8} {'share':>6}")
     for label, t in sorted(times.items(), key=lambda kv: -kv[1])[:14]:
         print(f"{label:50} {calls[label]:6d} {t:8.2f} {100 * t / total:5.1f}%")
     llm.exit()
+
+
+def idle_gaps(events: list) -> list[tuple[str, float]]:
+    """Where the GPU waits: each idle gap (us) charged to the kernels on either side,
+    summed per pair, longest first."""
+    gaps: dict[str, float] = defaultdict(float)
+    end = events[0].time_range.end
+    last = events[0].name
+    for e in events[1:]:
+        if e.time_range.start > end:
+            gaps[f"{last[:34]} -> {e.name[:34]}"] += e.time_range.start - end
+        if e.time_range.end > end:
+            end, last = e.time_range.end, e.name
+    return sorted(gaps.items(), key=lambda kv: -kv[1])
 
 
 def kernel_group(name: str) -> str:
@@ -270,16 +295,7 @@ def throughput_windows(kv_cache_dtype: str, windows: tuple[int, ...] = (60, 300,
             groups: dict[str, float] = defaultdict(float)
             for e, gain in zip(events, gains, strict=True):
                 groups[kernel_group(e.name)] += gain
-            # Where the GPU waits: each idle gap charged to the kernels on either side.
-            gaps: dict[str, float] = defaultdict(float)
-            end = events[0].time_range.end
-            last = events[0].name
-            for e in events[1:]:
-                if e.time_range.start > end:
-                    gaps[f"{last[:34]} -> {e.name[:34]}"] += e.time_range.start - end
-                if e.time_range.end > end:
-                    end, last = e.time_range.end, e.name
-            for name, t in sorted(gaps.items(), key=lambda kv: -kv[1])[:3]:
+            for name, t in idle_gaps(events)[:3]:
                 groups[f"idle after: {name}"] = -t
             span = (events[-1].time_range.end - events[0].time_range.start) / 1e3 / steps
             busy = sum(gains) / 1e3 / steps

@@ -743,6 +743,27 @@ def test_decode_launch_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         tuning.clear()
 
 
+def test_prefill_tiles_by_step_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill step of at most MINIVLLM_PREFILL_SMALL tokens takes the small query tiles
+    (more programs for a short prompt); a longer one, or any with the switch at 0, the
+    large ones. A CUDA graph's bucket is such a step: its token count picks alike."""
+    from minivllm.kernels import tuning
+    from minivllm.kernels.prefill_attention import _tile_config
+
+    tuning.clear()
+    try:
+        rows = {n: _tile_config(torch.bfloat16, 128, n)["BLOCK_M"] for n in (1, 2048, 2049)}
+        assert rows == {1: 64, 2048: 64, 2049: 128}
+        assert _tile_config(torch.bfloat16, 128)["BLOCK_M"] == 128  # no size: the large
+        assert _tile_config(torch.float32, 128, 16)["DOT_PRECISION"] == "ieee"
+        monkeypatch.setenv("MINIVLLM_PREFILL_SMALL", "0")
+        tuning.clear()
+        assert _tile_config(torch.bfloat16, 128, 16)["BLOCK_M"] == 128
+    finally:
+        monkeypatch.delenv("MINIVLLM_PREFILL_SMALL", raising=False)
+        tuning.clear()
+
+
 def test_kernel_modules_import_without_triton() -> None:
     # sys.modules[name] = None makes `import name` raise ImportError: Triton "uninstalled".
     code = """

@@ -265,7 +265,7 @@ def _prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
 
 
-def _tile_config(dtype: torch.dtype, head_dim: int) -> dict:
+def _tile_config(dtype: torch.dtype, head_dim: int, num_tokens: int = 0) -> dict:
     flags = dict(TMA=False, LAST_FIRST=False)
     if dtype == torch.float32:  # exact fp32 dots; small tiles to keep registers in check
         return dict(flags, BLOCK_M=32, BLOCK_N=32, DOT_PRECISION="ieee", num_warps=4,
@@ -273,7 +273,8 @@ def _tile_config(dtype: torch.dtype, head_dim: int) -> dict:
     if head_dim > 128:
         return dict(flags, BLOCK_M=64, BLOCK_N=32, DOT_PRECISION="tf32", num_warps=4,
                     num_stages=2)
-    return dict(prefill_tile(), DOT_PRECISION="tf32")  # kernels/tuning.py
+    # A step of few tokens takes smaller query tiles (more programs): kernels/tuning.py.
+    return dict(prefill_tile(num_tokens), DOT_PRECISION="tf32")
 
 
 def _kv_descriptors(k_cache: torch.Tensor, v_cache: torch.Tensor, block_n: int) -> tuple:
@@ -333,7 +334,9 @@ def prefill_attention(
         return out
     fp8 = is_fp8(k_cache.dtype)
     compute_dtype = q.dtype if fp8 else k_cache.dtype
-    config = dict(_tile_config(compute_dtype, head_dim) if tile_config is None else tile_config)
+    if tile_config is None:  # a CUDA graph's bucket has its own token count: captured alike
+        tile_config = _tile_config(compute_dtype, head_dim, num_tokens)
+    config = dict(tile_config)
     k_desc = v_desc = None
     if config.pop("TMA", False):
         k_desc, v_desc = _kv_descriptors(k_cache, v_cache, config["BLOCK_N"])

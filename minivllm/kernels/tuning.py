@@ -6,8 +6,8 @@ prints decode tok/s at batch 1 and 8 and at a 32k context side by side). Their m
 are declared with the other variables in `minivllm.envs`: MINIVLLM_GEMV_MAX_K,
 MINIVLLM_GEMV_SILU_TILE, MINIVLLM_GEMV_WIDE, MINIVLLM_DECODE_PREFETCH,
 MINIVLLM_DECODE_MIN_SPLIT, MINIVLLM_DECODE_TILE, MINIVLLM_DECODE_LOADED_TILE(_FP8),
-MINIVLLM_DECODE_SHORT_TILE, MINIVLLM_PREFILL_TILE, MINIVLLM_PREFILL_TMA,
-MINIVLLM_PREFILL_LAST_FIRST,
+MINIVLLM_DECODE_SHORT_TILE, MINIVLLM_PREFILL_TILE,
+MINIVLLM_PREFILL_SMALL(_TILE), MINIVLLM_PREFILL_TMA, MINIVLLM_PREFILL_LAST_FIRST,
 MINIVLLM_DECODE_SHORT, MINIVLLM_DECODE_LATE_TRIGGER and MINIVLLM_GRAPH_GREEDY.
 
 With the short launch's own tiles and contexts up to DECODE_MIN_SPLIT, DECODE_SHORT gives
@@ -79,10 +79,21 @@ def decode_short_tile() -> tuple[int, int, int]:
     return _tile("MINIVLLM_DECODE_SHORT_TILE")
 
 
+def prefill_tile(num_tokens: int = 0) -> dict:
+    """The 16-bit prefill attention's tiles and loads (kernels/prefill_attention.py) for a
+    step of `num_tokens` query rows (0: the large steps' tiles)."""
+    small = 0 < num_tokens <= prefill_small_max()
+    return _prefill_tiles("MINIVLLM_PREFILL_SMALL_TILE" if small else "MINIVLLM_PREFILL_TILE")
+
+
 @functools.cache
-def prefill_tile() -> dict:
-    """The 16-bit prefill attention's tiles and loads (kernels/prefill_attention.py)."""
-    block_m, block_n, warps, stages = _tile("MINIVLLM_PREFILL_TILE")
+def prefill_small_max() -> int:
+    return int(_choice("MINIVLLM_PREFILL_SMALL"))
+
+
+@functools.cache
+def _prefill_tiles(name: str) -> dict:
+    block_m, block_n, warps, stages = _tile(name)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
                 TMA=_choice("MINIVLLM_PREFILL_TMA") == "1",
                 LAST_FIRST=_choice("MINIVLLM_PREFILL_LAST_FIRST") == "1")
@@ -107,5 +118,6 @@ def clear() -> None:
     """Forget the values read (tests that change the environment)."""
     for fn in (gemv_max_k_tile, gemv_silu_tile, gemv_wide, decode_prefetch, decode_min_split,
                decode_tile, decode_loaded_tile, decode_short_tile, decode_late_trigger,
-               decode_short_max, graph_greedy, prefill_tile):
+               decode_short_max, graph_greedy, _prefill_tiles,
+               prefill_small_max):
         fn.cache_clear()
