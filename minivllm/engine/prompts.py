@@ -40,10 +40,13 @@ def prompt_token_ids(prompt: str | list[int], tokenizer: Any, vocab_size: int) -
         )
     if not prompt:
         raise ValueError("prompt: empty token list")
-    ids = [as_token_id(t, "prompt") for t in prompt]
-    for t in ids:
-        if not 0 <= t < vocab_size:
-            raise ValueError(f"prompt: token id {t!r} is outside the vocabulary [0, {vocab_size})")
+    if set(map(type, prompt)) == {int}:  # plain ints (no bools): checked at C speed
+        ids = list(prompt)
+    else:
+        ids = [as_token_id(t, "prompt") for t in prompt]
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        t = next(t for t in ids if not 0 <= t < vocab_size)
+        raise ValueError(f"prompt: token id {t!r} is outside the vocabulary [0, {vocab_size})")
     return ids
 
 
