@@ -25,6 +25,7 @@ from torch import nn
 
 from ..layers.attention import AttentionMetadata, attention_metadata
 from .batch import ForwardBatch
+from .sampling_inputs import host_tensor
 
 MAX_GRAPH_TOKENS = 8192  # larger steps are compute-bound: their launches hide behind the GPU
 ALIGN = 16  # elements: keeps every input view 16-byte aligned (one Triton variant each)
@@ -442,7 +443,7 @@ class CUDAGraphRunner:
         return input_ids, positions, meta
 
     def _pinned(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype)
+        t = host_tensor(values, dtype)
         return t.pin_memory() if self.device.type == "cuda" else t
 
     def prefill_views(
