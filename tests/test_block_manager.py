@@ -444,3 +444,15 @@ def test_forced_collision_on_a_repeated_block_does_not_hit(monkeypatch):
     assert bm.find_cached_prefix(b) == [0]
     assert bm.allocate(b, 5, [0])
     bm.check_invariants(live=[a, b])
+
+
+@pytest.mark.parametrize("start,end", [(0, 1), (6, 7), (3, 4), (0, 12), (2, 11), (5, 5)])
+def test_slot_mapping_through_the_block_table(start: int, end: int) -> None:
+    """A step's slots (page runs at a time) are each position's page * block size + offset:
+    a decode row, a chunk within one page, chunks over page boundaries, an empty range."""
+    from minivllm.engine.batch import _extend_slots
+
+    table = [7, 2, 9]  # pages of BS = 4 positions, not in order
+    slots = [-1]  # appended to, after what is there
+    _extend_slots(slots, table, start, end, BS)
+    assert slots == [-1] + [table[p // BS] * BS + p % BS for p in range(start, end)]
