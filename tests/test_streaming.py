@@ -28,6 +28,47 @@ def test_detokenizer_token_by_token(smollm2, text):
     assert sum(1 for p in pieces if p == "") > 0 or text.isascii()  # bytes were held back
 
 
+def _metaspace_tokenizer():
+    """A Llama-2 style tokenizer (BPE with byte fallback, a leading "▁" for spaces that
+    the decoder strips at the start), trained here: a token's leading space depends on
+    what came before it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    tok.train_from_iterator(["Hello, world! This is plain English. Say it: naive cafe"] * 20,
+                            trainers.BpeTrainer(vocab_size=400, special_tokens=specials))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+@pytest.mark.parametrize("which", ["smollm2", "metaspace"])
+def test_detokenizer_stream_matches_window_decodes(smollm2, which):
+    """A fast tokenizer's pieces come from tokenizers' DecodeStream; they add up to the
+    text the two window decodes give (the path of tokenizers without a fast backend),
+    token by token and in chunks, with an end-of-sequence token and with a character cut
+    in half at the end (flush emits its bytes as U+FFFD, as the window decode does)."""
+    tok = smollm2.tokenizer if which == "smollm2" else _metaspace_tokenizer()
+    for text in [*TEXTS, " a leading space", "\n\nnew lines\n  indented"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        for prompt_text, chunk, seq in (("Say it:", 1, ids), ("x", 3, ids + [tok.eos_token_id]),
+                                        ("こんにちは", 2, ids[:-1])):
+            prompt = tok.encode(prompt_text)
+            fast, slow = IncrementalDetokenizer(tok, prompt), IncrementalDetokenizer(tok, prompt)
+            assert fast._stream is not None
+            slow._stream = None  # the window decodes
+            for i in range(0, len(seq), chunk):
+                fast.push(seq[i : i + chunk])
+                slow.push(seq[i : i + chunk])
+            fast.flush()
+            slow.flush()
+            assert fast.text == slow.text, (which, text, prompt_text, chunk)
+
+
 def chat(llm: LLMEngine, text: str) -> str:
     return llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
