@@ -6,7 +6,7 @@ from typing import Any
 
 try:  # tokenizers' incremental decoder (Rust): one call a token
     from tokenizers.decoders import DecodeStream
-except ImportError:  # tokenizers before 0.21
+except ImportError:  # an older tokenizers without it: the window decodes below
     DecodeStream = None
 
 # Tokens of context decoded before the new ones, so that a token's leading space or
@@ -91,7 +91,7 @@ def _primed_stream(backend: Any, context: list[int]) -> Any:
     """A DecodeStream that has already read `context` (its text is not emitted)."""
     try:
         return DecodeStream(ids=context, skip_special_tokens=True)
-    except TypeError:  # tokenizers before 0.22: no `ids`; step through the context
+    except TypeError:  # an older DecodeStream without `ids`: step through the context
         stream = DecodeStream(skip_special_tokens=True)
         for t in context:
             stream.step(backend, t)
