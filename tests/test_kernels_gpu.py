@@ -594,9 +594,16 @@ def test_qkv_decode_attention_batch1_32k() -> None:
 @pytest.mark.parametrize("model", MODELS, ids=[m[0] for m in MODELS])
 def test_qkv_decode_attention_prefetch_and_min_split(model) -> None:
     """kernels/tuning.py's attention switches, bf16, contexts 1 to 8k (+ batch 1 at 32k):
-    the first K/V tile loaded before the wait gives the same bits and the same cache as
-    without it (three tile shapes: MINIVLLM_DECODE_TILE's); splits of at least 512
-    positions agree with the float64 reference (1e-2)."""
+    the first K/V tile loaded before the wait gives the same cache bits as without it and
+    the same output to within bf16's rounding (torch's default tolerances for bf16; three
+    tile shapes: MINIVLLM_DECODE_TILE's); splits of at least 512 positions agree with the
+    float64 reference (1e-2).
+
+    NOTE: not the same output bits: the prefetched tile's step is compiled apart from the
+    loop's, and the compiler may fuse a multiply-add in one and not the other (an H100
+    with Triton 3.6, Qwen3-0.6B's heads: up to 4.9e-4 apart, on launches of several
+    splits or of 128-position tiles; the interpreted check in test_kernels.py compares
+    bits)."""
     from minivllm.kernels.decode_attention import (
         _tile_config,
         decode_counters,
@@ -640,8 +647,9 @@ def test_qkv_decode_attention_prefetch_and_min_split(model) -> None:
                     _assert_close(name, out[real], ref[real], TOL[dtype])
                     outs.append((out[real], k_out, v_out))
                     assert not counters.any()
-                for other in outs[1:]:
-                    assert all(torch.equal(a, b) for a, b in zip(outs[0], other, strict=True)), name
+                (out, k_out, v_out), (pre, k_pre, v_pre) = outs
+                assert torch.equal(k_pre, k_out) and torch.equal(v_pre, v_out), name
+                torch.testing.assert_close(pre, out, msg=name)
 
 
 def test_fill_tokens() -> None:
