@@ -56,7 +56,7 @@ def variants(fp8: bool, tiles: list[tuple[int, int, int]]) -> list[dict | None]:
             (True, False), upcasts, tiles):
         out.append(dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages,
                         DOT_PRECISION="tf32", FP8_AS_F16=f16, FP8_ASM=asm, prefetch=prefetch))
-    if fp8:
+    if fp8 and tiles:
         block_n, warps, stages = TILES[0]
         out.append(dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages,
                         DOT_PRECISION="tf32", FP8_AS_F16=False, FP8_ASM=False, prefetch=True))
@@ -130,6 +130,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", action="append", default=[], metavar="BATCHxCONTEXT")
     p.add_argument("--quick", action="store_true", help="the first tiles only")
+    p.add_argument("--engine-only", action="store_true",
+                   help="the engine's launch only, no other tiles (with Nsight Compute)")
+    p.add_argument("--kv-dtype", choices=["bf16", "fp8", "both"], default="both")
     args = p.parse_args()
     from minivllm.kernels.store_kvcache import FP8_KV_DTYPE
 
@@ -137,10 +140,12 @@ def main() -> None:
     read_gbs, copy_gbs = ceilings()
     print(f"{torch.cuda.get_device_name()}: read {read_gbs:,.0f} GB/s (sum), "
           f"copy {copy_gbs:,.0f} GB/s (read + write)", flush=True)
-    tiles = TILES[:2] if args.quick else TILES
+    tiles = [] if args.engine_only else TILES[:2] if args.quick else TILES
+    kv_dtypes = {"bf16": [torch.bfloat16], "fp8": [FP8_KV_DTYPE],
+                 "both": [torch.bfloat16, FP8_KV_DTYPE]}[args.kv_dtype]
     rows = []
     for shape in args.shape or ["256x512", "64x2048"]:
-        for kv_dtype in (torch.bfloat16, FP8_KV_DTYPE):
+        for kv_dtype in kv_dtypes:
             rows += sweep(shape, kv_dtype, tiles, read_gbs)
             torch.cuda.empty_cache()
     print(f"\n== decode attention alone ({torch.cuda.get_device_name()}; read ceiling "

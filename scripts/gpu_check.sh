@@ -2,12 +2,14 @@
 # One device call: GPU tests, then the benchmarks; a short table is printed last.
 # Usage on the GPU machine, from the repo root:
 #   bash scripts/gpu_check.sh [quick|profile|decode|decode-ab|prefill|host|app|faces|
-#                              structured|all]
+#                              structured|stalls|all]
 # (no argument: tests + benchmarks; quick: tests; profile: tests + step profile;
 #  decode: tests + batch-1/long-context decode benchmarks, kernel table, per-kernel profile;
 #  decode-ab: the decode switches' tests, then scripts/decode_ab.py (kernels/tuning.py's
 #  switches side by side; DECODE_AB_VARIANTS picks them; ~2.5 minutes);
 #  prefill: the prefill kernels' tests, their sweeps, TTFT up to 32k and its profile;
+#  stalls: decode attention's launch at 256 x 512 (bf16, then fp8 KV) under Nsight
+#  Compute: where its warps wait (stall reasons), its memory and issue throughput;
 #  structured: the masked sampling's GPU tests, then bench serve with half the clients
 #  under a JSON schema, then scripts/bench_structured.py in process;
 #  host: tests + the host-overhead benchmarks (throughput overlapped vs synchronous, prefill TTFT
@@ -71,6 +73,33 @@ if [ "${1:-}" = "structured" ]; then
   echo; echo "== summary =="; grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -1
   grep -E "^server" "$OUT/bench-structured.log"
   tail -2 "$OUT/bench-structured-engine.log"
+  exit 0
+fi
+
+if [ "${1:-}" = "stalls" ]; then
+  # One engine launch of decode attention per KV dtype (the sixth: past the compile and
+  # the warm-up), profiled: speed of light, occupancy, issue rate, memory, and the warps'
+  # stall reasons (the raw page's issue_stalled metrics, a line each, largest first).
+  for kv in bf16 fp8; do
+    echo "== decode attention 256 x 512, $kv KV" | tee -a "$OUT/stalls.log"
+    (cd /tmp && timeout 240 ncu -f -o "$OUT/decode-$kv" -k regex:_decode_attention_kernel \
+      -s 5 -c 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+      --section MemoryWorkloadAnalysis --section Occupancy \
+      $PY "$REPO/scripts/decode_attn_sweep.py" --engine-only --shape 256x512 \
+      --kv-dtype $kv) >>"$OUT/stalls.log" 2>&1
+    ncu --import "$OUT/decode-$kv.ncu-rep" 2>&1 | tee -a "$OUT/stalls.log" | tail -60
+    ncu --import "$OUT/decode-$kv.ncu-rep" --page raw --csv 2>/dev/null | $PY -c '
+import csv, sys
+def value(text):
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return 0.0
+rows = list(csv.reader(sys.stdin)) or [[]]
+stalls = [(n, v) for n, v in zip(rows[0], rows[-1]) if "issue_stalled" in n and "ratio" in n]
+for n, v in sorted(stalls, key=lambda nv: -value(nv[1]))[:14]:
+    print(f"{n:90} {v}")' | tee -a "$OUT/stalls.log"
+  done
   exit 0
 fi
 
