@@ -45,7 +45,8 @@ def test_layout_snapshot(snap_compare, tmp_path):
     folder = tmp_path / "data" / "sessions"
     folder.mkdir(parents=True)
     (folder / "snapshot.jsonl").write_text("".join(json.dumps(r) + "\n" for r in SESSION))
-    engine = ScriptedEngine()
+    # float32 pinned: `auto` is bf16 on a CPU with AVX-512 BF16, and the header shows it.
+    engine = ScriptedEngine({"dtype": "float32"})
     engine.stats = lambda: FROZEN
     app = create_app(engine, data_root=tmp_path / "data",
                      resume=True, stats_interval=3600)
