@@ -45,10 +45,8 @@ def attend_kv_tile(
     DOT_PRECISION: tl.constexpr,
     FP8_ASM: tl.constexpr = False,
 ):
-    page = tl.load(block_table + offs // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    # NOTE: int64: a layer's pool can exceed 2**31 elements.
-    slot = page * BLOCK_SIZE + offs % BLOCK_SIZE  # [BLOCK_N]
-    kv_offsets = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset
+    kv_offsets = kv_tile_offsets(block_table, offs, valid, head_offset, BLOCK_SIZE,
+                                 NUM_KV_HEADS, HEAD_DIM)
     # An fp8 cache is upcast to the compute dtype here (a no-op otherwise); its scales are
     # the caller's: k's folded into qk_scale, v's applied to the output.
     k = upcast_kv(tl.load(k_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0), q.dtype,
@@ -66,6 +64,28 @@ def attend_kv_tile(
 
 
 @triton.jit
+def kv_tile_offsets(
+    block_table,  # this sequence's row of the block table
+    offs,  # [BLOCK_N] context positions of the tile
+    valid,  # [BLOCK_N] positions that exist (MASKED: the page loads are masked with it)
+    head_offset,  # [1, HEAD_DIM]: kv_head * HEAD_DIM + dims
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr = True,
+):
+    """[BLOCK_N, HEAD_DIM] element offsets of a K/V tile in the cache, through the block
+    table. MASKED=False: every position exists (`valid` is not read)."""
+    if MASKED:
+        page = tl.load(block_table + offs // BLOCK_SIZE, mask=valid, other=0)
+    else:
+        page = tl.load(block_table + offs // BLOCK_SIZE)
+    # NOTE: int64: a layer's pool can exceed 2**31 elements.
+    slot = page.to(tl.int64) * BLOCK_SIZE + offs % BLOCK_SIZE  # [BLOCK_N]
+    return slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset
+
+
+@triton.jit
 def load_kv_tile(
     k_cache_ptr,
     v_cache_ptr,
@@ -76,14 +96,19 @@ def load_kv_tile(
     BLOCK_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr = True,
 ):
     """One K/V tile gathered through the block table (loads issued together, so a caller
-    can start them early and use them later); the same loads `attend_kv_tile` makes."""
-    page = tl.load(block_table + offs // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    slot = page * BLOCK_SIZE + offs % BLOCK_SIZE  # [BLOCK_N]
-    kv_offsets = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset
-    k = tl.load(k_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
-    v = tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
+    can start them early and use them later); the same loads `attend_kv_tile` makes.
+    MASKED=False: every position exists, the loads have no predicates."""
+    kv_offsets = kv_tile_offsets(block_table, offs, valid, head_offset, BLOCK_SIZE,
+                                 NUM_KV_HEADS, HEAD_DIM, MASKED)
+    if MASKED:
+        k = tl.load(k_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
+    else:
+        k = tl.load(k_cache_ptr + kv_offsets)
+        v = tl.load(v_cache_ptr + kv_offsets)
     return k, v
 
 

@@ -136,18 +136,10 @@ def _attend_prefill_tile(
         row = page * BLOCK_SIZE + kv_start % BLOCK_SIZE
         k = k_desc.load([row, kv_head * HEAD_DIM])
         v = v_desc.load([row, kv_head * HEAD_DIM])
-    elif MASKED:
+    else:  # unmasked tiles: every position of the tile exists
         head_offset = kv_head * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, offs_n, valid, head_offset,
-                            BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    else:  # load_kv_tile's loads without their masks: every position of the tile exists
-        page = tl.load(block_table + offs_n // BLOCK_SIZE)
-        # NOTE: int64: a layer's pool can exceed 2**31 elements.
-        slot = page.to(tl.int64) * BLOCK_SIZE + offs_n % BLOCK_SIZE  # [BLOCK_N]
-        offsets = (slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
-                   + tl.arange(0, HEAD_DIM)[None, :])
-        k = tl.load(k_cache_ptr + offsets)
-        v = tl.load(v_cache_ptr + offsets)
+                            BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, MASKED)
     if TMA and MASKED:  # the page's slots past the sequence hold another one's values
         v = tl.where(valid[:, None], v.to(q.dtype), 0.0)
     visible = (offs_n[None, :] <= q_pos[:, None]) & valid[None, :]  # [BLOCK_M, BLOCK_N]
