@@ -150,7 +150,8 @@ def check_fill_tokens() -> None:
 
 
 def check_sample_rows() -> None:
-    from minivllm.kernels.sample import sample_rows
+    from minivllm.kernels.dispatch import num_sms
+    from minivllm.kernels.sample import num_splits, sample_rows
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 5000, generator=g)
@@ -163,6 +164,15 @@ def check_sample_rows() -> None:
     first = sample_rows(logits, temps, torch.tensor([11]))
     assert torch.equal(first, sample_rows(logits, temps, torch.tensor([11])))  # same seed
     assert first[0] == 100 and first[2] == logits[2].argmax() and first[3] == 0
+    # A row's vocabulary split across programs (two a row at 5 rows here, one at 40): the
+    # same tokens, a tie across the split included (row 0's 100 and 4321).
+    assert num_splits(5, 5000, num_sms(logits.device)) == (2, 4096)
+    assert num_splits(40, 5000, num_sms(logits.device)) == (1, 8192)
+    more = torch.cat([logits, torch.randn(35, 5000, generator=g)])
+    more_temps = torch.cat([temps, torch.rand(35, generator=g)])
+    assert torch.equal(sample_rows(more, more_temps, torch.tensor([11]))[:5], first)
+    assert torch.equal(sample_rows(more, more_temps * 0, torch.tensor([1]))[:5],
+                       logits.argmax(-1))
     draws = torch.stack([sample_rows(logits, temps, torch.tensor([s]))[1] for s in range(20)])
     assert draws.unique().numel() > 1  # other seeds, other draws
     # Frequencies over 3000 rows of one distribution (one draw each): softmax(logits / T).
@@ -597,7 +607,7 @@ def check_compile_sm90() -> None:
     from minivllm.kernels.gemv import _gemv_kernel
     from minivllm.kernels.prefill_attention import _prefill_kernel
     from minivllm.kernels.qkv_rotary_store import _qkv_rotary_store_kernel
-    from minivllm.kernels.sample import BLOCK, _sample_kernel
+    from minivllm.kernels.sample import BLOCK, _pick_kernel, _sample_kernel
 
     bf16 = {name: "*bf16" for name in _gemv_kernel.arg_names if name.endswith("_ptr")}
     flags = dict(NORM=True, HAS_RESIDUAL=True, HAS_BIAS=True, SILU_MUL=True,
@@ -647,8 +657,11 @@ def check_compile_sm90() -> None:
                   dict(tiles, TMA=True, LAST_FIRST=True), 4, 3)
     for has_mask in (False, True):
         _compile_sm90(_sample_kernel, dict(logits_ptr="*bf16", temps_ptr="*fp32",
-                                           seed_ptr="*i64", mask_ptr="*i32", out_ptr="*i64"),
+                                           seed_ptr="*i64", mask_ptr="*i32", best_ptr="*fp32",
+                                           index_ptr="*i32"),
                       dict(BLOCK=BLOCK, HAS_MASK=has_mask), num_warps=8)
+    _compile_sm90(_pick_kernel, dict(best_ptr="*fp32", index_ptr="*i32", out_ptr="*i64"),
+                  dict(SPLITS_PAD=64), num_warps=1)
 
 
 # Subprocess groups: each start costs seconds (torch + triton imports), so the cheap

@@ -8,15 +8,22 @@ argmaxes); here each row's logits are read once in their own dtype and the noise
 in registers by Philox (`tl.rand4x`), keyed by a seed drawn once a step on the device.
 With a grammar's bitmask (one bit per token, a row per row), a token whose bit is 0 is
 never taken: the mask is read beside the logits instead of written into them first.
+
+A row's vocabulary is split across programs (`num_splits`: enough programs to fill the
+chip at any batch), each writing its stretch's best greedy and sampled columns; a second,
+small launch picks each row's best of them. The draws are keyed by (row, column) alone, so
+the tokens do not depend on the split.
 """
 
 from __future__ import annotations
 
 import torch
 
-from minivllm.kernels.dispatch import check_tensor, require_triton, tl, triton
+from minivllm.kernels.dispatch import check_tensor, num_sms, require_triton, tl, triton
 
 BLOCK = 1024  # logits a lane group reads per sub-block; four sub-blocks share one Philox call
+STEP = 4 * BLOCK  # columns a program reads per loop step (one Philox call per lane)
+PROGRAMS_PER_SM = 8  # split rows until the launch has this many programs a multiprocessor
 
 
 @triton.jit
@@ -36,7 +43,7 @@ def _gumbel(u):
 
 @triton.jit
 def _argmax(best, index, vocab):
-    """The row's largest value and its first column from the lanes' running bests."""
+    """The first column of the largest of the lanes' running bests."""
     top = tl.max(best, axis=0)
     return tl.min(tl.where(best == top, index, vocab), axis=0)
 
@@ -52,10 +59,14 @@ def _load(base, mask_base, cols, vocab, HAS_MASK: tl.constexpr):
     return x
 
 
-@triton.jit(do_not_specialize=["vocab", "row_stride", "mask_stride"])
-def _sample_kernel(logits_ptr, temps_ptr, seed_ptr, mask_ptr, out_ptr, vocab, row_stride,
-                   mask_stride, BLOCK: tl.constexpr, HAS_MASK: tl.constexpr):
+@triton.jit(do_not_specialize=["vocab", "row_stride", "mask_stride", "chunk"])
+def _sample_kernel(logits_ptr, temps_ptr, seed_ptr, mask_ptr, best_ptr, index_ptr, vocab,
+                   row_stride, mask_stride, chunk, BLOCK: tl.constexpr,
+                   HAS_MASK: tl.constexpr):
+    """One row's columns [split * chunk, (split + 1) * chunk): its largest logit and, for a
+    sampled row, its largest logit / T + Gumbel noise, with their first columns."""
     row = tl.program_id(0)
+    split = tl.program_id(1)
     temp = tl.load(temps_ptr + row)
     sampled = temp > 0.0
     inv_t = 1.0 / tl.where(sampled, temp, 1.0)
@@ -69,7 +80,8 @@ def _sample_kernel(logits_ptr, temps_ptr, seed_ptr, mask_ptr, out_ptr, vocab, ro
     index_s = tl.zeros([BLOCK], tl.int32)
     # Each row's draws come from its own stretch of Philox counters: unique per (row, column).
     first_counter = row * tl.cdiv(vocab, 4 * BLOCK) * BLOCK
-    for start in range(0, vocab, 4 * BLOCK):
+    first = split * chunk
+    for start in range(first, tl.minimum(first + chunk, vocab), 4 * BLOCK):
         c0 = start + lanes
         c1 = c0 + BLOCK
         c2 = c1 + BLOCK
@@ -92,11 +104,35 @@ def _sample_kernel(logits_ptr, temps_ptr, seed_ptr, mask_ptr, out_ptr, vocab, ro
                                     c2 < vocab)
             best_s, index_s = _fold(best_s, index_s, x3 * inv_t + _gumbel(u3), c3,
                                     c3 < vocab)
-    token = _argmax(best_g, index_g, vocab)
     if sampled:
-        token = _argmax(best_s, index_s, vocab)
+        best_g, index_g = best_s, index_s  # a sampled row's token is its noisy argmax
+    out = row * tl.num_programs(1) + split
+    tl.store(best_ptr + out, tl.max(best_g, axis=0))
+    tl.store(index_ptr + out, _argmax(best_g, index_g, vocab))
+
+
+# NOTE: `splits` changes with the batch: not specialised on, one compiled variant a model.
+@triton.jit(do_not_specialize=["vocab", "splits"])
+def _pick_kernel(best_ptr, index_ptr, out_ptr, vocab, splits, SPLITS_PAD: tl.constexpr):
+    """A row's token: the best of its splits' bests (the earliest split on a tie, so the
+    row's first maximal column)."""
+    row = tl.program_id(0)
+    split = tl.arange(0, SPLITS_PAD)
+    valid = split < splits
+    best = tl.load(best_ptr + row * splits + split, mask=valid, other=float("-inf"))
+    index = tl.load(index_ptr + row * splits + split, mask=valid, other=vocab)
+    token = _argmax(best, index, vocab)
     # A row whose logits are all -inf (or NaN) keeps column 0, as torch's argmax does.
     tl.store(out_ptr + row, tl.where(token < vocab, token, 0).to(tl.int64))
+
+
+def num_splits(rows: int, vocab: int, sms: int) -> tuple[int, int]:
+    """(splits a row, columns a split: a whole number of loop steps) so that the launch has
+    about PROGRAMS_PER_SM programs a multiprocessor, or a loop step a program."""
+    steps = triton.cdiv(vocab, STEP)
+    wanted = min(steps, max(1, triton.cdiv(PROGRAMS_PER_SM * sms, rows)))
+    chunk = triton.cdiv(steps, wanted) * STEP
+    return triton.cdiv(vocab, chunk), chunk
 
 
 def sample_rows(
@@ -105,6 +141,7 @@ def sample_rows(
     seed: torch.Tensor,  # [1] int64 on the logits' device: this step's Philox key
     bitmask: torch.Tensor | None = None,  # [rows, ceil(vocab / 32)] int32: allowed tokens
     *,
+    out: torch.Tensor | None = None,  # [rows] int64: where the tokens go (a graph's buffer)
     check: bool = True,
 ) -> torch.Tensor:  # [rows] int64
     """One token per row: its argmax where the temperature is 0, else a draw from
@@ -129,12 +166,49 @@ def sample_rows(
                                  f"{words})")
             if bitmask.stride(1) != 1:
                 raise ValueError("bitmask must have unit stride along its words")
+        if out is not None:
+            check_tensor("out", out, 1, (torch.int64,), device=logits.device)
+            if out.shape[0] != logits.shape[0]:
+                raise ValueError(f"out has {out.shape[0]} rows; logits has {logits.shape[0]}")
     rows, vocab = logits.shape
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows:
         has_mask = bitmask is not None
-        _sample_kernel[(rows,)](logits, temperatures, seed, bitmask if has_mask else logits,
-                                out, vocab, logits.stride(0),
-                                bitmask.stride(0) if has_mask else 0,
-                                BLOCK=BLOCK, HAS_MASK=has_mask, num_warps=8)
+        splits, chunk = num_splits(rows, vocab, num_sms(logits.device))
+        best = torch.empty(rows * splits, dtype=torch.float32, device=logits.device)
+        index = torch.empty(rows * splits, dtype=torch.int32, device=logits.device)
+        _sample_kernel[(rows, splits)](logits, temperatures, seed,
+                                       bitmask if has_mask else logits, best, index, vocab,
+                                       logits.stride(0), bitmask.stride(0) if has_mask else 0,
+                                       chunk, BLOCK=BLOCK, HAS_MASK=has_mask, num_warps=8)
+        _pick_kernel[(rows,)](best, index, out, vocab, splits,
+                              SPLITS_PAD=triton.next_power_of_2(triton.cdiv(vocab, STEP)),
+                              num_warps=1)
     return out
+
+
+def sample_rows_ref(
+    logits: torch.Tensor,  # [rows, vocab]
+    temperatures: torch.Tensor,  # [rows] float32; <= 0: greedy
+    seed: torch.Tensor,  # [1] int64: unused, the noise is torch's (see below)
+    bitmask: torch.Tensor | None = None,  # [rows, ceil(vocab / 32)] int32: allowed tokens
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [rows] int64
+    """`sample_rows` in torch ops: the same greedy tokens and the same distribution, with
+    the noise drawn from torch's default generator (inside a CUDA graph, a fresh draw each
+    replay) rather than keyed by `seed`."""
+    x = logits.float()
+    if bitmask is not None:
+        cols = torch.arange(x.shape[1], device=x.device)
+        bits = (bitmask[:, cols // 32] >> (cols % 32)) & 1
+        x = x.masked_fill(bits == 0, float("-inf"))
+    tokens = x.argmax(-1)
+    sampled = temperatures > 0
+    t = torch.where(sampled, temperatures, 1.0)[:, None]
+    u = torch.rand(x.shape, device=x.device).clamp_(min=torch.finfo(torch.float32).tiny)
+    tokens = torch.where(sampled, (x / t - (-u.log()).log()).argmax(-1), tokens)
+    if out is None:
+        return tokens
+    return out.copy_(tokens)
