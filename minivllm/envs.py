@@ -100,8 +100,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "with PDL, decode attention over a context longer than this lets the next kernel "
            "launch only after its K/V loop (0: at its start)", ("0", "4096")),
     EnvVar("MINIVLLM_GRAPH_GREEDY", "1",
-           "1: the decode CUDA graphs take the previous step's tokens and produce the greedy "
-           "tokens (an all-greedy step is one replay and three copies)", ("0", "1")),
+           "1: the decode CUDA graphs take the previous step's tokens and pick the step's "
+           "tokens, greedy or at a plain temperature (such a step is one replay and three "
+           "copies)", ("0", "1")),
 )}
 
 

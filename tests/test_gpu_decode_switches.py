@@ -69,7 +69,7 @@ def test_greedy_graphs_give_the_eager_tokens(tiny_qwen3, switches):
         try:
             if graphs:
                 llm.runner.capture_cuda_graphs(replay_eagerly=True)
-                assert llm.runner.graphs.greedy
+                assert llm.runner.graphs.picks
             outputs.append(llm.generate(prompts, params)["token_ids"])
             outputs.append(llm.generate(prompts[2:], greedy)["token_ids"])
             if graphs:
@@ -79,6 +79,49 @@ def test_greedy_graphs_give_the_eager_tokens(tiny_qwen3, switches):
     assert outputs[:2] == outputs[2:]
 
 
+
+def test_sampled_steps_pick_their_tokens_in_the_graphs(tiny_qwen3, switches):
+    """Decode steps whose rows sample at a plain temperature (no top-k / top-p, no
+    per-request seed) replay the picking graphs too, their draws made in the graph: the
+    greedy rows beside them keep the eager engine's tokens, the sampled rows draw tokens
+    of the vocabulary that differ from the greedy ones, and a per-request seed or top-p
+    still takes the general path."""
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (6, 30, 11, 19)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    hot = SamplingParams(temperature=1.5, max_tokens=12, ignore_eos=True)
+    settings = dict(max_num_batched_tokens=64, max_num_sequences=4, max_model_length=256,
+                    async_scheduling=True)
+    switches({"MINIVLLM_GRAPH_GREEDY": "1"})
+    eager = tiny_engine(tiny_qwen3, **settings)
+    try:
+        want = eager.generate(prompts, greedy)["token_ids"]
+    finally:
+        eager.exit()
+    llm = tiny_engine(tiny_qwen3, **settings)
+    try:
+        llm.runner.capture_cuda_graphs(replay_eagerly=True)
+        graphs = llm.runner.graphs
+        picked: list[list[float] | None] = []
+        run_picking = graphs.run_picking
+
+        def spy(*args):
+            picked.append(args[8])  # the step's temperatures (None: all greedy)
+            return run_picking(*args)
+
+        graphs.run_picking = spy
+        got = llm.generate(prompts, [greedy, hot, greedy, hot])["token_ids"]
+        assert [got[0], got[2]] == [want[0], want[2]]
+        vocab = llm.config.model.vocab_size
+        assert all(0 <= t < vocab for t in got[1] + got[3])
+        assert got[1] != want[1] and got[3] != want[3]
+        assert [1.5, 1.5] in [t[1::2] for t in picked if t is not None]
+        picked.clear()
+        llm.generate(prompts[:2], [SamplingParams(temperature=1.5, max_tokens=4, seed=3),
+                                   SamplingParams(temperature=1.5, max_tokens=4, top_p=0.9)])
+        assert picked == [], picked  # both rows sample outside the graphs
+    finally:
+        llm.exit()
 
 def check_decode_inputs(llm, checked: list[int]) -> None:
     """Make every decode replay of `llm`'s (eagerly replayed) graphs first check that its
@@ -209,3 +252,42 @@ def test_switches_keep_fp32_tokens(qwen3_06b, switches):  # noqa: F811
     graphed, _ = run(path, ps, dtype="float32")
     eager, _ = run(path, ps, dtype="float32", enforce_eager=True)
     assert graphed == base and eager == base
+
+
+@pytest.mark.gpu
+def test_sampled_rows_drawn_in_the_graphs(switches):
+    """bf16, random Qwen3-0.6B, graphs: rows at a plain temperature are drawn by the
+    sampling kernel inside the decode graphs. Two engines with the same seed draw the same
+    tokens; greedy rows beside them keep the all-greedy run's tokens; the draws at T = 1.5
+    are not the greedy tokens."""
+    from minivllm import LLMEngine
+
+    switches({"MINIVLLM_GRAPH_GREEDY": "1"})
+    g = torch.Generator().manual_seed(2)
+    ps = [torch.randint(0, 151936, (int(n),), generator=g).tolist() for n in (300, 40, 900, 7)]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    hot = SamplingParams(temperature=1.5, max_tokens=24, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        llm = LLMEngine({"model_name_or_path": "Qwen/Qwen3-0.6B", "load_format": "dummy",
+                         "gpu_memory_utilization": 0.2, "max_model_length": 2048,
+                         "max_num_sequences": 8, "seed": 0})
+        try:
+            picked = []
+            run_picking = llm.runner.graphs.run_picking
+
+            def spy(*args, run_picking=run_picking, picked=picked):
+                picked.append(args[8])
+                return run_picking(*args)
+
+            llm.runner.graphs.run_picking = spy
+            runs.append(llm.generate(ps, [greedy, hot, greedy, hot])["token_ids"])
+            assert any(t is not None for t in picked)
+            if len(runs) == 1:
+                runs.append(llm.generate(ps, greedy)["token_ids"])
+        finally:
+            llm.exit()
+    mixed, all_greedy, again = runs
+    assert mixed == again
+    assert [mixed[0], mixed[2]] == [all_greedy[0], all_greedy[2]]
+    assert mixed[1] != all_greedy[1] and mixed[3] != all_greedy[3]

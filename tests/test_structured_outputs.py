@@ -316,9 +316,9 @@ def test_engine_fills_masks_on_a_thread_without_overlapped_scheduling(engine, mo
     assert any(t.startswith("minivllm-bitmask") for t in threads), threads
 
 
-def test_engine_masked_greedy_steps_replay_the_greedy_graph(engine, smollm2_path,
-                                                            monkeypatch):
-    """A greedy decode step with rows under a grammar takes the greedy decode graph (its
+def test_engine_masked_greedy_steps_replay_the_picking_graph(engine, smollm2_path,
+                                                             monkeypatch):
+    """A greedy decode step with rows under a grammar takes the picking decode graph (its
     staged inputs and its logits; the pick under the mask follows it), with the replies
     of the engine without graphs (graphs replayed eagerly on the CPU)."""
     from minivllm import LLMEngine
@@ -333,13 +333,13 @@ def test_engine_masked_greedy_steps_replay_the_greedy_graph(engine, smollm2_path
     try:
         llm.runner.capture_cuda_graphs(replay_eagerly=True)
         masked: list[bool] = []
-        replay = llm.runner._replay_greedy
+        replay = llm.runner._replay_picking
 
-        def spy(b):
+        def spy(b, **kw):
             masked.append(bool(b.bitmask_rows))
-            return replay(b)
+            return replay(b, **kw)
 
-        monkeypatch.setattr(llm.runner, "_replay_greedy", spy)
+        monkeypatch.setattr(llm.runner, "_replay_picking", spy)
         got = llm.generate(prompts, params)["text"]
     finally:
         llm.exit()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -29,9 +30,9 @@ from .sampling_inputs import host_tensor
 
 MAX_GRAPH_TOKENS = 8192  # larger steps are compute-bound: their launches hide behind the GPU
 ALIGN = 16  # elements: keeps every input view 16-byte aligned (one Triton variant each)
-# Greedy decode graphs take whole block-table rows from the host; past this many entries
+# Picking decode graphs take whole block-table rows from the host; past this many entries
 # (bucket x max blocks) a step is cheaper through the general path's narrower copy.
-MAX_GREEDY_TABLE = 1 << 16
+MAX_PICK_TABLE = 1 << 16
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -135,10 +136,11 @@ class EagerReplay:
         self.body()
 
 
-def greedy_layout(max_rows: int) -> int:
-    """The greedy decode graphs' input layout, one for every bucket: P = the largest
-    bucket's rows, aligned; int64 [input_ids | positions | slot_mapping | fill_from], each
-    P long; int32 [seq_lens (P) | block tables (P rows of max_blocks)]. Returns P.
+def pick_layout(max_rows: int) -> int:
+    """The picking decode graphs' input layout, one for every bucket: P = the largest
+    bucket's rows, aligned; int64 [input_ids | positions | slot_mapping | fill_from, each
+    P long | the step's seed, then padding to ALIGN]; int32 [seq_lens (P) | temperatures
+    (P, float32 bits) | block tables (P rows of max_blocks)]. Returns P.
 
     One layout for all buckets keeps each value in its own place: a padding row that the
     host does not write holds an earlier row's id, position or block id, never another
@@ -147,15 +149,16 @@ def greedy_layout(max_rows: int) -> int:
 
 
 class _Staging:
-    """Pinned host copies of the greedy graphs' inputs. Two of them, used in turn: the
+    """Pinned host copies of the picking graphs' inputs. Two of them, used in turn: the
     host fills one while the copy out of the other may still be queued on the stream."""
 
-    def __init__(self, longs: int, ints: int, device: torch.device) -> None:
+    def __init__(self, rows: int, longs: int, ints: int, device: torch.device) -> None:
         pin = device.type == "cuda"
         self.longs = torch.zeros(longs, dtype=torch.long, pin_memory=pin)
         self.ints = torch.zeros(ints, dtype=torch.int32, pin_memory=pin)
         self.longs_np = self.longs.numpy()
         self.ints_np = self.ints.numpy()
+        self.temps_np = self.ints_np[rows : 2 * rows].view(np.float32)
         self.copied: torch.cuda.Event | None = None  # recorded after its copies were queued
 
 
@@ -163,12 +166,14 @@ class CUDAGraphRunner:
     """Decode graphs (one per batch-size bucket) and prefill/mixed graphs (one per token
     bucket), all in one memory pool.
 
-    `greedy` (the LM head inside, kernels/tuning.py's MINIVLLM_GRAPH_GREEDY): the decode
+    `picks` (the LM head inside, kernels/tuning.py's MINIVLLM_GRAPH_GREEDY): the decode
     graphs also fill the inputs the host does not know yet from the previous step's tokens
-    (`fill_tokens`, their first launch) and end with the greedy argmax of their logits into
-    `tokens`. An all-greedy decode step is then two host-to-device copies, one replay and
-    the copy of its tokens back (`run_greedy`); other decode steps replay the same graphs
-    through `run` and sample from the logits outside."""
+    (`fill_tokens`, their first launch) and end by picking each row's token from their
+    logits into `tokens` (`sample_rows`: greedy rows their argmax, the others a draw at
+    their temperature). A decode step whose rows ask for nothing else (no top-k / top-p /
+    min-p, penalties, logprobs or per-request seed) is then two host-to-device copies, one
+    replay and the copy of its tokens back (`run_picking`); other decode steps replay the
+    same graphs through `run` and sample from the logits outside."""
 
     def __init__(
         self,
@@ -187,8 +192,9 @@ class CUDAGraphRunner:
         max_len: int | None = None,
         vocab_size: int | None = None,
         replay_eagerly: bool = False,
-        greedy: bool = False,
+        picks: bool = False,
         fill_tokens: Callable | None = None,
+        sample_rows: Callable | None = None,
     ) -> None:
         self.model = model
         self.buckets = buckets
@@ -199,8 +205,9 @@ class CUDAGraphRunner:
         self.max_num_sequences = max_num_sequences or buckets[-1]
         self.block_size = block_size
         self.replay_eagerly = replay_eagerly
-        self.greedy = greedy and vocab_size is not None
+        self.picks = picks and vocab_size is not None
         self.fill_tokens = fill_tokens
+        self.sample_rows = sample_rows
         # Longest sequence a capture may use (its positions must exist in the rope table).
         self.max_len = max_len or max_blocks_per_seq * block_size
         progress = on_progress or (lambda stage, fraction: None)
@@ -216,14 +223,14 @@ class CUDAGraphRunner:
             self.seq_lens = torch.ones(n, dtype=torch.int32)
             self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32)
             self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32)
-            if self.greedy:
-                # One buffer per dtype (`greedy_layout`): one copy each a step.
-                p = self.greedy_rows = greedy_layout(n)
-                self.greedy_longs = torch.zeros(4 * p, dtype=torch.long)
-                self.greedy_longs[2 * p :].fill_(-1)  # no slot, no fill
-                self.greedy_ints = torch.ones(p + n * max_blocks_per_seq, dtype=torch.int32)
-                self.greedy_ints[p:].zero_()
-                self.tokens = torch.zeros(n, dtype=torch.long)  # the last greedy step's
+            if self.picks:
+                # One buffer per dtype (`pick_layout`): one copy each a step.
+                p = self.pick_rows = pick_layout(n)
+                self.pick_longs = torch.zeros(4 * p + ALIGN, dtype=torch.long)
+                self.pick_longs[2 * p : 4 * p].fill_(-1)  # no slot, no fill
+                self.pick_ints = torch.zeros(2 * p + n * max_blocks_per_seq, dtype=torch.int32)
+                self.pick_ints[:p].fill_(1)  # one token of context; temperature 0: greedy
+                self.tokens = torch.zeros(n, dtype=torch.long)  # the last picking step's
             # Prefill/mixed inputs, laid out as `pad_prefill_inputs` writes them.
             t_max = self.prefill_buckets[-1] if self.prefill_buckets else 0
             s_max = self.slots(t_max) if t_max else 0
@@ -231,9 +238,10 @@ class CUDAGraphRunner:
             self.prefill_ints = torch.zeros(prefill_layout(t_max, s_max)[1] + s_max + 1,
                                             dtype=torch.int32)
             self.prefill_tables = torch.zeros(s_max, max_blocks_per_seq, dtype=torch.int32)
-        if self.greedy:
+        if self.picks:
             self._staging = [
-                _Staging(4 * p, p + n * max_blocks_per_seq, device) for _ in range(2)
+                _Staging(p, 4 * p + ALIGN, 2 * p + n * max_blocks_per_seq, device)
+                for _ in range(2)
             ]
             self._num_staged = 0
 
@@ -281,12 +289,12 @@ class CUDAGraphRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, AttentionMetadata]:
         """The static inputs of decode bucket `bs`: (input_ids, positions, fill_from or
         None, metadata); `splits`: decode attention's split count, if not the bucket's."""
-        if self.greedy:
-            p, mb = self.greedy_rows, self.max_blocks_per_seq
-            longs, ints = self.greedy_longs, self.greedy_ints
+        if self.picks:
+            p, mb = self.pick_rows, self.max_blocks_per_seq
+            longs, ints = self.pick_longs, self.pick_ints
             ids, positions, fill = longs[:bs], longs[p : p + bs], longs[3 * p : 3 * p + bs]
             slot_mapping, seq_lens = longs[2 * p : 2 * p + bs], ints[:bs]
-            block_tables = ints[p : p + bs * mb].view(bs, mb)
+            block_tables = ints[2 * p : 2 * p + bs * mb].view(bs, mb)
         else:
             ids, positions, fill = self.input_ids[:bs], self.positions[:bs], None
             slot_mapping, seq_lens = self.slot_mapping[:bs], self.seq_lens[:bs]
@@ -312,9 +320,13 @@ class CUDAGraphRunner:
             with attention_metadata(meta):
                 hidden = self.model(input_ids, positions)
             self.outputs.write(self.model, hidden)
-            if self.greedy:
-                # The sampler's greedy choice (first index of the largest logit), in-graph.
-                torch.argmax(self.outputs.logits[:bs], dim=-1, out=self.tokens[:bs])
+            if self.picks:
+                # Each row's token (greedy, or a draw at its temperature), in-graph.
+                p = self.pick_rows
+                temperatures = self.pick_ints[p : p + bs].view(torch.float32)
+                seed = self.pick_longs[4 * p : 4 * p + 1]
+                self.sample_rows(self.outputs.logits[:bs], temperatures, seed,
+                                 out=self.tokens[:bs])
 
         return self._capture(body)
 
@@ -349,14 +361,14 @@ class CUDAGraphRunner:
             return self.short_graphs[bucket]
         return self.graphs[bucket]
 
-    def greedy_fits(self, num_seqs: int, width: int) -> bool:
-        """Whether `run_greedy` takes a decode step of this size."""
-        if not self.greedy or not self.fits(num_seqs, width):
+    def picking_fits(self, num_seqs: int, width: int) -> bool:
+        """Whether `run_picking` takes a decode step of this size."""
+        if not self.picks or not self.fits(num_seqs, width):
             return False
         bucket = next(b for b in self.buckets if b >= num_seqs)
-        return bucket * self.max_blocks_per_seq <= MAX_GREEDY_TABLE
+        return bucket * self.max_blocks_per_seq <= MAX_PICK_TABLE
 
-    def run_greedy(
+    def run_picking(
         self,
         input_ids: list[int],
         positions: list[int],
@@ -366,13 +378,17 @@ class CUDAGraphRunner:
         fill_rows: list[int],
         fill_from: list[int],
         prev_tokens: torch.Tensor | None,
+        temperatures: list[float] | None = None,
+        seed: int = 0,
     ) -> torch.Tensor:  # [num_seqs] int64, on the device
-        """Replay an all-greedy decode step from host lists: its inputs in two copies;
-        `prev_tokens` (the previous step's sampled tokens) feed the rows in `fill_rows`.
-        Returns the step's greedy tokens (a view of `tokens`, valid until the next replay)."""
+        """Replay a decode step from host lists: its inputs in two copies; `prev_tokens`
+        (the previous step's sampled tokens) feed the rows in `fill_rows`. Each row's token
+        is its argmax where its temperature is 0 (None: every row's), else a draw at its
+        temperature keyed by `seed`. Returns the step's tokens (a view of `tokens`, valid
+        until the next replay)."""
         bs = len(input_ids)
         bucket = next(b for b in self.buckets if b >= bs)
-        p, mb = self.greedy_rows, self.max_blocks_per_seq
+        p, mb = self.pick_rows, self.max_blocks_per_seq
         stage = self._staging[self._num_staged % 2]
         self._num_staged += 1
         if stage.copied is not None:
@@ -386,21 +402,25 @@ class CUDAGraphRunner:
         longs[2 * p + bs : 4 * p] = -1  # padding rows: no slot; every row: no fill ...
         for row, src in zip(fill_rows, fill_from, strict=True):
             longs[3 * p + row] = src  # ... but these
+        longs[4 * p] = seed
         ints[:bs] = seq_lens
         ints[bs:p] = 1  # padding rows attend to one token of their (stale) first block
+        stage.temps_np[:] = 0.0  # greedy, padding rows included (no noise drawn for them)
+        if temperatures is not None:
+            stage.temps_np[:bs] = temperatures
         for i, table in enumerate(block_tables):
-            ints[p + i * mb : p + i * mb + len(table)] = table
+            ints[2 * p + i * mb : 2 * p + i * mb + len(table)] = table
         # NOTE: whole rows (columns past a table are stale and never read); the padding
         # rows' tables are not copied (stale on the device: valid block ids or zeros).
-        self.greedy_longs[: 4 * p].copy_(stage.longs[: 4 * p], non_blocking=True)
-        self.greedy_ints[: p + bs * mb].copy_(stage.ints[: p + bs * mb], non_blocking=True)
+        self.pick_longs.copy_(stage.longs, non_blocking=True)
+        self.pick_ints[: 2 * p + bs * mb].copy_(stage.ints[: 2 * p + bs * mb], non_blocking=True)
         if self.device.type == "cuda":
             stage.copied = torch.cuda.Event()
             stage.copied.record()
         if fill_rows:
             assert prev_tokens is not None, "a placeholder without a step before it"
             if prev_tokens.data_ptr() != self.tokens.data_ptr():
-                # The step before was not a greedy replay (a prefill, a sampled step).
+                # The step before was not a picking replay (a prefill, a sampled step).
                 self.tokens[: prev_tokens.shape[0]].copy_(prev_tokens)
         self._decode_graph(bucket, self.decode_splits(bs, max(seq_lens))).replay()
         return self.tokens[:bs]

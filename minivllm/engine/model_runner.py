@@ -7,11 +7,12 @@ the sampler's tensors sampling_inputs.py's and the graphs cuda_graph.py's."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import torch
 
-from minivllm.kernels.tuning import graph_greedy
+from minivllm.kernels.tuning import graph_picks
 
 from ..config import EngineConfig
 from ..distributed import broadcast_from_rank0, get_tp_rank, get_tp_size
@@ -108,6 +109,9 @@ class ModelRunner:
         if config.seed is not None:
             generator = torch.Generator(device).manual_seed(config.seed)
         self.sampler = Sampler(generator)
+        # The picking decode graphs' noise keys, one a step (the sampler's generator is
+        # on the device; a graph step's key goes up with its inputs).
+        self._pick_seeds = random.Random(seed)
         self.kv_cache: torch.Tensor | None = None
         self.num_blocks = 0
         self.graphs: CUDAGraphRunner | None = None
@@ -222,8 +226,9 @@ class ModelRunner:
             # The LM head's gather to rank 0 stays outside the graphs.
             vocab_size=self.config.model.vocab_size if tp == 1 else None,
             replay_eagerly=replay_eagerly,
-            greedy=graph_greedy(),
+            picks=graph_picks(),
             fill_tokens=self.kernels.fill_tokens,
+            sample_rows=self.kernels.sample_rows,
         )
 
     # -- one step ------------------------------------------------------------------------
@@ -279,7 +284,7 @@ class ModelRunner:
 
         On the CPU this computes the step (there is nothing to overlap), but the engine
         drives both devices through the same launch / collect path."""
-        handle = self._launch_greedy_graph(b)
+        handle = self._launch_picking_graph(b)
         if handle is not None:
             return handle
         return self.sample(self.forward(b))
@@ -288,11 +293,11 @@ class ModelRunner:
     def forward(self, b: ForwardBatch) -> LaunchedForward:
         """Enqueue a step's forward: its logits (rank 0), not yet sampled. `sample` must
         follow before the next step's forward (a graph's logits buffer is reused)."""
-        if b.bitmask_rows and self._greedy_graph_takes(b):
-            # A greedy decode step with rows under a grammar: the greedy graph's fast
-            # inputs and its logits buffer; the graph's own argmax goes unused (`sample`
-            # picks under the mask).
-            self._replay_greedy(b)
+        if b.bitmask_rows and self._picking_graph_takes(b):
+            # A decode step with rows under a grammar: the picking graph's fast inputs and
+            # its logits buffer; the graph's own pick (every row greedy: no noise drawn)
+            # goes unused (`sample` picks under the mask).
+            self._replay_picking(b, sample=False)
             return LaunchedForward(b, self.graphs.logits(b.num_seqs))
         input_ids, positions, meta = self.prepare(b)
         if b.fill_rows:
@@ -365,37 +370,46 @@ class ModelRunner:
             handle.ready = torch.cuda.Event()
             handle.ready.record()
 
-    def _launch_greedy_graph(self, b: ForwardBatch) -> StepHandle | None:
-        """An all-greedy decode step that a greedy decode graph holds (cuda_graph.py's
-        `run_greedy`): inputs straight from the batch's lists, the argmax in the graph,
-        no sampler. None: the step takes the general path."""
-        if b.bitmask_rows or not self._greedy_graph_takes(b):
+    def _launch_picking_graph(self, b: ForwardBatch) -> StepHandle | None:
+        """A decode step that a picking decode graph holds (cuda_graph.py's `run_picking`):
+        inputs straight from the batch's lists, the tokens picked in the graph, no sampler.
+        None: the step takes the general path."""
+        if b.bitmask_rows or not self._picking_graph_takes(b):
             return None
-        tokens = self.last_sampled = self._replay_greedy(b)
+        tokens = self.last_sampled = self._replay_picking(b)
         # The view is overwritten by the next replay: on the CPU (no copy queued before
         # it) the handle keeps its own copy.
         handle = StepHandle(tokens if self._host_tokens else tokens.clone())
         self._copy_to_host(handle)
         return handle
 
-    def _greedy_graph_takes(self, b: ForwardBatch) -> bool:
-        """Whether a greedy decode graph holds step `b` (its rows' masks aside)."""
+    def _picking_graph_takes(self, b: ForwardBatch) -> bool:
+        """Whether a picking decode graph holds step `b` (its rows' masks aside): every
+        row greedy or at a plain temperature (no top-k / top-p / min-p, no per-request
+        seed; penalties, bans and logprobs are in `extras`)."""
         graphs = self.graphs
         return (
             graphs is not None
-            and graphs.greedy
+            and graphs.picks
             and b.is_decode
             and not b.extras
-            and all(t == 0 for t in b.temperatures)
-            and graphs.greedy_fits(b.num_seqs, max(len(t) for t in b.block_tables))
+            and all(k <= 0 for k in b.top_ks)
+            and all(p >= 1 for p in b.top_ps)
+            and all(p <= 0 for p in b.min_ps)
+            and all(seed is None for seed in b.seeds)
+            and graphs.picking_fits(b.num_seqs, max(len(t) for t in b.block_tables))
         )
 
-    def _replay_greedy(self, b: ForwardBatch) -> torch.Tensor:
-        """Replay the greedy decode graph over `b` (`_greedy_graph_takes`); its argmax."""
+    def _replay_picking(self, b: ForwardBatch, sample: bool = True) -> torch.Tensor:
+        """Replay the picking decode graph over `b` (`_picking_graph_takes`); its tokens.
+        `sample` False: every row's argmax (the caller samples from the logits)."""
         assert self.graphs is not None
-        return self.graphs.run_greedy(b.input_ids, b.positions, b.slot_mapping, b.seq_lens,
-                                      b.block_tables, b.fill_rows, b.fill_from,
-                                      self.last_sampled)
+        temperatures, seed = None, 0
+        if sample and any(t > 0 for t in b.temperatures):
+            temperatures, seed = b.temperatures, self._pick_seeds.getrandbits(62)
+        return self.graphs.run_picking(b.input_ids, b.positions, b.slot_mapping, b.seq_lens,
+                                       b.block_tables, b.fill_rows, b.fill_from,
+                                       self.last_sampled, temperatures, seed)
 
     def collect(self, handle: StepHandle) -> StepSamples | None:
         """Wait for a launched step's tokens (and logprobs); None off rank 0."""

@@ -12,8 +12,8 @@ MINIVLLM_DECODE_SHORT, MINIVLLM_DECODE_LATE_TRIGGER and MINIVLLM_GRAPH_GREEDY.
 
 With the short launch's own tiles and contexts up to DECODE_MIN_SPLIT, DECODE_SHORT gives
 the same result bit for bit as the bucket's launch; decode graphs are captured for both.
-GRAPH_GREEDY puts the LM head and the greedy pick inside the decode graphs
-(engine side: cuda_graph.py).
+GRAPH_GREEDY puts the LM head and the token pick (greedy or at a plain temperature)
+inside the decode graphs (engine side: cuda_graph.py).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def decode_short_max() -> int:
 
 
 @functools.cache
-def graph_greedy() -> bool:
+def graph_picks() -> bool:
     return _choice("MINIVLLM_GRAPH_GREEDY") == "1"
 
 
@@ -118,6 +118,6 @@ def clear() -> None:
     """Forget the values read (tests that change the environment)."""
     for fn in (gemv_max_k_tile, gemv_silu_tile, gemv_wide, decode_prefetch, decode_min_split,
                decode_tile, decode_loaded_tile, decode_short_tile, decode_late_trigger,
-               decode_short_max, graph_greedy, _prefill_tiles,
+               decode_short_max, graph_picks, _prefill_tiles,
                prefill_small_max):
         fn.cache_clear()

@@ -20,6 +20,7 @@ from minivllm.kernels.fill_tokens import fill_tokens_ref
 from minivllm.kernels.prefill_attention import prefill_attention_ref
 from minivllm.kernels.rms_norm import rms_norm_ref
 from minivllm.kernels.rotary import rotary_ref
+from minivllm.kernels.sample import sample_rows_ref
 from minivllm.kernels.silu_and_mul import silu_and_mul_ref
 from minivllm.kernels.store_kvcache import store_kvcache_ref
 
@@ -44,8 +45,10 @@ class Kernels:
     rms_norm_gemv: Callable | None = None
     qkv_rotary_store: Callable | None = None
     qkv_decode_attention: Callable | None = None
-    # A decode step's inputs from the previous step's tokens (greedy decode graphs).
+    # A decode step's inputs from the previous step's tokens, and its tokens from its
+    # logits (the picking decode graphs).
     fill_tokens: Callable = fill_tokens_ref
+    sample_rows: Callable = sample_rows_ref
 
 
 def _decode_attention_ref(q, k_cache, v_cache, seq_lens, block_tables, scale, num_splits=None,
@@ -96,6 +99,7 @@ def triton_kernels() -> Kernels:
     from minivllm.kernels.qkv_rotary_store import qkv_rotary_store
     from minivllm.kernels.rms_norm import rms_norm
     from minivllm.kernels.rotary import rotary
+    from minivllm.kernels.sample import sample_rows
     from minivllm.kernels.silu_and_mul import silu_and_mul
     from minivllm.kernels.store_kvcache import store_kvcache
 
@@ -113,6 +117,7 @@ def triton_kernels() -> Kernels:
         qkv_rotary_store=CheckedFirst(qkv_rotary_store),
         qkv_decode_attention=CheckedFirst(qkv_decode_attention),
         fill_tokens=CheckedFirst(fill_tokens),
+        sample_rows=CheckedFirst(sample_rows),
     )
 
 
