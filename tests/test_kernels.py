@@ -164,10 +164,10 @@ def check_sample_rows() -> None:
     first = sample_rows(logits, temps, torch.tensor([11]))
     assert torch.equal(first, sample_rows(logits, temps, torch.tensor([11])))  # same seed
     assert first[0] == 100 and first[2] == logits[2].argmax() and first[3] == 0
-    # A row's vocabulary split across programs (two a row at 5 rows here, one at 40): the
-    # same tokens, a tie across the split included (row 0's 100 and 4321).
-    assert num_splits(5, 5000, num_sms(logits.device)) == (2, 4096)
-    assert num_splits(40, 5000, num_sms(logits.device)) == (1, 8192)
+    # A row's vocabulary split across programs (five a row at 5 rows here, two at 40): the
+    # same tokens, a tie across the splits included (row 0's 100 and 4321).
+    assert num_splits(5, 5000, num_sms(logits.device)) == (5, 1024)
+    assert num_splits(40, 5000, num_sms(logits.device)) == (2, 3072)
     more = torch.cat([logits, torch.randn(35, 5000, generator=g)])
     more_temps = torch.cat([temps, torch.rand(35, generator=g)])
     assert torch.equal(sample_rows(more, more_temps, torch.tensor([11]))[:5], first)
