@@ -4,6 +4,10 @@ read-bandwidth ceiling measured first. The engine's launch (`qkv_decode_attentio
 norm + rotary + store), Qwen3-0.6B's heads, blocks of 256.
 
     python3 scripts/decode_attn_sweep.py [--shape 256x512 --shape 64x2048] [--quick]
+        [--maxnreg 96 80]
+
+`--maxnreg`: the engine's tiles again with each register cap a thread (more programs an
+SM, some registers spilled; `scripts/decode_attn_resources.py` prints both without a GPU).
 """
 
 from __future__ import annotations
@@ -46,11 +50,18 @@ def make_inputs(num_seqs: int, context: int, kv_dtype: torch.dtype):
     return cache, table, norms, qkv, positions, slots
 
 
-def variants(fp8: bool, tiles: list[tuple[int, int, int]]) -> list[dict | None]:
+def variants(fp8: bool, tiles: list[tuple[int, int, int]],
+             maxnregs: list[int] = ()) -> list[dict | None]:
     """The engine's default launch (None), then tiles x first tile prefetched or not; for
     fp8 the upcast too: inline PTX or Triton's to fp16 (every tile), Triton's to bf16 (the
-    first tile, prefetched: the kernel before this change)."""
+    first tile, prefetched: the kernel before this change); then the engine's loaded
+    tiles under each register cap in `maxnregs`."""
+    from minivllm.kernels.decode_attention import _tile_config
+
     out: list[dict | None] = [None]
+    for cap in maxnregs:
+        engine = _tile_config(torch.bfloat16, loaded=True, kv_fp8=fp8)
+        out.append(dict(engine, FP8_AS_F16=fp8, FP8_ASM=fp8, prefetch=False, maxnreg=cap))
     upcasts = [(True, True), (True, False)] if fp8 else [(False, False)]
     for prefetch, (f16, asm), (block_n, warps, stages) in itertools.product(
             (True, False), upcasts, tiles):
@@ -69,12 +80,14 @@ def describe(config: dict | None, fp8: bool) -> str:
     upcast = ""
     if fp8:
         upcast = "/asm" if config["FP8_ASM"] else "/f16" if config["FP8_AS_F16"] else "/bf16"
+    cap = f" r{config['maxnreg']}" if "maxnreg" in config else ""
     return (f"{'fp8' if fp8 else 'bf16'}{upcast} N{config['BLOCK_N']} "
-            f"w{config['num_warps']} s{config['num_stages']}"
+            f"w{config['num_warps']} s{config['num_stages']}{cap}"
             f"{' prefetch' if config['prefetch'] else ''}")
 
 
-def sweep(shape: str, kv_dtype: torch.dtype, tiles: list, read_gbs: float) -> list[tuple]:
+def sweep(shape: str, kv_dtype: torch.dtype, tiles: list, read_gbs: float,
+          maxnregs: list[int] = ()) -> list[tuple]:
     from triton.testing import do_bench
 
     from minivllm.kernels.decode_attention import (
@@ -99,7 +112,7 @@ def sweep(shape: str, kv_dtype: torch.dtype, tiles: list, read_gbs: float) -> li
     nbytes = num_seqs * context * 2 * KV_HEADS * HEAD_DIM * cache.k_cache.element_size()
     fp8 = kv_dtype == FP8_KV_DTYPE
     rows = []
-    for config in variants(fp8, tiles):
+    for config in variants(fp8, tiles, maxnregs):
         kwargs = {}
         if config is not None:
             tile_config = dict(config)
@@ -133,6 +146,8 @@ def main() -> None:
     p.add_argument("--engine-only", action="store_true",
                    help="the engine's launch only, no other tiles (with Nsight Compute)")
     p.add_argument("--kv-dtype", choices=["bf16", "fp8", "both"], default="both")
+    p.add_argument("--maxnreg", type=int, nargs="+", default=[], metavar="REGISTERS",
+                   help="also the engine's loaded tiles capped at these registers a thread")
     args = p.parse_args()
     from minivllm.kernels.store_kvcache import FP8_KV_DTYPE
 
@@ -146,7 +161,7 @@ def main() -> None:
     rows = []
     for shape in args.shape or ["256x512", "64x2048"]:
         for kv_dtype in kv_dtypes:
-            rows += sweep(shape, kv_dtype, tiles, read_gbs)
+            rows += sweep(shape, kv_dtype, tiles, read_gbs, args.maxnreg)
             torch.cuda.empty_cache()
     print(f"\n== decode attention alone ({torch.cuda.get_device_name()}; read ceiling "
           f"{read_gbs:,.0f} GB/s) ==")

@@ -1,0 +1,102 @@
+"""Registers, spilled bytes and shared memory of decode attention's loaded launch for an
+H100/H200 (sm_90), per tile and register cap, and the programs an SM holds with them:
+compiled by Triton and read from the binary by cuobjdump, no GPU needed.
+
+    MINIVLLM_TRITON=1 python scripts/decode_attn_resources.py [--maxnreg 96 80]
+
+The kernel as the engine launches it at a loaded step: q/k norm + rotary + store in its
+prologue, one split, no prefetched tile, Qwen3-0.6B's heads, blocks of 256. The figures
+are the installed Triton's: versions allocate differently (fp8, 128x4x2: 130 registers
+and 3 programs an SM with Triton 3.9; Nsight Compute read 4 programs an SM on an H100 with
+Triton 3.6), so run it beside the Triton that runs the kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+TILES = [(128, 4, 2), (128, 4, 1), (64, 4, 2), (64, 4, 1), (64, 8, 1), (32, 4, 2), (32, 4, 1)]
+REGISTERS_PER_SM = 65536
+SHARED_PER_SM = 228 * 1024  # of which each program also takes 1 KB reserved
+MAX_WARPS_PER_SM = 64
+
+
+def compile_sm90(fp8: bool, block_n: int, warps: int, stages: int, maxnreg: int | None):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from minivllm.kernels.decode_attention import _decode_attention_kernel as kernel
+
+    kv = "*fp8e4nv" if fp8 else "*bf16"
+    types = {name: "*fp32" for name in kernel.arg_names if name.endswith("_ptr")}
+    types.update(q_ptr="*bf16", k_cache_ptr=kv, v_cache_ptr=kv, out_ptr="*bf16",
+                 block_tables_ptr="*i32", seq_lens_ptr="*i32", counters_ptr="*i32",
+                 positions_ptr="*i64", slot_mapping_ptr="*i64", q_norm_ptr="*bf16",
+                 k_norm_ptr="*bf16", qk_scale="fp32", eps="fp32", k_scale="fp32",
+                 v_scale="fp32")
+    constants = dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256,
+                     BLOCK_N=block_n, NUM_SPLITS=1, MERGE_CHUNK=1, FROM_QKV=True,
+                     QK_NORM=True, DOT_PRECISION="tf32", PDL=True, PREFETCH=False,
+                     MIN_SPLIT_LEN=block_n, LATE_TRIGGER=0, KV_FP8=fp8, FP8_AS_F16=fp8,
+                     FP8_ASM=fp8)
+    signature = {name: types.get(name, "constexpr" if name in constants else "i32")
+                 for name in kernel.arg_names}
+    # The launcher's hints: 16-byte aligned pointers and strides.
+    hints = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
+             if signature[name].startswith("*") or "stride" in name}
+    options = dict(num_warps=warps, num_stages=stages)
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return triton.compile(ASTSource(kernel, signature, constants, hints),
+                          target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def resources(compiled) -> tuple[int, int]:
+    """(registers a thread, stack bytes a thread) from the binary."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    assert found, usage
+    return int(found.group(1)), int(found.group(2))
+
+
+def programs_per_sm(registers: int, shared: int, warps: int) -> int:
+    """Resident programs an SM: registers go out in 256 a warp, shared memory plus 1 KB."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return min(REGISTERS_PER_SM // (per_warp * warps), SHARED_PER_SM // (shared + 1024),
+               MAX_WARPS_PER_SM // warps)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--maxnreg", type=int, nargs="+", default=[], metavar="REGISTERS",
+                   help="also each tile capped at these registers a thread")
+    args = p.parse_args()
+    print(f"{'KV':5} {'tile':8} {'cap':>4} {'regs':>5} {'stack B':>8} {'shared B':>9} "
+          f"{'programs/SM':>12} {'warps/SM':>9}")
+    for fp8 in (False, True):
+        for (block_n, warps, stages), cap in ((t, c) for t in TILES
+                                              for c in [None, *args.maxnreg]):
+            compiled = compile_sm90(fp8, block_n, warps, stages, cap)
+            registers, stack = resources(compiled)
+            shared = compiled.metadata.shared
+            programs = programs_per_sm(registers, shared, warps)
+            print(f"{'fp8' if fp8 else 'bf16':5} {block_n}x{warps}x{stages:<3} "
+                  f"{cap or '-':>4} {registers:5} {stack:8} {shared:9} {programs:12} "
+                  f"{programs * warps:9}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
