@@ -2,7 +2,7 @@
 # One device call: GPU tests, then the benchmarks; a short table is printed last.
 # Usage on the GPU machine, from the repo root:
 #   bash scripts/gpu_check.sh [quick|profile|decode|decode-ab|prefill|host|app|faces|
-#                              structured|stalls|all]
+#                              structured|stalls|occupancy|all]
 # (no argument: tests + benchmarks; quick: tests; profile: tests + step profile;
 #  decode: tests + batch-1/long-context decode benchmarks, kernel table, per-kernel profile;
 #  decode-ab: the decode switches' tests, then scripts/decode_ab.py (kernels/tuning.py's
@@ -10,6 +10,9 @@
 #  prefill: the prefill kernels' tests, their sweeps, TTFT up to 32k and its profile;
 #  stalls: decode attention's launch at 256 x 512 (bf16, then fp8 KV) under Nsight
 #  Compute: where its warps wait (stall reasons), its memory and issue throughput;
+#  occupancy: decode attention's registers and shared memory per tile and register cap
+#  (this Triton's build), then fp8 decode attention at 256 x 512 and 64 x 2048 with the
+#  engine's loaded tile and the 64-position one, each also capped at 96 and 80 registers;
 #  structured: the masked sampling's GPU tests, then bench serve with half the clients
 #  under a JSON schema, then scripts/bench_structured.py in process;
 #  host: tests + the host-overhead benchmarks (throughput overlapped vs synchronous, prefill TTFT
@@ -73,6 +76,19 @@ if [ "${1:-}" = "structured" ]; then
   echo; echo "== summary =="; grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -1
   grep -E "^server" "$OUT/bench-structured.log"
   tail -2 "$OUT/bench-structured-engine.log"
+  exit 0
+fi
+
+if [ "${1:-}" = "occupancy" ]; then
+  $PY scripts/decode_attn_resources.py --maxnreg 96 80 2>&1 | grep -v -i warn \
+    | tee "$OUT/resources.log"
+  for tile in 128x4x2 64x4x2; do
+    echo "== fp8 loaded tile $tile" | tee -a "$OUT/occupancy.log"
+    (cd /tmp && MINIVLLM_DECODE_LOADED_TILE_FP8=$tile timeout 240 $PY \
+      "$REPO/scripts/decode_attn_sweep.py" --engine-only --kv-dtype fp8 --maxnreg 96 80 \
+      --shape 256x512 --shape 64x2048) 2>&1 | tee -a "$OUT/occupancy.log" \
+      | sed -n '/^== decode attention alone/,$p'
+  done
   exit 0
 fi
 
