@@ -25,12 +25,10 @@ SHARED_PER_SM = 228 * 1024  # of which each program also takes 1 KB reserved
 MAX_WARPS_PER_SM = 64
 
 
-def compile_sm90(fp8: bool, block_n: int, warps: int, stages: int, maxnreg: int | None):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+def compile_decode_attention(fp8: bool, block_n: int, warps: int, stages: int,
+                             maxnreg: int | None):
     from minivllm.kernels.decode_attention import _decode_attention_kernel as kernel
+    from minivllm.kernels.testing import compile_sm90
 
     kv = "*fp8e4nv" if fp8 else "*bf16"
     types = {name: "*fp32" for name in kernel.arg_names if name.endswith("_ptr")}
@@ -44,16 +42,8 @@ def compile_sm90(fp8: bool, block_n: int, warps: int, stages: int, maxnreg: int 
                      QK_NORM=True, DOT_PRECISION="tf32", PDL=True, PREFETCH=False,
                      MIN_SPLIT_LEN=block_n, LATE_TRIGGER=0, KV_FP8=fp8, FP8_AS_F16=fp8,
                      FP8_ASM=fp8)
-    signature = {name: types.get(name, "constexpr" if name in constants else "i32")
-                 for name in kernel.arg_names}
-    # The launcher's hints: 16-byte aligned pointers and strides.
-    hints = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature)
-             if signature[name].startswith("*") or "stride" in name}
-    options = dict(num_warps=warps, num_stages=stages)
-    if maxnreg is not None:
-        options["maxnreg"] = maxnreg
-    return triton.compile(ASTSource(kernel, signature, constants, hints),
-                          target=GPUTarget("cuda", 90, 32), options=options)
+    options = {} if maxnreg is None else {"maxnreg": maxnreg}
+    return compile_sm90(kernel, types, constants, warps, stages, **options)
 
 
 def resources(compiled) -> tuple[int, int]:
@@ -89,7 +79,7 @@ def main() -> None:
     for fp8 in (False, True):
         for (block_n, warps, stages), cap in ((t, c) for t in TILES
                                               for c in [None, *args.maxnreg]):
-            compiled = compile_sm90(fp8, block_n, warps, stages, cap)
+            compiled = compile_decode_attention(fp8, block_n, warps, stages, cap)
             registers, stack = resources(compiled)
             shared = compiled.metadata.shared
             programs = programs_per_sm(registers, shared, warps)

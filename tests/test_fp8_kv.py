@@ -273,24 +273,22 @@ def check_interpreted() -> None:
 
 def check_compile_sm90() -> None:
     """The fp8 variants compile for an H100 (Triton's passes and ptxas, no GPU)."""
-    sys.path.insert(0, os.path.dirname(__file__))
-    from test_kernels import _compile_sm90
-
     from minivllm.kernels.decode_attention import _decode_attention_kernel
     from minivllm.kernels.prefill_attention import _prefill_kernel
     from minivllm.kernels.qkv_rotary_store import _qkv_rotary_store_kernel
     from minivllm.kernels.store_kvcache import _store_kvcache_kernel
+    from minivllm.kernels.testing import compile_sm90
 
     fp8 = dict(k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv")
     scalars = dict(k_scale="fp32", v_scale="fp32", eps="fp32", qk_scale="fp32")
     sig = {n: "*bf16" for n in _store_kvcache_kernel.arg_names if n.endswith("_ptr")}
     sig.update(fp8, slot_mapping_ptr="*i64", **scalars)
-    _compile_sm90(_store_kvcache_kernel, sig,
+    compile_sm90(_store_kvcache_kernel, sig,
                   dict(NUM_KV_HEADS=8, HEADS_PAD=8, HEAD_DIM=128, KV_FP8=True))
     sig = {n: "*bf16" for n in _qkv_rotary_store_kernel.arg_names if n.endswith("_ptr")}
     sig.update(fp8, positions_ptr="*i64", slot_mapping_ptr="*i64", cos_sin_ptr="*fp32",
                **scalars)
-    _compile_sm90(_qkv_rotary_store_kernel, sig,
+    compile_sm90(_qkv_rotary_store_kernel, sig,
                   dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, BLOCK_T=16,
                        QK_NORM=True, PDL=True, KV_FP8=True), 2)
     sig = {n: "*bf16" for n in _prefill_kernel.arg_names if n.endswith("_ptr")}
@@ -298,9 +296,9 @@ def check_compile_sm90() -> None:
                **scalars)
     tiles = dict(GROUP=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=128,
                  BLOCK_N=64, DOT_PRECISION="tf32", KV_FP8=True, LAST_FIRST=True)
-    _compile_sm90(_prefill_kernel, sig, dict(tiles, k_desc=None, v_desc=None, TMA=False), 4, 3)
+    compile_sm90(_prefill_kernel, sig, dict(tiles, k_desc=None, v_desc=None, TMA=False), 4, 3)
     desc = "tensordesc<fp8e4nv[64, 128]>"  # TMA loads of the fp8 tiles
-    _compile_sm90(_prefill_kernel, dict(sig, k_desc=desc, v_desc=desc), dict(tiles, TMA=True),
+    compile_sm90(_prefill_kernel, dict(sig, k_desc=desc, v_desc=desc), dict(tiles, TMA=True),
                   4, 3)
     sig = {n: "*fp32" for n in _decode_attention_kernel.arg_names if n.endswith("_ptr")}
     sig.update(fp8, q_ptr="*bf16", out_ptr="*bf16", block_tables_ptr="*i32",
@@ -312,7 +310,7 @@ def check_compile_sm90() -> None:
                                                  (32, False, False, True, True),
                                                  (32, True, True, True, False),
                                                  (1, True, True, True, True)):
-        _compile_sm90(_decode_attention_kernel, sig,
+        compile_sm90(_decode_attention_kernel, sig,
                       dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128,
                            BLOCK_SIZE=256, BLOCK_N=128, NUM_SPLITS=splits,
                            MERGE_CHUNK=min(splits, 32), FROM_QKV=from_qkv, QK_NORM=from_qkv,

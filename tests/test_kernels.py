@@ -151,7 +151,7 @@ def check_fill_tokens() -> None:
 
 def check_sample_rows() -> None:
     from minivllm.kernels.dispatch import num_sms
-    from minivllm.kernels.sample import num_splits, sample_rows
+    from minivllm.kernels.sample import num_splits, sample_rows, sample_rows_ref
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 5000, generator=g)
@@ -202,6 +202,14 @@ def check_sample_rows() -> None:
     allowed[2:] = True
     want = logits.masked_fill(~allowed, float("-inf")).argmax(-1)
     assert torch.equal(sample_rows(logits, greedy, torch.tensor([1]), bitmask)[:3], want[:3])
+    # The torch version (a kernel set without Triton): the same greedy tokens, masked or not,
+    # and masked draws among the allowed tokens only.
+    assert torch.equal(sample_rows_ref(logits, greedy, torch.tensor([1])), logits.argmax(-1))
+    assert torch.equal(sample_rows_ref(logits, greedy, torch.tensor([1]), bitmask)[:3],
+                       want[:3])
+    for _ in range(5):
+        drawn = sample_rows_ref(logits, temps, torch.tensor([0]), bitmask)
+        assert drawn[0] == 4321 and drawn[1] >= 4096
     _expect_value_errors([
         (lambda: sample_rows(logits, torch.zeros(4), torch.tensor([1])), "temperatures has 4"),
         (lambda: sample_rows(logits, greedy, torch.tensor([1, 2])), "seed must hold one"),
@@ -586,43 +594,28 @@ def check_qkv_decode_attention() -> None:
         _assert_close(f"{name}: one launch against two", out, two, TOL[dtype])
 
 
-def _compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int = 4,
-                  num_stages: int = 1) -> None:
-    """Compiles a kernel for an H100/H200 (sm_90) without a GPU: Triton's frontend, its
-    passes and ptxas, with the divisibility hints the launcher gives aligned arguments."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig = {name: signature.get(name, "constexpr" if name in constexprs else "i32")
-           for name in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig)
-             if sig[name].startswith("*") or "stride" in name or name in ("N", "K")}
-    triton.compile(ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                   options=dict(num_warps=num_warps, num_stages=num_stages))
-
-
 def check_compile_sm90() -> None:
     from minivllm.kernels.decode_attention import _decode_attention_kernel
     from minivllm.kernels.gemv import _gemv_kernel
     from minivllm.kernels.prefill_attention import _prefill_kernel
     from minivllm.kernels.qkv_rotary_store import _qkv_rotary_store_kernel
     from minivllm.kernels.sample import BLOCK, _pick_kernel, _sample_kernel
+    from minivllm.kernels.testing import compile_sm90
 
     bf16 = {name: "*bf16" for name in _gemv_kernel.arg_names if name.endswith("_ptr")}
     flags = dict(NORM=True, HAS_RESIDUAL=True, HAS_BIAS=True, SILU_MUL=True,
                  DOT_PRECISION="tf32")
-    _compile_sm90(_gemv_kernel, {**bf16, "eps": "fp32"},
+    compile_sm90(_gemv_kernel, {**bf16, "eps": "fp32"},
                   dict(flags, BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, USE_DOT=False, ONE_TILE=True,
                        PDL=True))
-    _compile_sm90(_gemv_kernel, {**bf16, "eps": "fp32"},
+    compile_sm90(_gemv_kernel, {**bf16, "eps": "fp32"},
                   dict(flags, BLOCK_M=16, BLOCK_N=16, BLOCK_K=512, USE_DOT=True, ONE_TILE=False,
                        PDL=True),
                   num_stages=3)
     sig = {name: "*bf16" for name in _qkv_rotary_store_kernel.arg_names if name.endswith("_ptr")}
     sig.update(positions_ptr="*i64", slot_mapping_ptr="*i64", cos_sin_ptr="*fp32", eps="fp32",
                k_scale="fp32", v_scale="fp32")
-    _compile_sm90(_qkv_rotary_store_kernel, sig,
+    compile_sm90(_qkv_rotary_store_kernel, sig,
                   dict(NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, BLOCK_T=16,
                        QK_NORM=True, PDL=True, KV_FP8=False), 2)
     sig = {name: "*fp32" for name in _decode_attention_kernel.arg_names if name.endswith("_ptr")}
@@ -636,7 +629,7 @@ def check_compile_sm90() -> None:
     for splits, from_qkv, prefetch in ((1, False, False), (32, False, False),
                                        (128, False, False), (32, True, False),
                                        (32, True, True), (1, True, True)):
-        _compile_sm90(_decode_attention_kernel, sig,
+        compile_sm90(_decode_attention_kernel, sig,
                       dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128,
                            BLOCK_SIZE=256, BLOCK_N=128, NUM_SPLITS=splits,
                            MERGE_CHUNK=min(splits, 32), FROM_QKV=from_qkv, QK_NORM=from_qkv,
@@ -650,17 +643,17 @@ def check_compile_sm90() -> None:
                qk_scale="fp32", v_scale="fp32")
     tiles = dict(GROUP=2, NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=256, BLOCK_M=128,
                  BLOCK_N=64, DOT_PRECISION="tf32", KV_FP8=False)
-    _compile_sm90(_prefill_kernel, sig, dict(tiles, k_desc=None, v_desc=None, TMA=False,
+    compile_sm90(_prefill_kernel, sig, dict(tiles, k_desc=None, v_desc=None, TMA=False,
                                              LAST_FIRST=False), 4, 3)
     desc = "tensordesc<bf16[64, 128]>"
-    _compile_sm90(_prefill_kernel, dict(sig, k_desc=desc, v_desc=desc),
+    compile_sm90(_prefill_kernel, dict(sig, k_desc=desc, v_desc=desc),
                   dict(tiles, TMA=True, LAST_FIRST=True), 4, 3)
     for has_mask in (False, True):
-        _compile_sm90(_sample_kernel, dict(logits_ptr="*bf16", temps_ptr="*fp32",
+        compile_sm90(_sample_kernel, dict(logits_ptr="*bf16", temps_ptr="*fp32",
                                            seed_ptr="*i64", mask_ptr="*i32", best_ptr="*fp32",
                                            index_ptr="*i32"),
                       dict(BLOCK=BLOCK, HAS_MASK=has_mask), num_warps=8)
-    _compile_sm90(_pick_kernel, dict(best_ptr="*fp32", index_ptr="*i32", out_ptr="*i64"),
+    compile_sm90(_pick_kernel, dict(best_ptr="*fp32", index_ptr="*i32", out_ptr="*i64"),
                   dict(SPLITS_PAD=64), num_warps=1)
 
 

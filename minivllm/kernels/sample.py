@@ -5,7 +5,8 @@ token (the Gumbel-max trick: a draw from softmax(logits / T)); a row with T = 0 
 first maximal logit. The torch sampler (layers/sampler.py) does the same in about ten
 launches over an fp32 copy of the logits (upcast, divide, draw Exp(1) noise, its log, two
 argmaxes); here each row's logits are read once in their own dtype and the noise is made
-in registers by Philox (`tl.rand4x`), keyed by a seed drawn once a step on the device.
+in registers by Philox (`tl.rand4x`), keyed by one seed a step (drawn on the device by the
+sampler; staged with a decode graph's inputs when the graph picks the tokens).
 With a grammar's bitmask (one bit per token, a row per row), a token whose bit is 0 is
 never taken: the mask is read beside the logits instead of written into them first.
 

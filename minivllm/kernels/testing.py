@@ -178,3 +178,22 @@ def describe_tiles(tiles: dict) -> str:
     parts += [f"N{tiles['BLOCK_N']}", f"w{tiles['num_warps']}", f"s{tiles['num_stages']}"]
     parts += [name for key, name in (("TMA", "tma"), ("LAST_FIRST", "last")) if tiles.get(key)]
     return " ".join(parts)
+
+
+def compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int = 4,
+                 num_stages: int = 1, **options):
+    """Compiles a kernel for an H100/H200 (sm_90) without a GPU: Triton's frontend, its
+    passes and ptxas, with the divisibility hints the launcher gives aligned arguments.
+    `signature`: the non-constexpr arguments' types that are not i32; `options`: Triton's
+    other compile options (maxnreg, ...). Returns the compiled kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {name: signature.get(name, "constexpr" if name in constexprs else "i32")
+           for name in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig)
+             if sig[name].startswith("*") or "stride" in name or name in ("N", "K")}
+    return triton.compile(ASTSource(fn, sig, constexprs, attrs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages, **options))
