@@ -78,6 +78,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "programs resident per SM)", DECODE_TILES),
     EnvVar("MINIVLLM_DECODE_LOADED_TILE_FP8", "128x4x2",
            "the same with an fp8 KV cache", DECODE_TILES),
+    EnvVar("MINIVLLM_DECODE_LOADED_REGS_FP8", "0",
+           "registers a thread the fp8 loaded launch is compiled under (0: the compiler's "
+           "choice); fewer let more programs share an SM, at the cost of spills",
+           ("0", "72", "80", "88", "96", "104", "112")),
     EnvVar("MINIVLLM_PREFILL_TILE", "128x64x4x3",
            "BLOCK_M x BLOCK_N x warps x stages of the 16-bit prefill attention's tiles",
            PREFILL_TILES),

@@ -738,6 +738,12 @@ def test_decode_launch_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("MINIVLLM_DECODE_LOADED_TILE_FP8", "32x4x2")
         tuning.clear()
         assert _tile_config(torch.bfloat16, loaded=True, kv_fp8=True)["BLOCK_N"] == 32
+        assert "maxnreg" not in _tile_config(torch.bfloat16, loaded=True, kv_fp8=True)
+        monkeypatch.setenv("MINIVLLM_DECODE_LOADED_REGS_FP8", "96")
+        tuning.clear()
+        assert _tile_config(torch.bfloat16, loaded=True, kv_fp8=True)["maxnreg"] == 96
+        assert "maxnreg" not in _tile_config(torch.bfloat16, loaded=True)
+        assert "maxnreg" not in _tile_config(torch.bfloat16, kv_fp8=True)
         monkeypatch.setenv("MINIVLLM_DECODE_LOADED_TILE", "48x4x2")
         tuning.clear()
         with pytest.raises(ValueError,
@@ -745,6 +751,7 @@ def test_decode_launch_choice(monkeypatch: pytest.MonkeyPatch) -> None:
             _tile_config(torch.bfloat16, loaded=True)
     finally:
         monkeypatch.delenv("MINIVLLM_DECODE_LOADED_TILE_FP8", raising=False)
+        monkeypatch.delenv("MINIVLLM_DECODE_LOADED_REGS_FP8", raising=False)
         monkeypatch.delenv("MINIVLLM_DECODE_LOADED_TILE", raising=False)
         tuning.clear()
 

@@ -26,6 +26,7 @@ from minivllm.kernels.qkv_rotary_store import check_qkv_inputs, qkv_rotary_store
 from minivllm.kernels.store_kvcache import dequantize_kv, is_fp8, to_kv
 from minivllm.kernels.tuning import (
     decode_late_trigger,
+    decode_loaded_regs_fp8,
     decode_loaded_tile,
     decode_prefetch,
     decode_short_tile,
@@ -387,7 +388,10 @@ def _tile_config(dtype: torch.dtype, loaded: bool = False, kv_fp8: bool = False)
     # the first tile prefetched). Loaded launches: PERF.md's H100 figures.
     # MINIVLLM_DECODE_TILE / MINIVLLM_DECODE_LOADED_TILE(_FP8) pick others for A/B runs.
     block_n, warps, stages = decode_loaded_tile(kv_fp8) if loaded else decode_tile()
-    return dict(BLOCK_N=block_n, DOT_PRECISION="tf32", num_warps=warps, num_stages=stages)
+    config = dict(BLOCK_N=block_n, DOT_PRECISION="tf32", num_warps=warps, num_stages=stages)
+    if loaded and kv_fp8 and decode_loaded_regs_fp8():
+        config["maxnreg"] = decode_loaded_regs_fp8()
+    return config
 
 
 def short_tile_config(dtype: torch.dtype) -> dict | None:
