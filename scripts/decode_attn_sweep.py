@@ -4,16 +4,20 @@ read-bandwidth ceiling measured first. The engine's launch (`qkv_decode_attentio
 norm + rotary + store), Qwen3-0.6B's heads, blocks of 256.
 
     python3 scripts/decode_attn_sweep.py [--shape 256x512 --shape 64x2048] [--quick]
-        [--maxnreg 96 80]
+        [--maxnreg 96 80] [--graphs]
 
 `--maxnreg`: the engine's tiles again with each register cap a thread (more programs an
 SM, some registers spilled; `scripts/decode_attn_resources.py` prints both without a GPU).
+`--graphs`: each launch timed as a CUDA-graph replay after an L2 flush (the flush's own
+replay subtracted) instead of `do_bench`'s eager launches, whose host time (~55 us a
+launch on an H100) hides a batch-1 launch: every tile read 55-57 us at 1 x 8192.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import statistics
 
 import torch
 
@@ -32,6 +36,36 @@ def ceilings() -> tuple[float, float]:
                      return_mode="median")
     t_copy = do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
     return nbytes / t_sum / 1e6, 2 * nbytes / t_copy / 1e6
+
+
+def graph_us(run, flush: torch.Tensor, reps: int = 50) -> float:
+    """Median microseconds of `run` in a CUDA graph replayed after zeroing `flush` (larger
+    than L2, so the launch reads K/V from memory as in a step), less the flush's own."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()  # captures need a warmed-up launch
+    torch.cuda.current_stream().wait_stream(side)
+    flushed, flush_only = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(flush_only):
+        flush.zero_()
+    with torch.cuda.graph(flushed):
+        flush.zero_()
+        run()
+
+    def median_ms(graph: torch.cuda.CUDAGraph) -> float:
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    median_ms(flushed)  # warm-up
+    return 1e3 * (median_ms(flushed) - median_ms(flush_only))
 
 
 def make_inputs(num_seqs: int, context: int, kv_dtype: torch.dtype):
@@ -87,7 +121,7 @@ def describe(config: dict | None, fp8: bool) -> str:
 
 
 def sweep(shape: str, kv_dtype: torch.dtype, tiles: list, read_gbs: float,
-          maxnregs: list[int] = ()) -> list[tuple]:
+          maxnregs: list[int] = (), graphs: bool = False) -> list[tuple]:
     from triton.testing import do_bench
 
     from minivllm.kernels.decode_attention import (
@@ -111,6 +145,7 @@ def sweep(shape: str, kv_dtype: torch.dtype, tiles: list, read_gbs: float,
     counters = decode_counters(num_seqs, KV_HEADS, "cuda")
     nbytes = num_seqs * context * 2 * KV_HEADS * HEAD_DIM * cache.k_cache.element_size()
     fp8 = kv_dtype == FP8_KV_DTYPE
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if graphs else None
     rows = []
     for config in variants(fp8, tiles, maxnregs):
         kwargs = {}
@@ -128,7 +163,10 @@ def sweep(shape: str, kv_dtype: torch.dtype, tiles: list, read_gbs: float,
         name = describe(config, fp8)
         try:
             err = rel_err(run(), want)
-            ms = do_bench(run, warmup=25, rep=150, return_mode="median")
+            if flush is not None:
+                ms = graph_us(run, flush) / 1e3
+            else:
+                ms = do_bench(run, warmup=25, rep=150, return_mode="median")
         except Exception as exc:  # a tile that does not fit (shared memory)
             print(f"{shape} {name}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
             continue
@@ -148,6 +186,8 @@ def main() -> None:
     p.add_argument("--kv-dtype", choices=["bf16", "fp8", "both"], default="both")
     p.add_argument("--maxnreg", type=int, nargs="+", default=[], metavar="REGISTERS",
                    help="also the engine's loaded tiles capped at these registers a thread")
+    p.add_argument("--graphs", action="store_true",
+                   help="time CUDA-graph replays after an L2 flush, not eager launches")
     args = p.parse_args()
     from minivllm.kernels.store_kvcache import FP8_KV_DTYPE
 
@@ -161,7 +201,7 @@ def main() -> None:
     rows = []
     for shape in args.shape or ["256x512", "64x2048"]:
         for kv_dtype in kv_dtypes:
-            rows += sweep(shape, kv_dtype, tiles, read_gbs, args.maxnreg)
+            rows += sweep(shape, kv_dtype, tiles, read_gbs, args.maxnreg, args.graphs)
             torch.cuda.empty_cache()
     print(f"\n== decode attention alone ({torch.cuda.get_device_name()}; read ceiling "
           f"{read_gbs:,.0f} GB/s) ==")
