@@ -204,6 +204,22 @@ def test_backends_answer_decode_splits_and_variants():
         assert variants[-1] == (buckets[0], 1)
 
 
+def test_short_launch_over_fp8_skips_the_prefetch():
+    """The short launch (one split where the bucket takes more) has its own tiles; over an
+    fp8 cache it also leaves its first tile until after the PDL wait. The bucket's launch
+    and the 16-bit short launch keep the kernel's default."""
+    pytest.importorskip("triton")
+    backend = TritonAttentionBackend(TORCH_KERNELS, 16, 2, 4096, [1, 2, 4], 132,
+                                     torch.device("cpu"))
+    assert backend.short_context and backend.decode_splits(1) > 1
+    bf16 = backend.decode_launch(1, 1, torch.bfloat16)
+    fp8 = backend.decode_launch(1, 1, torch.bfloat16, kv_fp8=True)
+    assert fp8["prefetch"] is False and "prefetch" not in bf16
+    assert fp8["tile_config"] == bf16["tile_config"] != backend.decode_kwargs.get("tile_config")
+    split = backend.decode_splits(1)
+    assert backend.decode_launch(1, split, torch.bfloat16, kv_fp8=True) is backend.decode_kwargs
+
+
 # -- the warm-up's attention -----------------------------------------------------------------------
 
 

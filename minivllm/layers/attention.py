@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.kernels.decode_attention import context_slots, decode_attention_at_slots
+from minivllm.kernels.store_kvcache import is_fp8
 
 from .ops import TORCH_KERNELS, Kernels, select_kernels
 
@@ -73,8 +74,10 @@ class AttentionBackend:
         self.block_size = block_size
         self.decode_kwargs: dict = {}  # buffers the decode kernel takes from its backend
 
-    def decode_launch(self, num_seqs: int, splits: int | None, dtype: torch.dtype) -> dict:
-        """Keyword arguments of a decode-attention launch beside its split count."""
+    def decode_launch(self, num_seqs: int, splits: int | None, dtype: torch.dtype,
+                      kv_fp8: bool = False) -> dict:
+        """Keyword arguments of a decode-attention launch beside its split count (`dtype`:
+        the activations'; `kv_fp8`: the cache is fp8)."""
         return self.decode_kwargs
 
     def decode_splits(self, num_seqs: int, max_context: int | None = None) -> int | None:
@@ -169,7 +172,8 @@ class AttentionBackend:
                 num_splits=meta.decode_splits,
                 k_scale=k_scale,
                 v_scale=v_scale,
-                **self.decode_launch(qkv.shape[0], meta.decode_splits, qkv.dtype),
+                **self.decode_launch(qkv.shape[0], meta.decode_splits, qkv.dtype,
+                                     is_fp8(k_cache.dtype)),
             )
         q = kernels.qkv_rotary_store(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache,
                                      meta.slot_mapping, q_norm_weight, k_norm_weight, eps,
@@ -241,19 +245,25 @@ class TritonAttentionBackend(AttentionBackend):
         }
         # The short launch (one program per KV head) has its own tiles: latency, not
         # bandwidth, sets its time (MINIVLLM_DECODE_SHORT_TILE).
-        self._short_kwargs: dict[torch.dtype, dict] = {}
+        self._short_kwargs: dict[tuple[torch.dtype, bool], dict] = {}
 
-    def decode_launch(self, num_seqs: int, splits: int | None, dtype: torch.dtype) -> dict:
+    def decode_launch(self, num_seqs: int, splits: int | None, dtype: torch.dtype,
+                      kv_fp8: bool = False) -> dict:
         """The short launch (every context short, so `decode_splits` gave 1 where the bucket
-        takes more) gets the short tiles; graph capture and eager steps decide alike."""
+        takes more) gets the short tiles; graph capture and eager steps decide alike. Over
+        an fp8 cache it does not load its first tile before the PDL wait: on an H100 at
+        batch 1 and 128 positions, 1,194 tok/s without that prefetch against 1,134 with it
+        (the 16-bit cache: 1,188 with it, 1,116 without; one run each)."""
         if splits != 1 or not self.short_context or self.decode_splits(num_seqs) == 1:
             return self.decode_kwargs
-        kwargs = self._short_kwargs.get(dtype)
+        kwargs = self._short_kwargs.get((dtype, kv_fp8))
         if kwargs is None:
             from minivllm.kernels.decode_attention import short_tile_config
 
             kwargs = dict(self.decode_kwargs, tile_config=short_tile_config(dtype))
-            self._short_kwargs[dtype] = kwargs
+            if kv_fp8:
+                kwargs["prefetch"] = False
+            self._short_kwargs[(dtype, kv_fp8)] = kwargs
         return kwargs
 
     def decode_splits(self, num_seqs: int, max_context: int | None = None) -> int:
