@@ -68,6 +68,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("MINIVLLM_DECODE_MIN_SPLIT", "128",
            "context positions a decode split takes at least in an engine's steps (0: one "
            "tile); a context up to this length is one program per KV head", _SPLIT_LENGTHS),
+    EnvVar("MINIVLLM_DECODE_MAX_SPLITS", "32",
+           "most splits a decode launch divides each context into (a batch-1 step at a long "
+           "context takes them all)", ("16", "32", "64", "128")),
     EnvVar("MINIVLLM_DECODE_TILE", "128x4x2",
            "BLOCK_N x warps x stages of the 16-bit decode attention's tiles", DECODE_TILES),
     EnvVar("MINIVLLM_DECODE_SHORT_TILE", "128x8x2",

@@ -4,10 +4,12 @@ read-bandwidth ceiling measured first. The engine's launch (`qkv_decode_attentio
 norm + rotary + store), Qwen3-0.6B's heads, blocks of 256.
 
     python3 scripts/decode_attn_sweep.py [--shape 256x512 --shape 64x2048] [--quick]
-        [--maxnreg 96 80] [--graphs]
+        [--maxnreg 96 80] [--graphs] [--splits 16 32 64 128]
 
 `--maxnreg`: the engine's tiles again with each register cap a thread (more programs an
 SM, some registers spilled; `scripts/decode_attn_resources.py` prints both without a GPU).
+`--splits`: the engine's launch again with each split count a (sequence, KV head) forced
+(its tiles and prefetch as the engine picks them for that count).
 `--graphs`: each launch timed as a CUDA-graph replay after an L2 flush (the flush's own
 replay subtracted) instead of `do_bench`'s eager launches, whose host time (~55 us a
 launch on an H100) hides a batch-1 launch: every tile read 55-57 us at 1 x 8192.
@@ -111,6 +113,8 @@ def variants(fp8: bool, tiles: list[tuple[int, int, int]],
 def describe(config: dict | None, fp8: bool) -> str:
     if config is None:
         return f"{'fp8' if fp8 else 'bf16'} engine default"
+    if "num_splits" in config:
+        return f"{'fp8' if fp8 else 'bf16'} engine, {config['num_splits']} splits"
     upcast = ""
     if fp8:
         upcast = "/asm" if config["FP8_ASM"] else "/f16" if config["FP8_AS_F16"] else "/bf16"
@@ -121,7 +125,8 @@ def describe(config: dict | None, fp8: bool) -> str:
 
 
 def sweep(shape: str, kv_dtype: torch.dtype, tiles: list, read_gbs: float,
-          maxnregs: list[int] = (), graphs: bool = False) -> list[tuple]:
+          maxnregs: list[int] = (), graphs: bool = False,
+          splits: list[int] = ()) -> list[tuple]:
     from triton.testing import do_bench
 
     from minivllm.kernels.decode_attention import (
@@ -147,9 +152,11 @@ def sweep(shape: str, kv_dtype: torch.dtype, tiles: list, read_gbs: float,
     fp8 = kv_dtype == FP8_KV_DTYPE
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if graphs else None
     rows = []
-    for config in variants(fp8, tiles, maxnregs):
+    for config in [dict(num_splits=n) for n in splits] + variants(fp8, tiles, maxnregs):
         kwargs = {}
-        if config is not None:
+        if config is not None and "num_splits" in config:
+            kwargs = dict(config)
+        elif config is not None:
             tile_config = dict(config)
             kwargs = dict(prefetch=tile_config.pop("prefetch"), tile_config=tile_config)
 
@@ -186,6 +193,8 @@ def main() -> None:
     p.add_argument("--kv-dtype", choices=["bf16", "fp8", "both"], default="both")
     p.add_argument("--maxnreg", type=int, nargs="+", default=[], metavar="REGISTERS",
                    help="also the engine's loaded tiles capped at these registers a thread")
+    p.add_argument("--splits", type=int, nargs="+", default=[], metavar="SPLITS",
+                   help="also the engine's launch with these split counts (powers of two)")
     p.add_argument("--graphs", action="store_true",
                    help="time CUDA-graph replays after an L2 flush, not eager launches")
     args = p.parse_args()
@@ -201,7 +210,8 @@ def main() -> None:
     rows = []
     for shape in args.shape or ["256x512", "64x2048"]:
         for kv_dtype in kv_dtypes:
-            rows += sweep(shape, kv_dtype, tiles, read_gbs, args.maxnreg, args.graphs)
+            rows += sweep(shape, kv_dtype, tiles, read_gbs, args.maxnreg, args.graphs,
+                          args.splits)
             torch.cuda.empty_cache()
     print(f"\n== decode attention alone ({torch.cuda.get_device_name()}; read ceiling "
           f"{read_gbs:,.0f} GB/s) ==")

@@ -13,6 +13,9 @@
 #  occupancy: decode attention's registers and shared memory per tile and register cap
 #  (this Triton's build), then fp8 decode attention at 256 x 512 and 64 x 2048 with the
 #  engine's loaded tile and the 64-position one, each also capped at 96 and 80 registers;
+#  batch1: decode attention at batch 1 (1 x 8192, 1 x 32768) timed in CUDA graphs per split
+#  count, then batch-1 decode in the engine with MINIVLLM_DECODE_MAX_SPLITS at 32 / 64 / 128
+#  (bf16 and fp8 KV, 128 and 32k positions; ~4 minutes);
 #  structured: the masked sampling's GPU tests, then bench serve with half the clients
 #  under a JSON schema, then scripts/bench_structured.py in process;
 #  host: tests + the host-overhead benchmarks (throughput overlapped vs synchronous, prefill TTFT
@@ -88,6 +91,19 @@ if [ "${1:-}" = "occupancy" ]; then
       "$REPO/scripts/decode_attn_sweep.py" --engine-only --kv-dtype fp8 --maxnreg 96 80 \
       --shape 256x512 --shape 64x2048) 2>&1 | tee -a "$OUT/occupancy.log" \
       | sed -n '/^== decode attention alone/,$p'
+  done
+  exit 0
+fi
+
+if [ "${1:-}" = "batch1" ]; then
+  (cd /tmp && timeout 150 $PY "$REPO/scripts/decode_attn_sweep.py" --engine-only --graphs \
+    --splits 16 32 64 128 --shape 1x8192 --shape 1x32768) 2>&1 | tee "$OUT/batch1-sweep.log" \
+    | sed -n '/^== decode attention alone/,$p'
+  for splits in 32 64 128; do
+    echo "== MINIVLLM_DECODE_MAX_SPLITS=$splits" | tee -a "$OUT/batch1.log"
+    (cd /tmp && MINIVLLM_DECODE_MAX_SPLITS=$splits timeout 100 $PY \
+      "$REPO/scripts/fp8_kv_gpu.py" --skip-throughput --repeats 2) 2>&1 \
+      | tee -a "$OUT/batch1.log" | grep -E "^decode"
   done
   exit 0
 fi

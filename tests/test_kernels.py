@@ -756,6 +756,30 @@ def test_decode_launch_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         tuning.clear()
 
 
+def test_decode_split_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch-1 launch at a long context takes MINIVLLM_DECODE_MAX_SPLITS splits (32 by
+    default); a large batch or a short context stays under it alike."""
+    from minivllm.kernels import tuning
+    from minivllm.kernels.decode_attention import choose_num_splits
+
+    tuning.clear()
+    try:
+        assert choose_num_splits(1, 8, 33280, 132) == 32
+        assert choose_num_splits(1, 8, 2048, 132) == 8  # >= 256 positions a split
+        assert choose_num_splits(64, 8, 33280, 132) == 2  # enough programs already
+        monkeypatch.setenv("MINIVLLM_DECODE_MAX_SPLITS", "64")
+        tuning.clear()
+        assert choose_num_splits(1, 8, 33280, 132) == 64
+        assert choose_num_splits(1, 8, 2048, 132) == 8
+        monkeypatch.setenv("MINIVLLM_DECODE_MAX_SPLITS", "48")
+        tuning.clear()
+        with pytest.raises(ValueError, match="MINIVLLM_DECODE_MAX_SPLITS=.48.: must be one of"):
+            choose_num_splits(1, 8, 33280, 132)
+    finally:
+        monkeypatch.delenv("MINIVLLM_DECODE_MAX_SPLITS", raising=False)
+        tuning.clear()
+
+
 def test_prefill_tiles_by_step_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """A prefill step of at most MINIVLLM_PREFILL_SMALL tokens takes the small query tiles
     (more programs for a short prompt); a longer one, or any with the switch at 0, the

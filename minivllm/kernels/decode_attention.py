@@ -28,6 +28,7 @@ from minivllm.kernels.tuning import (
     decode_late_trigger,
     decode_loaded_regs_fp8,
     decode_loaded_tile,
+    decode_max_splits,
     decode_prefetch,
     decode_short_tile,
     decode_tile,
@@ -92,10 +93,6 @@ def decode_attention_at_slots(
 
 
 MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost (q load, partial write) dominates
-# H200, batch 1 (8 KV heads): 32 splits were fastest at 8k (17.6 us a layer against 18.3-23.1
-# for 16-256) and at 32k (41.6 us against 42.8 for 128), and the merge of 128 partials
-# took 4.1 us a layer against 1.4 for 16.
-MAX_SPLITS = 32
 MERGE_CHUNK = 32  # splits the merging program reads at once ([32, head_dim] fp32 in registers)
 LOADED_PROGRAMS_PER_SM = 2  # past this a launch takes `is_loaded`'s tiles, no prefetch
 MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension (sequences)
@@ -361,11 +358,14 @@ def _decode_attention_kernel(
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int) -> int:
     """Splits per (sequence, KV head): double them until there are a few waves of programs
     on the chip, keeping at least MIN_TOKENS_PER_SPLIT context per split. Always a power
-    of two. Depends only on host-known sizes, so a CUDA graph can capture it."""
+    of two, at most MINIVLLM_DECODE_MAX_SPLITS (H200, batch 1, 8 KV heads, a 16-bit cache:
+    32 were fastest at 8k, 17.6 us a layer against 18.3-23.1 for 16-256, and at 32k, 41.6
+    us against 42.8 for 128; the merge of 128 partials took 4.1 us a layer against 1.4 for
+    16). Depends only on host-known sizes, so a CUDA graph can capture it."""
     programs = num_seqs * num_kv_heads
     splits = 1
     while (
-        splits < MAX_SPLITS
+        splits < decode_max_splits()
         and programs * splits < 4 * sms
         and max_seq_len >= 2 * splits * MIN_TOKENS_PER_SPLIT
     ):

@@ -5,8 +5,8 @@ setting that measured faster (`scripts/decode_ab.py` runs one process per settin
 prints decode tok/s at batch 1 and 8 and at a 32k context side by side). Their meanings
 are declared with the other variables in `minivllm.envs`: MINIVLLM_GEMV_MAX_K,
 MINIVLLM_GEMV_SILU_TILE, MINIVLLM_GEMV_WIDE, MINIVLLM_DECODE_PREFETCH,
-MINIVLLM_DECODE_MIN_SPLIT, MINIVLLM_DECODE_TILE, MINIVLLM_DECODE_LOADED_TILE(_FP8),
-MINIVLLM_DECODE_LOADED_REGS_FP8,
+MINIVLLM_DECODE_MIN_SPLIT, MINIVLLM_DECODE_MAX_SPLITS, MINIVLLM_DECODE_TILE,
+MINIVLLM_DECODE_LOADED_TILE(_FP8), MINIVLLM_DECODE_LOADED_REGS_FP8,
 MINIVLLM_DECODE_SHORT_TILE, MINIVLLM_PREFILL_TILE,
 MINIVLLM_PREFILL_SMALL(_TILE), MINIVLLM_PREFILL_TMA, MINIVLLM_PREFILL_LAST_FIRST,
 MINIVLLM_DECODE_SHORT, MINIVLLM_DECODE_LATE_TRIGGER and MINIVLLM_GRAPH_GREEDY.
@@ -53,6 +53,11 @@ def decode_prefetch() -> bool:
 @functools.cache
 def decode_min_split() -> int:
     return int(_choice("MINIVLLM_DECODE_MIN_SPLIT"))
+
+
+@functools.cache
+def decode_max_splits() -> int:
+    return int(_choice("MINIVLLM_DECODE_MAX_SPLITS"))
 
 
 def _tile(name: str) -> tuple[int, ...]:
@@ -124,7 +129,7 @@ def graph_picks() -> bool:
 def clear() -> None:
     """Forget the values read (tests that change the environment)."""
     for fn in (gemv_max_k_tile, gemv_silu_tile, gemv_wide, decode_prefetch, decode_min_split,
-               decode_tile, decode_loaded_tile, decode_loaded_regs_fp8, decode_short_tile,
-               decode_late_trigger, decode_short_max, graph_picks, _prefill_tiles,
-               prefill_small_max):
+               decode_max_splits, decode_tile, decode_loaded_tile, decode_loaded_regs_fp8,
+               decode_short_tile, decode_late_trigger, decode_short_max, graph_picks,
+               _prefill_tiles, prefill_small_max):
         fn.cache_clear()
