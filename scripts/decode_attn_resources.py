@@ -2,13 +2,16 @@
 H100/H200 (sm_90), per tile and register cap, and the programs an SM holds with them:
 compiled by Triton and read from the binary by cuobjdump, no GPU needed.
 
-    MINIVLLM_TRITON=1 python scripts/decode_attn_resources.py [--maxnreg 96 80]
+    MINIVLLM_TRITON=1 python scripts/decode_attn_resources.py [--maxnreg 96 80] [--v-words]
 
 The kernel as the engine launches it at a loaded step: q/k norm + rotary + store in its
 prologue, one split, no prefetched tile, Qwen3-0.6B's heads, blocks of 256. The figures
 are the installed Triton's: versions allocate differently (fp8, 128x4x2: 130 registers
 and 3 programs an SM with Triton 3.9; Nsight Compute read 4 programs an SM on an H100 with
-Triton 3.6), so run it beside the Triton that runs the kernels.
+Triton 3.6), so run it beside the Triton that runs the kernels (`pip install --target DIR
+triton==3.6.0`, then DIR first on PYTHONPATH, gives the H100 host's). `--v-words`: the fp8
+rows again with V loaded as 32-bit words (FP8_V_WORDS), and the SASS instructions of each
+fp8 row's K/V loop (one tile).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ MAX_WARPS_PER_SM = 64
 
 
 def compile_decode_attention(fp8: bool, block_n: int, warps: int, stages: int,
-                             maxnreg: int | None):
+                             maxnreg: int | None, v_words: bool = False):
     from minivllm.kernels.decode_attention import _decode_attention_kernel as kernel
     from minivllm.kernels.testing import compile_sm90
 
@@ -41,13 +44,12 @@ def compile_decode_attention(fp8: bool, block_n: int, warps: int, stages: int,
                      BLOCK_N=block_n, NUM_SPLITS=1, MERGE_CHUNK=1, FROM_QKV=True,
                      QK_NORM=True, DOT_PRECISION="tf32", PDL=True, PREFETCH=False,
                      MIN_SPLIT_LEN=block_n, LATE_TRIGGER=0, KV_FP8=fp8, FP8_AS_F16=fp8,
-                     FP8_ASM=fp8)
+                     FP8_ASM=fp8, FP8_V_WORDS=v_words)
     options = {} if maxnreg is None else {"maxnreg": maxnreg}
     return compile_sm90(kernel, types, constants, warps, stages, **options)
 
 
-def resources(compiled) -> tuple[int, int]:
-    """(registers a thread, stack bytes a thread) from the binary."""
+def cuobjdump(compiled, flag: str) -> str:
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
@@ -55,8 +57,31 @@ def resources(compiled) -> tuple[int, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True,
-                               text=True, check=True).stdout
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def loop_instructions(compiled) -> int:
+    """SASS instructions of the kernel's longest loop (the K/V tiles'): from the target
+    of the backward branch that spans the most code to that branch."""
+    addresses = []
+    loops = []
+    for line in cuobjdump(compiled, "-sass").splitlines():
+        found = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if not found:
+            continue
+        address = int(found.group(1), 16)
+        addresses.append(address)
+        branch = re.search(r"BRA (0x[0-9a-f]+)", found.group(2))
+        if branch and int(branch.group(1), 16) < address:
+            loops.append((int(branch.group(1), 16), address))
+    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
+    return sum(start <= a <= end for a in addresses)
+
+
+def resources(compiled) -> tuple[int, int]:
+    """(registers a thread, stack bytes a thread) from the binary."""
+    usage = cuobjdump(compiled, "-res-usage")
     found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     assert found, usage
     return int(found.group(1)), int(found.group(2))
@@ -73,19 +98,24 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--maxnreg", type=int, nargs="+", default=[], metavar="REGISTERS",
                    help="also each tile capped at these registers a thread")
+    p.add_argument("--v-words", action="store_true",
+                   help="also the fp8 tiles with V loaded as 32-bit words; loop instructions")
     args = p.parse_args()
-    print(f"{'KV':5} {'tile':8} {'cap':>4} {'regs':>5} {'stack B':>8} {'shared B':>9} "
-          f"{'programs/SM':>12} {'warps/SM':>9}")
-    for fp8 in (False, True):
+    print(f"{'KV':8} {'tile':8} {'cap':>4} {'regs':>5} {'stack B':>8} {'shared B':>9} "
+          f"{'programs/SM':>12} {'warps/SM':>9}" + ("  loop instr" if args.v_words else ""))
+    kinds = [(False, False), (True, False)] + ([(True, True)] if args.v_words else [])
+    for fp8, v_words in kinds:
         for (block_n, warps, stages), cap in ((t, c) for t in TILES
                                               for c in [None, *args.maxnreg]):
-            compiled = compile_decode_attention(fp8, block_n, warps, stages, cap)
+            compiled = compile_decode_attention(fp8, block_n, warps, stages, cap, v_words)
             registers, stack = resources(compiled)
             shared = compiled.metadata.shared
             programs = programs_per_sm(registers, shared, warps)
-            print(f"{'fp8' if fp8 else 'bf16':5} {block_n}x{warps}x{stages:<3} "
+            loop = f" {loop_instructions(compiled):11}" if args.v_words and fp8 else ""
+            kv = "fp8 w" if v_words else "fp8" if fp8 else "bf16"
+            print(f"{kv:8} {block_n}x{warps}x{stages:<3} "
                   f"{cap or '-':>4} {registers:5} {stack:8} {shared:9} {programs:12} "
-                  f"{programs * warps:9}", flush=True)
+                  f"{programs * warps:9}{loop}", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,12 +4,14 @@ read-bandwidth ceiling measured first. The engine's launch (`qkv_decode_attentio
 norm + rotary + store), Qwen3-0.6B's heads, blocks of 256.
 
     python3 scripts/decode_attn_sweep.py [--shape 256x512 --shape 64x2048] [--quick]
-        [--maxnreg 96 80] [--graphs] [--splits 16 32 64 128]
+        [--maxnreg 96 80] [--graphs] [--splits 16 32 64 128] [--v-words]
 
 `--maxnreg`: the engine's tiles again with each register cap a thread (more programs an
 SM, some registers spilled; `scripts/decode_attn_resources.py` prints both without a GPU).
 `--splits`: the engine's launch again with each split count a (sequence, KV head) forced
 (its tiles and prefetch as the engine picks them for that count).
+`--v-words`: fp8 only, the engine's loaded tile and the 64-position ones with V loaded as
+32-bit words and upcast before the products' layout change (FP8_V_WORDS).
 `--graphs`: each launch timed as a CUDA-graph replay after an L2 flush (the flush's own
 replay subtracted) instead of `do_bench`'s eager launches, whose host time (~55 us a
 launch on an H100) hides a batch-1 launch: every tile read 55-57 us at 1 x 8192.
@@ -87,7 +89,7 @@ def make_inputs(num_seqs: int, context: int, kv_dtype: torch.dtype):
 
 
 def variants(fp8: bool, tiles: list[tuple[int, int, int]],
-             maxnregs: list[int] = ()) -> list[dict | None]:
+             maxnregs: list[int] = (), v_words: bool = False) -> list[dict | None]:
     """The engine's default launch (None), then tiles x first tile prefetched or not; for
     fp8 the upcast too: inline PTX or Triton's to fp16 (every tile), Triton's to bf16 (the
     first tile, prefetched: the kernel before this change); then the engine's loaded
@@ -98,6 +100,12 @@ def variants(fp8: bool, tiles: list[tuple[int, int, int]],
     for cap in maxnregs:
         engine = _tile_config(torch.bfloat16, loaded=True, kv_fp8=fp8)
         out.append(dict(engine, FP8_AS_F16=fp8, FP8_ASM=fp8, prefetch=False, maxnreg=cap))
+    if fp8 and v_words:
+        engine = _tile_config(torch.bfloat16, loaded=True, kv_fp8=True)
+        engine_tile = (engine["BLOCK_N"], engine["num_warps"], engine["num_stages"])
+        for block_n, warps, stages in dict.fromkeys([engine_tile, (64, 4, 2), (64, 4, 3)]):
+            out.append(dict(engine, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+                            FP8_AS_F16=True, FP8_ASM=True, FP8_V_WORDS=True, prefetch=False))
     upcasts = [(True, True), (True, False)] if fp8 else [(False, False)]
     for prefetch, (f16, asm), (block_n, warps, stages) in itertools.product(
             (True, False), upcasts, tiles):
@@ -119,6 +127,7 @@ def describe(config: dict | None, fp8: bool) -> str:
     if fp8:
         upcast = "/asm" if config["FP8_ASM"] else "/f16" if config["FP8_AS_F16"] else "/bf16"
     cap = f" r{config['maxnreg']}" if "maxnreg" in config else ""
+    cap += " v-words" if config.get("FP8_V_WORDS") else ""
     return (f"{'fp8' if fp8 else 'bf16'}{upcast} N{config['BLOCK_N']} "
             f"w{config['num_warps']} s{config['num_stages']}{cap}"
             f"{' prefetch' if config['prefetch'] else ''}")
@@ -126,7 +135,7 @@ def describe(config: dict | None, fp8: bool) -> str:
 
 def sweep(shape: str, kv_dtype: torch.dtype, tiles: list, read_gbs: float,
           maxnregs: list[int] = (), graphs: bool = False,
-          splits: list[int] = ()) -> list[tuple]:
+          splits: list[int] = (), v_words: bool = False) -> list[tuple]:
     from triton.testing import do_bench
 
     from minivllm.kernels.decode_attention import (
@@ -152,7 +161,8 @@ def sweep(shape: str, kv_dtype: torch.dtype, tiles: list, read_gbs: float,
     fp8 = kv_dtype == FP8_KV_DTYPE
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if graphs else None
     rows = []
-    for config in [dict(num_splits=n) for n in splits] + variants(fp8, tiles, maxnregs):
+    for config in [dict(num_splits=n) for n in splits] + variants(fp8, tiles, maxnregs,
+                                                                  v_words):
         kwargs = {}
         if config is not None and "num_splits" in config:
             kwargs = dict(config)
@@ -195,6 +205,8 @@ def main() -> None:
                    help="also the engine's loaded tiles capped at these registers a thread")
     p.add_argument("--splits", type=int, nargs="+", default=[], metavar="SPLITS",
                    help="also the engine's launch with these split counts (powers of two)")
+    p.add_argument("--v-words", action="store_true",
+                   help="also fp8 tiles whose V is loaded as 32-bit words (FP8_V_WORDS)")
     p.add_argument("--graphs", action="store_true",
                    help="time CUDA-graph replays after an L2 flush, not eager launches")
     args = p.parse_args()
@@ -211,7 +223,7 @@ def main() -> None:
     for shape in args.shape or ["256x512", "64x2048"]:
         for kv_dtype in kv_dtypes:
             rows += sweep(shape, kv_dtype, tiles, read_gbs, args.maxnreg, args.graphs,
-                          args.splits)
+                          args.splits, args.v_words)
             torch.cuda.empty_cache()
     print(f"\n== decode attention alone ({torch.cuda.get_device_name()}; read ceiling "
           f"{read_gbs:,.0f} GB/s) ==")

@@ -16,6 +16,9 @@
 #  batch1: decode attention at batch 1 (1 x 8192, 1 x 32768) timed in CUDA graphs per split
 #  count, then batch-1 decode in the engine with MINIVLLM_DECODE_MAX_SPLITS at 32 / 64 / 128
 #  (bf16 and fp8 KV, 128 and 32k positions; ~4 minutes);
+#  vwords: fp8 decode attention with V loaded as 32-bit words (FP8_V_WORDS) against the
+#  engine's launch, in CUDA graphs, then bench throughput with fp8 KV, interleaved: the
+#  switch off / on, and on with the 64-position loaded tile (~4 minutes);
 #  structured: the masked sampling's GPU tests, then bench serve with half the clients
 #  under a JSON schema, then scripts/bench_structured.py in process;
 #  host: tests + the host-overhead benchmarks (throughput overlapped vs synchronous, prefill TTFT
@@ -104,6 +107,22 @@ if [ "${1:-}" = "batch1" ]; then
     (cd /tmp && MINIVLLM_DECODE_MAX_SPLITS=$splits timeout 100 $PY \
       "$REPO/scripts/fp8_kv_gpu.py" --skip-throughput --repeats 2) 2>&1 \
       | tee -a "$OUT/batch1.log" | grep -E "^decode"
+  done
+  exit 0
+fi
+
+if [ "${1:-}" = "vwords" ]; then
+  (cd /tmp && timeout 150 $PY "$REPO/scripts/decode_attn_sweep.py" --engine-only --graphs \
+    --kv-dtype fp8 --v-words --shape 256x512 --shape 64x2048 --shape 1x32768) 2>&1 \
+    | tee "$OUT/vwords-sweep.log" | sed -n '/^== decode attention alone/,$p'
+  for round in 1 2; do
+    for setting in "0 128x4x2" "1 128x4x2" "1 64x4x2"; do
+      read -r words tile <<<"$setting"
+      echo -n "round $round, FP8_V_WORDS=$words, loaded tile $tile: " | tee -a "$OUT/vwords.log"
+      (cd /tmp && MINIVLLM_DECODE_FP8_V_WORDS=$words MINIVLLM_DECODE_LOADED_TILE_FP8=$tile \
+        timeout 100 $PY -m minivllm.cli bench throughput --kv-cache-dtype fp8) 2>&1 \
+        | grep -E "^  throughput" | tee -a "$OUT/vwords.log"
+    done
   done
   exit 0
 fi

@@ -270,6 +270,20 @@ def check_interpreted() -> None:
         want = decode_attention_ref(q, k_c, v_c, *args, ks, vs)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
+    # fp16 q (the GPU's compute dtype over an fp8 cache): V tiles loaded as 32-bit words
+    # (FP8_V_WORDS) give the byte loads' values, bit for bit, split or not.
+    q = torch.randn(3, heads, dim, generator=g).half()
+    for splits in (1, 4):
+        outs = [decode_attention(q, cache.k_cache, cache.v_cache, *args, num_splits=splits,
+                                 tile_config=dict(BLOCK_N=32, DOT_PRECISION="tf32",
+                                                  num_warps=4, num_stages=2,
+                                                  FP8_V_WORDS=words), **scales)
+                for words in (False, True)]
+        assert torch.equal(outs[0], outs[1])
+        torch.testing.assert_close(outs[1].float(), decode_attention_ref(q.float(), k32, v32,
+                                                                         *args),
+                                   rtol=2e-3, atol=2e-3)
+
 
 def check_compile_sm90() -> None:
     """The fp8 variants compile for an H100 (Triton's passes and ptxas, no GPU)."""
@@ -306,17 +320,19 @@ def check_compile_sm90() -> None:
                slot_mapping_ptr="*i64", q_norm_ptr="*bf16", k_norm_ptr="*bf16", **scalars)
     # Upcast to q's dtype, to fp16, and to fp16 by inline PTX (which the interpreter
     # cannot run: this compile is its CPU check).
-    for splits, from_qkv, prefetch, f16, asm in ((1, False, False, False, False),
-                                                 (32, False, False, True, True),
-                                                 (32, True, True, True, False),
-                                                 (1, True, True, True, True)):
+    # The last: V tiles as 32-bit words, each upcast by a four-output PTX call.
+    for splits, from_qkv, prefetch, f16, asm, words in ((1, False, False, False, False, False),
+                                                        (32, False, False, True, True, False),
+                                                        (32, True, True, True, False, False),
+                                                        (1, True, True, True, True, False),
+                                                        (32, True, False, True, True, True)):
         compile_sm90(_decode_attention_kernel, sig,
                       dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128,
                            BLOCK_SIZE=256, BLOCK_N=128, NUM_SPLITS=splits,
                            MERGE_CHUNK=min(splits, 32), FROM_QKV=from_qkv, QK_NORM=from_qkv,
                            DOT_PRECISION="tf32", PDL=True, PREFETCH=prefetch,
                            MIN_SPLIT_LEN=128, LATE_TRIGGER=0, KV_FP8=True, FP8_AS_F16=f16,
-                           FP8_ASM=asm), 4, 2)
+                           FP8_ASM=asm, FP8_V_WORDS=words), 4, 2)
 
 
 CHECKS = {"interpreted": check_interpreted, "compile_sm90": check_compile_sm90}

@@ -26,6 +26,52 @@ def upcast_kv(x, dtype: tl.constexpr, FP8_ASM: tl.constexpr):
 
 
 @triton.jit
+def load_v_words(
+    v_cache_ptr,  # an fp8 cache
+    block_table,
+    offs,  # [BLOCK_N] context positions of the tile
+    valid,  # [BLOCK_N]
+    kv_head,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    FP8_ASM: tl.constexpr,
+):
+    """An fp8 V tile as [BLOCK_N, HEAD_DIM] fp16, loaded as 32-bit words (four values a
+    word along the head dimension) and upcast in the layout the words arrived in. The
+    products want V with positions along each thread's registers: loaded as bytes, Triton
+    gathers that layout from shared memory a byte at a time; upcast first, the layout
+    change moves 16-bit values instead."""
+    dims = tl.arange(0, HEAD_DIM // 4)
+    head_offset = kv_head * (HEAD_DIM // 4) + dims[None, :]
+    offsets = kv_tile_offsets(block_table, offs, valid, head_offset, BLOCK_SIZE,
+                              NUM_KV_HEADS, HEAD_DIM // 4)
+    words_ptr = v_cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    words = tl.load(words_ptr + offsets, mask=valid[:, None], other=0)  # [BLOCK_N, D / 4]
+    if FP8_ASM:
+        v0, v1, v2, v3 = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; .reg .b32 a, b; mov.b32 {lo, hi}, $4; "
+            "cvt.rn.f16x2.e4m3x2 a, lo; cvt.rn.f16x2.e4m3x2 b, hi; "
+            "mov.b32 {$0, $1}, a; mov.b32 {$2, $3}, b; }",
+            "=h,=h,=h,=h,r", [words], dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+    else:  # the interpreter: the same values through Triton's own conversion
+        v0 = _fp8_byte(words, 0)
+        v1 = _fp8_byte(words, 8)
+        v2 = _fp8_byte(words, 16)
+        v3 = _fp8_byte(words, 24)
+    # join adds a last dimension: [BLOCK_N, D / 4, 2 (i), 2 (o)] holds byte 2 i + o of word
+    # j, which is dimension 4 j + 2 i + o after the reshape.
+    return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), [BLOCK_N, HEAD_DIM])
+
+
+@triton.jit
+def _fp8_byte(words, shift: tl.constexpr):
+    byte = ((words >> shift) & 0xFF).to(tl.uint8)
+    return byte.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+
+
+@triton.jit
 def attend_kv_tile(
     q,  # [ROWS, HEAD_DIM] in the compute dtype (the cache's; q's own or fp16 for fp8)
     m,  # [ROWS] running max (base 2)
@@ -44,6 +90,9 @@ def attend_kv_tile(
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FP8_ASM: tl.constexpr = False,
+    V_WORDS: tl.constexpr = False,  # an fp8 cache's V through `load_v_words`
+    kv_head=0,  # V_WORDS only
+    BLOCK_N: tl.constexpr = 0,  # V_WORDS only
 ):
     kv_offsets = kv_tile_offsets(block_table, offs, valid, head_offset, BLOCK_SIZE,
                                  NUM_KV_HEADS, HEAD_DIM)
@@ -57,8 +106,12 @@ def attend_kv_tile(
     alpha = tl.exp2(m - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_sum = l_sum * alpha + tl.sum(p, axis=1)
-    v = upcast_kv(tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0), q.dtype,
-                  FP8_ASM)
+    if V_WORDS:
+        v = load_v_words(v_cache_ptr, block_table, offs, valid, kv_head, BLOCK_N, BLOCK_SIZE,
+                         NUM_KV_HEADS, HEAD_DIM, FP8_ASM)
+    else:
+        v = upcast_kv(tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0),
+                      q.dtype, FP8_ASM)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_sum, acc
 

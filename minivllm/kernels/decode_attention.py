@@ -25,6 +25,7 @@ from minivllm.kernels.pdl import attention_pdl
 from minivllm.kernels.qkv_rotary_store import check_qkv_inputs, qkv_rotary_store_ref
 from minivllm.kernels.store_kvcache import dequantize_kv, is_fp8, to_kv
 from minivllm.kernels.tuning import (
+    decode_fp8_v_words,
     decode_late_trigger,
     decode_loaded_regs_fp8,
     decode_loaded_tile,
@@ -210,6 +211,7 @@ def _decode_attention_kernel(
     KV_FP8: tl.constexpr,  # the cache is fp8: tiles are upcast to q's dtype, or to fp16
     FP8_AS_F16: tl.constexpr,  # KV_FP8 with 16-bit q: q, K and V in fp16 for the products
     FP8_ASM: tl.constexpr,  # FP8_AS_F16 compiled for a GPU: K/V upcast by PTX (upcast_kv)
+    FP8_V_WORDS: tl.constexpr = False,  # FP8_AS_F16: the loop's V tiles by load_v_words
 ):
     # The grid is (KV heads, sequences, splits): a sequence's heads, whose K/V rows share
     # each position's stretch of the cache, run side by side.
@@ -310,7 +312,7 @@ def _decode_attention_kernel(
         m, l_sum, acc = attend_kv_tile(q, m, l_sum, acc, k_cache_ptr, v_cache_ptr, block_table,
                                        offs, valid, valid[None, :], head_offset, qk_scale,
                                        BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, DOT_PRECISION,
-                                       FP8_ASM)
+                                       FP8_ASM, FP8_V_WORDS, kv_head, BLOCK_N)
     if KV_FP8:
         acc = acc * v_scale  # partials and outputs alike: the merge is linear in acc
     if PDL:
@@ -569,9 +571,12 @@ def _launch(
     f16 = fp8 and q.dtype in (torch.float16, torch.bfloat16)
     # The interpreter (CPU tensors) cannot run inline PTX; Triton's own upcast there gives
     # the same fp16 values.
-    config = {"FP8_AS_F16": f16, "FP8_ASM": f16 and device.type == "cuda", **tile_config}
+    config = {"FP8_AS_F16": f16, "FP8_ASM": f16 and device.type == "cuda",
+              "FP8_V_WORDS": decode_fp8_v_words(), **tile_config}
     if not fp8:
         config.update(FP8_AS_F16=False, FP8_ASM=False)
+    if not config["FP8_AS_F16"]:
+        config["FP8_V_WORDS"] = False  # its tiles are fp16: q must be 16-bit
     if prefetch is None:
         prefetch = decode_prefetch() and not loaded
     block_n = config["BLOCK_N"]

@@ -4,6 +4,7 @@ models' decode shapes, a rotary table."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -190,6 +191,10 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    # A constexpr the caller leaves out takes its default, as a launch gives it.
+    constexprs = {**{p.name: p.default for p in fn.params
+                     if p.is_constexpr and p.default is not inspect.Parameter.empty},
+                  **constexprs}
     sig = {name: signature.get(name, "constexpr" if name in constexprs else "i32")
            for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(sig)
