@@ -28,12 +28,9 @@ def upcast_kv(x, dtype: tl.constexpr, FP8_ASM: tl.constexpr):
 @triton.jit
 def load_v_words(
     v_cache_ptr,  # an fp8 cache
-    block_table,
-    offs,  # [BLOCK_N] context positions of the tile
+    slot,  # [BLOCK_N] int64: the tile's cache slots (`kv_tile_slots`)
     valid,  # [BLOCK_N]
     kv_head,
-    BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     FP8_ASM: tl.constexpr,
@@ -43,11 +40,9 @@ def load_v_words(
     products want V with positions along each thread's registers: loaded as bytes, Triton
     gathers that layout from shared memory a byte at a time; upcast first, the layout
     change moves 16-bit values instead."""
-    dims = tl.arange(0, HEAD_DIM // 4)
-    head_offset = kv_head * (HEAD_DIM // 4) + dims[None, :]
-    offsets = kv_tile_offsets(block_table, offs, valid, head_offset, BLOCK_SIZE,
-                              NUM_KV_HEADS, HEAD_DIM // 4)
     words_ptr = v_cache_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    offsets = (slot[:, None] * (NUM_KV_HEADS * HEAD_DIM // 4) + kv_head * (HEAD_DIM // 4)
+               + tl.arange(0, HEAD_DIM // 4)[None, :])
     words = tl.load(words_ptr + offsets, mask=valid[:, None], other=0)  # [BLOCK_N, D / 4]
     if FP8_ASM:
         v0, v1, v2, v3 = tl.inline_asm_elementwise(
@@ -62,7 +57,7 @@ def load_v_words(
         v3 = _fp8_byte(words, 24)
     # join adds a last dimension: [BLOCK_N, D / 4, 2 (i), 2 (o)] holds byte 2 i + o of word
     # j, which is dimension 4 j + 2 i + o after the reshape.
-    return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), [BLOCK_N, HEAD_DIM])
+    return tl.reshape(tl.join(tl.join(v0, v2), tl.join(v1, v3)), [slot.shape[0], HEAD_DIM])
 
 
 @triton.jit
@@ -92,10 +87,9 @@ def attend_kv_tile(
     FP8_ASM: tl.constexpr = False,
     V_WORDS: tl.constexpr = False,  # an fp8 cache's V through `load_v_words`
     kv_head=0,  # V_WORDS only
-    BLOCK_N: tl.constexpr = 0,  # V_WORDS only
 ):
-    kv_offsets = kv_tile_offsets(block_table, offs, valid, head_offset, BLOCK_SIZE,
-                                 NUM_KV_HEADS, HEAD_DIM)
+    slot = kv_tile_slots(block_table, offs, valid, BLOCK_SIZE)
+    kv_offsets = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset
     # An fp8 cache is upcast to the compute dtype here (a no-op otherwise); its scales are
     # the caller's: k's folded into qk_scale, v's applied to the output.
     k = upcast_kv(tl.load(k_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0), q.dtype,
@@ -107,13 +101,30 @@ def attend_kv_tile(
     p = tl.exp2(s - m_new[:, None])
     l_sum = l_sum * alpha + tl.sum(p, axis=1)
     if V_WORDS:
-        v = load_v_words(v_cache_ptr, block_table, offs, valid, kv_head, BLOCK_N, BLOCK_SIZE,
-                         NUM_KV_HEADS, HEAD_DIM, FP8_ASM)
+        v = load_v_words(v_cache_ptr, slot, valid, kv_head, NUM_KV_HEADS, HEAD_DIM, FP8_ASM)
     else:
         v = upcast_kv(tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0),
                       q.dtype, FP8_ASM)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_sum, acc
+
+
+@triton.jit
+def kv_tile_slots(
+    block_table,  # this sequence's row of the block table
+    offs,  # [BLOCK_N] context positions of the tile
+    valid,  # [BLOCK_N] positions that exist (MASKED: the page loads are masked with it)
+    BLOCK_SIZE: tl.constexpr,
+    MASKED: tl.constexpr = True,
+):
+    """[BLOCK_N] cache slots of a tile's positions, through the block table. MASKED=False:
+    every position exists (`valid` is not read)."""
+    if MASKED:
+        page = tl.load(block_table + offs // BLOCK_SIZE, mask=valid, other=0)
+    else:
+        page = tl.load(block_table + offs // BLOCK_SIZE)
+    # NOTE: int64: a layer's pool can exceed 2**31 elements.
+    return page.to(tl.int64) * BLOCK_SIZE + offs % BLOCK_SIZE
 
 
 @triton.jit
@@ -129,12 +140,7 @@ def kv_tile_offsets(
 ):
     """[BLOCK_N, HEAD_DIM] element offsets of a K/V tile in the cache, through the block
     table. MASKED=False: every position exists (`valid` is not read)."""
-    if MASKED:
-        page = tl.load(block_table + offs // BLOCK_SIZE, mask=valid, other=0)
-    else:
-        page = tl.load(block_table + offs // BLOCK_SIZE)
-    # NOTE: int64: a layer's pool can exceed 2**31 elements.
-    slot = page.to(tl.int64) * BLOCK_SIZE + offs % BLOCK_SIZE  # [BLOCK_N]
+    slot = kv_tile_slots(block_table, offs, valid, BLOCK_SIZE, MASKED)
     return slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset
 
 

@@ -312,7 +312,7 @@ def _decode_attention_kernel(
         m, l_sum, acc = attend_kv_tile(q, m, l_sum, acc, k_cache_ptr, v_cache_ptr, block_table,
                                        offs, valid, valid[None, :], head_offset, qk_scale,
                                        BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, DOT_PRECISION,
-                                       FP8_ASM, FP8_V_WORDS, kv_head, BLOCK_N)
+                                       FP8_ASM, FP8_V_WORDS, kv_head)
     if KV_FP8:
         acc = acc * v_scale  # partials and outputs alike: the merge is linear in acc
     if PDL:
