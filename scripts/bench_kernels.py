@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +45,7 @@ from minivllm.kernels.testing import (
     paged_kv,
     prefill_tile_variants,
     projections,
+    replay_ms,
 )
 
 PEAK_BYTES_PER_S = 4.3e12
@@ -68,15 +68,7 @@ def graph_ms(calls: list, reps: int = 30) -> float:
         for call in calls:
             call()
     graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / len(calls))
-    return statistics.median(times)
+    return replay_ms(graph, reps) / len(calls)
 
 
 def decode_case(

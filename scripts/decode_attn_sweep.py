@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 
 import torch
 
@@ -56,20 +55,10 @@ def graph_us(run, flush: torch.Tensor, reps: int = 50) -> float:
     with torch.cuda.graph(flushed):
         flush.zero_()
         run()
+    from minivllm.kernels.testing import replay_ms
 
-    def median_ms(graph: torch.cuda.CUDAGraph) -> float:
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
-
-    median_ms(flushed)  # warm-up
-    return 1e3 * (median_ms(flushed) - median_ms(flush_only))
+    replay_ms(flushed, reps)  # warm-up
+    return 1e3 * (replay_ms(flushed, reps) - replay_ms(flush_only, reps))
 
 
 def make_inputs(num_seqs: int, context: int, kv_dtype: torch.dtype):

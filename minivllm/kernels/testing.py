@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -202,3 +203,17 @@ def compile_sm90(fn, signature: dict[str, str], constexprs: dict, num_warps: int
     return triton.compile(ASTSource(fn, sig, constexprs, attrs),
                           target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages, **options))
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, reps: int) -> float:
+    """Median milliseconds of one replay of a captured CUDA graph, each timed by events
+    around it on an otherwise idle stream."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
