@@ -84,10 +84,13 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("MINIVLLM_DECODE_LOADED_REGS_FP8", "0",
            "registers a thread the fp8 loaded launch is compiled under (0: the compiler's "
            "choice); fewer let more programs share an SM, at the cost of spills",
-           ("0", "72", "80", "88", "96", "104", "112")),
+           ("0", "72", "80", "88", "96", "104", "112", "120", "128")),
     EnvVar("MINIVLLM_DECODE_FP8_V_WORDS", "0",
            "1: decode attention's loop loads an fp8 cache's V tiles as 32-bit words and "
            "upcasts them before the products' layout change", ("0", "1")),
+    EnvVar("MINIVLLM_DECODE_ONE_PAGE", "0",
+           "1: where a cache page holds whole tiles, decode attention reads one block-table "
+           "entry a K/V tile (consecutive slots) instead of one a position", ("0", "1")),
     EnvVar("MINIVLLM_PREFILL_TILE", "128x64x4x3",
            "BLOCK_M x BLOCK_N x warps x stages of the 16-bit prefill attention's tiles",
            PREFILL_TILES),

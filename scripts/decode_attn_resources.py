@@ -9,9 +9,10 @@ prologue, one split, no prefetched tile, Qwen3-0.6B's heads, blocks of 256. The 
 are the installed Triton's: versions allocate differently (fp8, 128x4x2: 130 registers
 and 3 programs an SM with Triton 3.9; Nsight Compute read 4 programs an SM on an H100 with
 Triton 3.6), so run it beside the Triton that runs the kernels (`pip install --target DIR
-triton==3.6.0`, then DIR first on PYTHONPATH, gives the H100 host's). `--v-words`: the fp8
-rows again with V loaded as 32-bit words (FP8_V_WORDS), and the SASS instructions of each
-fp8 row's K/V loop (one tile).
+triton==3.6.0`, then DIR first on PYTHONPATH, gives the H100 host's). Each row ends with the
+SASS instructions of the K/V loop (one tile). `--v-words`: the fp8 rows again with V loaded
+as 32-bit words (FP8_V_WORDS); `--one-page`: every row again with one block-table entry a
+tile (ONE_PAGE).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ MAX_WARPS_PER_SM = 64
 
 
 def compile_decode_attention(fp8: bool, block_n: int, warps: int, stages: int,
-                             maxnreg: int | None, v_words: bool = False):
+                             maxnreg: int | None, v_words: bool = False,
+                             one_page: bool = False):
     from minivllm.kernels.decode_attention import _decode_attention_kernel as kernel
     from minivllm.kernels.testing import compile_sm90
 
@@ -44,7 +46,7 @@ def compile_decode_attention(fp8: bool, block_n: int, warps: int, stages: int,
                      BLOCK_N=block_n, NUM_SPLITS=1, MERGE_CHUNK=1, FROM_QKV=True,
                      QK_NORM=True, DOT_PRECISION="tf32", PDL=True, PREFETCH=False,
                      MIN_SPLIT_LEN=block_n, LATE_TRIGGER=0, KV_FP8=fp8, FP8_AS_F16=fp8,
-                     FP8_ASM=fp8, FP8_V_WORDS=v_words)
+                     FP8_ASM=fp8, FP8_V_WORDS=v_words, ONE_PAGE=one_page)
     options = {} if maxnreg is None else {"maxnreg": maxnreg}
     return compile_sm90(kernel, types, constants, warps, stages, **options)
 
@@ -99,23 +101,26 @@ def main() -> None:
     p.add_argument("--maxnreg", type=int, nargs="+", default=[], metavar="REGISTERS",
                    help="also each tile capped at these registers a thread")
     p.add_argument("--v-words", action="store_true",
-                   help="also the fp8 tiles with V loaded as 32-bit words; loop instructions")
+                   help="also the fp8 tiles with V loaded as 32-bit words")
+    p.add_argument("--one-page", action="store_true",
+                   help="also every row with one block-table entry a tile (ONE_PAGE)")
     args = p.parse_args()
-    print(f"{'KV':8} {'tile':8} {'cap':>4} {'regs':>5} {'stack B':>8} {'shared B':>9} "
-          f"{'programs/SM':>12} {'warps/SM':>9}" + ("  loop instr" if args.v_words else ""))
+    print(f"{'KV':10} {'tile':8} {'cap':>4} {'regs':>5} {'stack B':>8} {'shared B':>9} "
+          f"{'programs/SM':>12} {'warps/SM':>9}  loop instr")
     kinds = [(False, False), (True, False)] + ([(True, True)] if args.v_words else [])
-    for fp8, v_words in kinds:
+    pages = [False, True] if args.one_page else [False]
+    for (fp8, v_words), one_page in ((k, o) for o in pages for k in kinds):
         for (block_n, warps, stages), cap in ((t, c) for t in TILES
                                               for c in [None, *args.maxnreg]):
-            compiled = compile_decode_attention(fp8, block_n, warps, stages, cap, v_words)
+            compiled = compile_decode_attention(fp8, block_n, warps, stages, cap, v_words,
+                                                one_page)
             registers, stack = resources(compiled)
             shared = compiled.metadata.shared
             programs = programs_per_sm(registers, shared, warps)
-            loop = f" {loop_instructions(compiled):11}" if args.v_words and fp8 else ""
-            kv = "fp8 w" if v_words else "fp8" if fp8 else "bf16"
-            print(f"{kv:8} {block_n}x{warps}x{stages:<3} "
+            kv = ("fp8 w" if v_words else "fp8" if fp8 else "bf16") + (" 1p" if one_page else "")
+            print(f"{kv:10} {block_n}x{warps}x{stages:<3} "
                   f"{cap or '-':>4} {registers:5} {stack:8} {shared:9} {programs:12} "
-                  f"{programs * warps:9}{loop}", flush=True)
+                  f"{programs * warps:9} {loop_instructions(compiled):11}", flush=True)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ read-bandwidth ceiling measured first. The engine's launch (`qkv_decode_attentio
 norm + rotary + store), Qwen3-0.6B's heads, blocks of 256.
 
     python3 scripts/decode_attn_sweep.py [--shape 256x512 --shape 64x2048] [--quick]
-        [--maxnreg 96 80] [--graphs] [--splits 16 32 64 128] [--v-words]
+        [--maxnreg 96 80] [--graphs] [--splits 16 32 64 128] [--v-words] [--one-page]
 
 `--maxnreg`: the engine's tiles again with each register cap a thread (more programs an
 SM, some registers spilled; `scripts/decode_attn_resources.py` prints both without a GPU).
@@ -12,6 +12,10 @@ SM, some registers spilled; `scripts/decode_attn_resources.py` prints both witho
 (its tiles and prefetch as the engine picks them for that count).
 `--v-words`: fp8 only, the engine's loaded tile and the 64-position ones with V loaded as
 32-bit words and upcast before the products' layout change (FP8_V_WORDS).
+`--one-page`: the engine's launch again with one block-table entry a tile
+(MINIVLLM_DECODE_ONE_PAGE=1); for fp8 also with its loaded launch capped at 128 registers
+(4 programs an SM where the compiler would take 168), and with `--v-words` also with V as
+words (MINIVLLM_DECODE_FP8_V_WORDS=1): the engine's own tiles and prefetch choice each time.
 `--graphs`: each launch timed as a CUDA-graph replay after an L2 flush (the flush's own
 replay subtracted) instead of `do_bench`'s eager launches, whose host time (~55 us a
 launch on an H100) hides a batch-1 launch: every tile read 55-57 us at 1 x 8192.
@@ -20,7 +24,9 @@ launch on an H100) hides a batch-1 launch: every tile read 55-57 us at 1 x 8192.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
+import os
 
 import torch
 
@@ -78,14 +84,23 @@ def make_inputs(num_seqs: int, context: int, kv_dtype: torch.dtype):
 
 
 def variants(fp8: bool, tiles: list[tuple[int, int, int]],
-             maxnregs: list[int] = (), v_words: bool = False) -> list[dict | None]:
+             maxnregs: list[int] = (), v_words: bool = False,
+             one_page: bool = False) -> list[dict | None]:
     """The engine's default launch (None), then tiles x first tile prefetched or not; for
     fp8 the upcast too: inline PTX or Triton's to fp16 (every tile), Triton's to bf16 (the
     first tile, prefetched: the kernel before this change); then the engine's loaded
-    tiles under each register cap in `maxnregs`."""
+    tiles under each register cap in `maxnregs`. An "env" entry: the engine's launch under
+    those switches."""
     from minivllm.kernels.decode_attention import _tile_config
 
     out: list[dict | None] = [None]
+    if one_page:
+        switches = [{"MINIVLLM_DECODE_ONE_PAGE": "1"}]
+        if fp8:
+            switches.append(dict(switches[0], MINIVLLM_DECODE_LOADED_REGS_FP8="128"))
+        if fp8 and v_words:
+            switches += [dict(env, MINIVLLM_DECODE_FP8_V_WORDS="1") for env in switches]
+        out += [dict(env=env) for env in switches]
     for cap in maxnregs:
         engine = _tile_config(torch.bfloat16, loaded=True, kv_fp8=fp8)
         out.append(dict(engine, FP8_AS_F16=fp8, FP8_ASM=fp8, prefetch=False, maxnreg=cap))
@@ -112,6 +127,12 @@ def describe(config: dict | None, fp8: bool) -> str:
         return f"{'fp8' if fp8 else 'bf16'} engine default"
     if "num_splits" in config:
         return f"{'fp8' if fp8 else 'bf16'} engine, {config['num_splits']} splits"
+    if "env" in config:
+        short = {"MINIVLLM_DECODE_ONE_PAGE": "1p", "MINIVLLM_DECODE_FP8_V_WORDS": "v-words",
+                 "MINIVLLM_DECODE_LOADED_REGS_FP8": "r"}
+        return f"{'fp8' if fp8 else 'bf16'} engine, " + " ".join(
+            short[name] + (value if short[name] == "r" else "")
+            for name, value in config["env"].items())
     upcast = ""
     if fp8:
         upcast = "/asm" if config["FP8_ASM"] else "/f16" if config["FP8_AS_F16"] else "/bf16"
@@ -122,9 +143,29 @@ def describe(config: dict | None, fp8: bool) -> str:
             f"{' prefetch' if config['prefetch'] else ''}")
 
 
+@contextlib.contextmanager
+def switches(env: dict[str, str]):
+    """The decode switches (minivllm/envs.py) set to `env` for the calls inside."""
+    from minivllm.kernels import tuning
+
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    tuning.clear()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+        tuning.clear()
+
+
 def sweep(shape: str, kv_dtype: torch.dtype, tiles: list, read_gbs: float,
           maxnregs: list[int] = (), graphs: bool = False,
-          splits: list[int] = (), v_words: bool = False) -> list[tuple]:
+          splits: list[int] = (), v_words: bool = False,
+          one_page: bool = False) -> list[tuple]:
     from triton.testing import do_bench
 
     from minivllm.kernels.decode_attention import (
@@ -151,20 +192,24 @@ def sweep(shape: str, kv_dtype: torch.dtype, tiles: list, read_gbs: float,
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if graphs else None
     rows = []
     for config in [dict(num_splits=n) for n in splits] + variants(fp8, tiles, maxnregs,
-                                                                  v_words):
+                                                                  v_words, one_page):
         kwargs = {}
-        if config is not None and "num_splits" in config:
+        env = {}
+        if config is not None and "env" in config:
+            env = config["env"]
+        elif config is not None and "num_splits" in config:
             kwargs = dict(config)
         elif config is not None:
             tile_config = dict(config)
             kwargs = dict(prefetch=tile_config.pop("prefetch"), tile_config=tile_config)
 
-        def run(kwargs=kwargs):
-            return qkv_decode_attention(
-                positions, qkv, HEADS, table, cache.k_cache, cache.v_cache, slots,
-                cache.seq_lens, cache.block_tables, HEAD_DIM**-0.5,
-                norms["q_norm_weight"], norms["k_norm_weight"], 1e-6,
-                counters=counters, min_split_len=128, check=False, **kwargs)
+        def run(kwargs=kwargs, env=env):
+            with switches(env):
+                return qkv_decode_attention(
+                    positions, qkv, HEADS, table, cache.k_cache, cache.v_cache, slots,
+                    cache.seq_lens, cache.block_tables, HEAD_DIM**-0.5,
+                    norms["q_norm_weight"], norms["k_norm_weight"], 1e-6,
+                    counters=counters, min_split_len=128, check=False, **kwargs)
 
         name = describe(config, fp8)
         try:
@@ -196,6 +241,8 @@ def main() -> None:
                    help="also the engine's launch with these split counts (powers of two)")
     p.add_argument("--v-words", action="store_true",
                    help="also fp8 tiles whose V is loaded as 32-bit words (FP8_V_WORDS)")
+    p.add_argument("--one-page", action="store_true",
+                   help="also the engine's launch with one block-table entry a tile")
     p.add_argument("--graphs", action="store_true",
                    help="time CUDA-graph replays after an L2 flush, not eager launches")
     args = p.parse_args()
@@ -212,7 +259,7 @@ def main() -> None:
     for shape in args.shape or ["256x512", "64x2048"]:
         for kv_dtype in kv_dtypes:
             rows += sweep(shape, kv_dtype, tiles, read_gbs, args.maxnreg, args.graphs,
-                          args.splits, args.v_words)
+                          args.splits, args.v_words, args.one_page)
             torch.cuda.empty_cache()
     print(f"\n== decode attention alone ({torch.cuda.get_device_name()}; read ceiling "
           f"{read_gbs:,.0f} GB/s) ==")

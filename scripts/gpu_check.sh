@@ -2,7 +2,7 @@
 # One device call: GPU tests, then the benchmarks; a short table is printed last.
 # Usage on the GPU machine, from the repo root:
 #   bash scripts/gpu_check.sh [quick|profile|decode|decode-ab|prefill|host|app|faces|
-#                              structured|stalls|occupancy|all]
+#                              structured|stalls|occupancy|batch1|vwords|kvloop|kvengine|all]
 # (no argument: tests + benchmarks; quick: tests; profile: tests + step profile;
 #  decode: tests + batch-1/long-context decode benchmarks, kernel table, per-kernel profile;
 #  decode-ab: the decode switches' tests, then scripts/decode_ab.py (kernels/tuning.py's
@@ -19,6 +19,13 @@
 #  vwords: fp8 decode attention with V loaded as 32-bit words (FP8_V_WORDS) against the
 #  engine's launch, in CUDA graphs, then bench throughput with fp8 KV, interleaved: the
 #  switch off / on, and on with the 64-position loaded tile (~4 minutes);
+#  kvloop: the GPU tests of decode attention under its switches, then every decode
+#  attention variant in CUDA graphs at 256 x 512, 64 x 2048, 1 x 8192 and 1 x 32768 (bf16
+#  and fp8 KV: one block-table entry a tile, V as words, a register cap, 64 / 128 splits;
+#  ~4 minutes); kvengine: the engine under those switches, interleaved: bench throughput
+#  with fp8 KV (two rounds of three settings), then batch-1 decode at 128 and 32k
+#  positions (bf16 and fp8 KV) at the defaults, with ONE_PAGE, and with 64 splits too
+#  (~7 minutes);
 #  structured: the masked sampling's GPU tests, then bench serve with half the clients
 #  under a JSON schema, then scripts/bench_structured.py in process;
 #  host: tests + the host-overhead benchmarks (throughput overlapped vs synchronous, prefill TTFT
@@ -124,6 +131,38 @@ if [ "${1:-}" = "vwords" ]; then
         | grep -E "^  throughput" | tee -a "$OUT/vwords.log"
     done
   done
+  exit 0
+fi
+
+if [ "${1:-}" = "kvloop" ]; then
+  (cd /tmp && $PY -m pytest "$REPO/tests/test_fp8_kv_gpu.py" "$REPO/tests/test_kernels_gpu.py" \
+    -m gpu -q -p no:cacheprovider -k "loaded_decode or qkv_decode_attention" 2>&1 \
+    | tee "$OUT/gpu-tests.log" | tail -3)
+  (cd /tmp && timeout 300 $PY "$REPO/scripts/decode_attn_sweep.py" --engine-only --graphs \
+    --one-page --v-words --splits 64 128 --shape 256x512 --shape 64x2048 --shape 1x8192 \
+    --shape 1x32768) 2>&1 | tee "$OUT/kvloop-sweep.log" | sed -n '/^== decode attention alone/,$p'
+  echo; echo "== summary =="; grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -1
+  exit 0
+fi
+
+if [ "${1:-}" = "kvengine" ]; then
+  # `env` settings a line: the engine's decode switches (minivllm/envs.py).
+  for round in 1 2; do
+    for setting in "" "MINIVLLM_DECODE_ONE_PAGE=1 MINIVLLM_DECODE_LOADED_REGS_FP8=128" \
+        "MINIVLLM_DECODE_ONE_PAGE=1 MINIVLLM_DECODE_LOADED_REGS_FP8=128 MINIVLLM_DECODE_FP8_V_WORDS=1"; do
+      echo -n "round $round, fp8 throughput, ${setting:-defaults}: " | tee -a "$OUT/kvengine.log"
+      (cd /tmp && env $setting timeout 100 $PY -m minivllm.cli bench throughput \
+        --kv-cache-dtype fp8) 2>&1 | grep -E "^  throughput" | tee -a "$OUT/kvengine.log"
+    done
+  done
+  for setting in "" "MINIVLLM_DECODE_ONE_PAGE=1" \
+      "MINIVLLM_DECODE_ONE_PAGE=1 MINIVLLM_DECODE_MAX_SPLITS=64"; do
+    echo "== batch 1, ${setting:-defaults}" | tee -a "$OUT/kvengine.log"
+    (cd /tmp && env $setting timeout 110 $PY "$REPO/scripts/fp8_kv_gpu.py" --skip-throughput \
+      --repeats 2) 2>&1 | tee -a "$OUT/kvengine-batch1.log" | grep -E "^decode" \
+      | tee -a "$OUT/kvengine.log"
+  done
+  echo; echo "== summary =="; cat "$OUT/kvengine.log"
   exit 0
 fi
 

@@ -38,6 +38,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def decode_switches() -> Iterator:
+    """`decode_switches(NAME="value", ...)`: the decode switches (minivllm/envs.py) as given
+    for the kernel launches that follow, in place of those an earlier call set; every one
+    is back to the environment's value after the test."""
+    from minivllm.kernels import tuning
+
+    patch = pytest.MonkeyPatch()
+
+    def set_switches(**env: str) -> None:
+        patch.undo()
+        for name, value in env.items():
+            patch.setenv(name, value)
+        tuning.clear()
+
+    yield set_switches
+    set_switches()
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     from minivllm.loader import resolve_model

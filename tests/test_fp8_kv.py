@@ -271,18 +271,20 @@ def check_interpreted() -> None:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
     # fp16 q (the GPU's compute dtype over an fp8 cache): V tiles loaded as 32-bit words
-    # (FP8_V_WORDS) give the byte loads' values, bit for bit, split or not.
+    # (FP8_V_WORDS), and one block-table entry a tile (ONE_PAGE: tiles of 16 positions in
+    # pages of 16), give the byte loads' values a position at a time, bit for bit, split or
+    # not.
     q = torch.randn(3, heads, dim, generator=g).half()
-    for splits in (1, 4):
+    want = decode_attention_ref(q.float(), k32, v32, *args)
+    for splits, block_n in ((1, 32), (4, 32), (4, bs)):
         outs = [decode_attention(q, cache.k_cache, cache.v_cache, *args, num_splits=splits,
-                                 tile_config=dict(BLOCK_N=32, DOT_PRECISION="tf32",
+                                 tile_config=dict(BLOCK_N=block_n, DOT_PRECISION="tf32",
                                                   num_warps=4, num_stages=2,
-                                                  FP8_V_WORDS=words), **scales)
-                for words in (False, True)]
-        assert torch.equal(outs[0], outs[1])
-        torch.testing.assert_close(outs[1].float(), decode_attention_ref(q.float(), k32, v32,
-                                                                         *args),
-                                   rtol=2e-3, atol=2e-3)
+                                                  FP8_V_WORDS=words, ONE_PAGE=one_page),
+                                 **scales)
+                for words, one_page in ((False, False), (True, False), (True, True))]
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+        torch.testing.assert_close(outs[1].float(), want, rtol=2e-3, atol=2e-3)
 
 
 def check_compile_sm90() -> None:
@@ -320,19 +322,22 @@ def check_compile_sm90() -> None:
                slot_mapping_ptr="*i64", q_norm_ptr="*bf16", k_norm_ptr="*bf16", **scalars)
     # Upcast to q's dtype, to fp16, and to fp16 by inline PTX (which the interpreter
     # cannot run: this compile is its CPU check).
-    # The last: V tiles as 32-bit words, each upcast by a four-output PTX call.
-    for splits, from_qkv, prefetch, f16, asm, words in ((1, False, False, False, False, False),
-                                                        (32, False, False, True, True, False),
-                                                        (32, True, True, True, False, False),
-                                                        (1, True, True, True, True, False),
-                                                        (32, True, False, True, True, True)):
+    # The last two: V tiles as 32-bit words, each upcast by a four-output PTX call, with
+    # one block-table entry a tile in the last.
+    for splits, from_qkv, prefetch, f16, asm, words, one_page in (
+            (1, False, False, False, False, False, False),
+            (32, False, False, True, True, False, False),
+            (32, True, True, True, False, False, False),
+            (1, True, True, True, True, False, False),
+            (32, True, False, True, True, True, False),
+            (32, True, True, True, True, True, True)):
         compile_sm90(_decode_attention_kernel, sig,
                       dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128,
                            BLOCK_SIZE=256, BLOCK_N=128, NUM_SPLITS=splits,
                            MERGE_CHUNK=min(splits, 32), FROM_QKV=from_qkv, QK_NORM=from_qkv,
                            DOT_PRECISION="tf32", PDL=True, PREFETCH=prefetch,
                            MIN_SPLIT_LEN=128, LATE_TRIGGER=0, KV_FP8=True, FP8_AS_F16=f16,
-                           FP8_ASM=asm, FP8_V_WORDS=words), 4, 2)
+                           FP8_ASM=asm, FP8_V_WORDS=words, ONE_PAGE=one_page), 4, 2)
 
 
 CHECKS = {"interpreted": check_interpreted, "compile_sm90": check_compile_sm90}

@@ -147,11 +147,15 @@ def test_fp8_decode_attention(block_size: int, heads: tuple) -> None:
 
 
 @pytest.mark.parametrize("block_size,heads", CASES)
-def test_fp8_qkv_decode_attention(block_size: int, heads: tuple) -> None:
+@pytest.mark.parametrize("one_page", ["0", "1"])
+def test_fp8_qkv_decode_attention(block_size: int, heads: tuple, one_page: str,
+                                  decode_switches) -> None:
     """The one-launch decode (q/k norm + rotary + fp8 store, then attention) against the
-    reference's store, then float64 attention over the dequantized cache."""
+    reference's store, then float64 attention over the dequantized cache; with one
+    block-table entry a tile or one a position (MINIVLLM_DECODE_ONE_PAGE)."""
     from minivllm.kernels.decode_attention import qkv_decode_attention
 
+    decode_switches(MINIVLLM_DECODE_ONE_PAGE=one_page)
     num_heads, num_kv_heads, head_dim = heads
     k_scale, v_scale = SCALES
     cache, _, _ = _fp8_cache(SEQ_LENS, num_kv_heads, head_dim, block_size)
@@ -166,12 +170,20 @@ def test_fp8_qkv_decode_attention(block_size: int, heads: tuple) -> None:
         _check(f"qkv decode splits={splits} prefetch={prefetch}", got, d.want)
 
 
+SWITCHED = [  # decode switches the loaded launch is also checked under
+    {"MINIVLLM_DECODE_ONE_PAGE": "1"},
+    {"MINIVLLM_DECODE_ONE_PAGE": "1", "MINIVLLM_DECODE_LOADED_REGS_FP8": "128",
+     "MINIVLLM_DECODE_FP8_V_WORDS": "1"},
+]
+
+
 @pytest.mark.parametrize("kv", ["bf16", "fp8"])
-def test_loaded_decode_launch(kv: str) -> None:
+def test_loaded_decode_launch(kv: str, decode_switches) -> None:
     """A decode launch of several waves (48 sequences x 8 KV heads) takes the loaded tiles
     without the early first tile, and an fp8 cache is read through the PTX upcast to fp16:
-    the engine's default launch and a small-grid tiling (prefetch on) both match float64
-    attention over the (dequantized) cache the kernel stored into."""
+    the engine's default launch, the same under the switches in SWITCHED (one block-table
+    entry a tile; V as words under a register cap) and a small-grid tiling (prefetch on)
+    all match float64 attention over the (dequantized) cache the kernel stored into."""
     from minivllm.kernels.decode_attention import _tile_config, is_loaded, qkv_decode_attention
 
     num_heads, num_kv_heads, head_dim = HEADS[0]
@@ -184,9 +196,12 @@ def test_loaded_decode_launch(kv: str) -> None:
         cache = paged_kv(seq_lens, num_kv_heads, head_dim, block_size, torch.bfloat16, DEVICE)
     assert is_loaded(len(seq_lens), num_kv_heads, 1, torch.device(DEVICE))
     d = _decode_step(cache, HEADS[0], block_size, 4096, k_scale, v_scale)
-    for name, extra in (("default", {}),
-                        ("small-grid tiles", dict(tile_config=_tile_config(torch.bfloat16),
-                                                  prefetch=True))):
+    runs = [("default", {}, {})] + [(" ".join(f"{k}={v}" for k, v in env.items()), {}, env)
+                                    for env in SWITCHED]
+    runs.append(("small-grid tiles", dict(tile_config=_tile_config(torch.bfloat16),
+                                          prefetch=True), {}))
+    for name, extra, env in runs:
+        decode_switches(**env)
         k_c, v_c = cache.k_cache.clone(), cache.v_cache.clone()
         got = qkv_decode_attention(d.positions, d.qkv, num_heads, d.table, k_c, v_c, d.slots,
                                    cache.seq_lens, cache.block_tables, head_dim**-0.5,

@@ -360,6 +360,72 @@ def check_decode_attention_many_splits() -> None:
     assert not counters.any()
 
 
+def check_decode_attention_one_page() -> None:
+    """One block-table entry a K/V tile where a page holds whole tiles (ONE_PAGE): the bits
+    of one entry a position, with the first tile prefetched too; asked for where tiles are
+    longer than a page, the launch keeps one a position (else a tile's second page would be
+    read from its first)."""
+    from minivllm.kernels import decode_attention as module
+    from minivllm.kernels.testing import paged_kv
+
+    launched = []  # ONE_PAGE of each launch, as the kernel got it
+    kernel = module._decode_attention_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(kwargs["ONE_PAGE"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    module._decode_attention_kernel = Spy()
+    try:
+        for dtype, block_size, (num_heads, num_kv_heads) in ATTENTION_CASES[2:4]:
+            cache = paged_kv(DECODE_SEQ_LENS, num_kv_heads, HEAD_DIM, block_size, dtype, "cpu")
+            args = (cache.k_cache, cache.v_cache, cache.seq_lens, cache.block_tables)
+            q = torch.randn(len(DECODE_SEQ_LENS), num_heads, HEAD_DIM).to(dtype)
+            ref = module.decode_attention_ref(q.double(), *(a.double() for a in args[:2]),
+                                              *args[2:], 0.125)
+            ref[DECODE_SEQ_LENS.index(0)] = 0.0
+            base = module._tile_config(dtype)
+            name = f"decode one page {dtype} block {block_size}"
+            for splits in (1, 4):
+                launched.clear()
+                per_position, one_page = (
+                    module.decode_attention(q, *args, 0.125, num_splits=splits,
+                                            tile_config=dict(base, BLOCK_N=16, ONE_PAGE=on))
+                    for on in (False, True))
+                assert launched == [False, True], f"{name}: launched with {launched}"
+                assert torch.equal(one_page, per_position), f"{name} splits {splits}"
+                _assert_close(f"{name} splits {splits}", one_page, ref, TOL[dtype])
+                launched.clear()
+                longer = module.decode_attention(q, *args, 0.125, num_splits=splits,
+                                                 tile_config=dict(base, BLOCK_N=2 * block_size,
+                                                                  ONE_PAGE=True))
+                assert launched == [False], f"{name}: tiles of two pages took ONE_PAGE"
+                _assert_close(f"{name} splits {splits}, two pages a tile", longer, ref,
+                              TOL[dtype])
+            # The first tile loaded before the wait (qkv_decode_attention's prefetch).
+            cos_sin = cos_sin_table(4096, HEAD_DIM)
+            qkv, _, _, _ = _fused_qkv(len(DECODE_SEQ_LENS), num_heads, num_kv_heads, dtype)
+            positions = (cache.seq_lens.long() - 1).clamp(min=0)
+            pages = cache.block_tables[torch.arange(len(DECODE_SEQ_LENS)),
+                                       positions // block_size]
+            slots = pages.long() * block_size + positions % block_size
+            slots[DECODE_SEQ_LENS.index(0)] = -1
+            outs = []
+            for on in (False, True):
+                k, v = cache.k_cache.clone(), cache.v_cache.clone()
+                outs.append(module.qkv_decode_attention(
+                    positions, qkv, num_heads, cos_sin, k, v, slots, cache.seq_lens,
+                    cache.block_tables, 0.125, num_splits=4, prefetch=True,
+                    tile_config=dict(base, BLOCK_N=16, ONE_PAGE=on)))
+            real = torch.tensor(DECODE_SEQ_LENS) > 0  # a padding row's output is not used
+            assert torch.equal(outs[0][real], outs[1][real]), f"{name}: prefetched first tile"
+    finally:
+        module._decode_attention_kernel = kernel
+
+
 def check_wrapper_errors() -> None:
     from minivllm.kernels.decode_attention import decode_attention
     from minivllm.kernels.prefill_attention import prefill_attention
@@ -625,10 +691,12 @@ def check_compile_sm90() -> None:
                k_norm_ptr="*bf16", qk_scale="fp32", eps="fp32", k_scale="fp32",
                v_scale="fp32")
     # Direct write; split + merge in one chunk; in four; with q/k norm + rotary + store.
-    # The last two: the first K/V tile loaded before the PDL wait.
-    for splits, from_qkv, prefetch in ((1, False, False), (32, False, False),
-                                       (128, False, False), (32, True, False),
-                                       (32, True, True), (1, True, True)):
+    # The last three: the first K/V tile loaded before the PDL wait; in the last, one
+    # block-table entry a tile.
+    for splits, from_qkv, prefetch, one_page in (
+            (1, False, False, False), (32, False, False, False), (128, False, False, False),
+            (32, True, False, False), (32, True, True, False), (1, True, True, False),
+            (32, True, True, True)):
         compile_sm90(_decode_attention_kernel, sig,
                       dict(GROUP=2, GROUP_PAD=16, NUM_KV_HEADS=8, HEAD_DIM=128,
                            BLOCK_SIZE=256, BLOCK_N=128, NUM_SPLITS=splits,
@@ -636,7 +704,7 @@ def check_compile_sm90() -> None:
                            DOT_PRECISION="tf32", PDL=True, PREFETCH=prefetch,
                            MIN_SPLIT_LEN=512 if prefetch else 128,
                            LATE_TRIGGER=4096 if prefetch else 0, KV_FP8=False,
-                           FP8_AS_F16=False, FP8_ASM=False), 4, 2)
+                           FP8_AS_F16=False, FP8_ASM=False, ONE_PAGE=one_page), 4, 2)
     # Prefill: pointer loads and TMA descriptors, in the grid's order and last tiles first.
     sig = {name: "*bf16" for name in _prefill_kernel.arg_names if name.endswith("_ptr")}
     sig.update(cu_seqlens_ptr="*i32", seq_lens_ptr="*i32", block_tables_ptr="*i32",
@@ -664,7 +732,8 @@ CHECKS = {
                     check_fill_tokens, check_wrapper_errors, check_sample_rows,
                     check_sampler_masked_rows],
     "prefill_attention": [check_prefill_attention],
-    "decode_attention": [check_decode_attention, check_decode_attention_many_splits],
+    "decode_attention": [check_decode_attention, check_decode_attention_many_splits,
+                         check_decode_attention_one_page],
     "fused_decode": [check_gemv, check_qkv_rotary_store, check_fused_wrapper_errors],
     "qkv_decode_attention": [check_qkv_decode_attention],
     "compile_sm90": [check_compile_sm90],  # no interpreter: a real compile for sm_90

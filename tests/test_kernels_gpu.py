@@ -563,11 +563,15 @@ def test_qkv_decode_attention(model) -> None:
             assert torch.equal(v_out, v_ref), name + " v_cache"
 
 
-def test_qkv_decode_attention_batch1_32k() -> None:
+@pytest.mark.parametrize("one_page", ["0", "1"])
+def test_qkv_decode_attention_batch1_32k(one_page: str, decode_switches) -> None:
     """Batch 1 from 1 to 32k context in a launch sized for 32k, the new token stored by the
-    last used split and read back by it: against the references, bound 1e-2 (bf16)."""
+    last used split and read back by it: against the references, bound 1e-2 (bf16); with
+    one block-table entry a tile or one a position (MINIVLLM_DECODE_ONE_PAGE)."""
     from minivllm.kernels.decode_attention import qkv_decode_attention, qkv_decode_attention_ref
     from minivllm.kernels.testing import paged_kv
+
+    decode_switches(MINIVLLM_DECODE_ONE_PAGE=one_page)
 
     heads, kv_heads, head_dim = 16, 8, 128
     cos_sin = cos_sin_table(32768, head_dim, DEVICE)

@@ -87,8 +87,10 @@ def attend_kv_tile(
     FP8_ASM: tl.constexpr = False,
     V_WORDS: tl.constexpr = False,  # an fp8 cache's V through `load_v_words`
     kv_head=0,  # V_WORDS only
+    ONE_PAGE: tl.constexpr = False,  # the tile lies in one page (`kv_tile_slots`)
+    tile_start=0,  # ONE_PAGE only: offs[0]
 ):
-    slot = kv_tile_slots(block_table, offs, valid, BLOCK_SIZE)
+    slot = kv_tile_slots(block_table, offs, valid, BLOCK_SIZE, True, ONE_PAGE, tile_start)
     kv_offsets = slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset
     # An fp8 cache is upcast to the compute dtype here (a no-op otherwise); its scales are
     # the caller's: k's folded into qk_scale, v's applied to the output.
@@ -116,14 +118,23 @@ def kv_tile_slots(
     valid,  # [BLOCK_N] positions that exist (MASKED: the page loads are masked with it)
     BLOCK_SIZE: tl.constexpr,
     MASKED: tl.constexpr = True,
+    ONE_PAGE: tl.constexpr = False,  # the tile lies in one page (see below)
+    tile_start=0,  # ONE_PAGE: offs[0], a multiple of BLOCK_N
 ):
     """[BLOCK_N] cache slots of a tile's positions, through the block table. MASKED=False:
-    every position exists (`valid` is not read)."""
+    every position exists (`valid` is not read). ONE_PAGE: the tile starts at a multiple of
+    its length and a page holds whole tiles (BLOCK_SIZE a multiple of BLOCK_N), so one
+    block-table entry serves the tile and the slots are consecutive: one load a tile instead
+    of one a position, and offsets the compiler knows to be contiguous."""
+    if ONE_PAGE:
+        page = tl.load(block_table + tile_start // BLOCK_SIZE)
+        # NOTE: int64: a layer's pool can exceed 2**31 elements.
+        return (page.to(tl.int64) * BLOCK_SIZE + tile_start % BLOCK_SIZE
+                + tl.arange(0, offs.shape[0]))
     if MASKED:
         page = tl.load(block_table + offs // BLOCK_SIZE, mask=valid, other=0)
     else:
         page = tl.load(block_table + offs // BLOCK_SIZE)
-    # NOTE: int64: a layer's pool can exceed 2**31 elements.
     return page.to(tl.int64) * BLOCK_SIZE + offs % BLOCK_SIZE
 
 
@@ -137,10 +148,13 @@ def kv_tile_offsets(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr = True,
+    ONE_PAGE: tl.constexpr = False,
+    tile_start=0,
 ):
     """[BLOCK_N, HEAD_DIM] element offsets of a K/V tile in the cache, through the block
-    table. MASKED=False: every position exists (`valid` is not read)."""
-    slot = kv_tile_slots(block_table, offs, valid, BLOCK_SIZE, MASKED)
+    table. MASKED=False: every position exists (`valid` is not read); ONE_PAGE and
+    tile_start: `kv_tile_slots`'."""
+    slot = kv_tile_slots(block_table, offs, valid, BLOCK_SIZE, MASKED, ONE_PAGE, tile_start)
     return slot[:, None] * (NUM_KV_HEADS * HEAD_DIM) + head_offset
 
 
@@ -156,12 +170,15 @@ def load_kv_tile(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     MASKED: tl.constexpr = True,
+    ONE_PAGE: tl.constexpr = False,
+    tile_start=0,
 ):
     """One K/V tile gathered through the block table (loads issued together, so a caller
     can start them early and use them later); the same loads `attend_kv_tile` makes.
-    MASKED=False: every position exists, the loads have no predicates."""
+    MASKED=False: every position exists, the loads have no predicates; ONE_PAGE and
+    tile_start: `kv_tile_slots`'."""
     kv_offsets = kv_tile_offsets(block_table, offs, valid, head_offset, BLOCK_SIZE,
-                                 NUM_KV_HEADS, HEAD_DIM, MASKED)
+                                 NUM_KV_HEADS, HEAD_DIM, MASKED, ONE_PAGE, tile_start)
     if MASKED:
         k = tl.load(k_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
         v = tl.load(v_cache_ptr + kv_offsets, mask=valid[:, None], other=0.0)  # [BLOCK_N, D]

@@ -30,6 +30,7 @@ from minivllm.kernels.tuning import (
     decode_loaded_regs_fp8,
     decode_loaded_tile,
     decode_max_splits,
+    decode_one_page,
     decode_prefetch,
     decode_short_tile,
     decode_tile,
@@ -212,6 +213,7 @@ def _decode_attention_kernel(
     FP8_AS_F16: tl.constexpr,  # KV_FP8 with 16-bit q: q, K and V in fp16 for the products
     FP8_ASM: tl.constexpr,  # FP8_AS_F16 compiled for a GPU: K/V upcast by PTX (upcast_kv)
     FP8_V_WORDS: tl.constexpr = False,  # FP8_AS_F16: the loop's V tiles by load_v_words
+    ONE_PAGE: tl.constexpr = False,  # BLOCK_SIZE a multiple of BLOCK_N: a page a tile
 ):
     # The grid is (KV heads, sequences, splits): a sequence's heads, whose K/V rows share
     # each position's stretch of the cache, run side by side.
@@ -254,7 +256,8 @@ def _decode_attention_kernel(
         offs0 = start + tl.arange(0, BLOCK_N)
         valid0 = offs0 < end
         k0, v0 = load_kv_tile(k_cache_ptr, v_cache_ptr, block_table, offs0, valid0,
-                              head_offset, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+                              head_offset, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                              ONE_PAGE=ONE_PAGE, tile_start=start)
     if PDL:
         # q (or QKV), the cache and the counters come from the kernels before.
         tl.extra.cuda.gdc_wait()
@@ -312,7 +315,7 @@ def _decode_attention_kernel(
         m, l_sum, acc = attend_kv_tile(q, m, l_sum, acc, k_cache_ptr, v_cache_ptr, block_table,
                                        offs, valid, valid[None, :], head_offset, qk_scale,
                                        BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, DOT_PRECISION,
-                                       FP8_ASM, FP8_V_WORDS, kv_head)
+                                       FP8_ASM, FP8_V_WORDS, kv_head, ONE_PAGE, tile_start)
     if KV_FP8:
         acc = acc * v_scale  # partials and outputs alike: the merge is linear in acc
     if PDL:
@@ -572,11 +575,14 @@ def _launch(
     # The interpreter (CPU tensors) cannot run inline PTX; Triton's own upcast there gives
     # the same fp16 values.
     config = {"FP8_AS_F16": f16, "FP8_ASM": f16 and device.type == "cuda",
-              "FP8_V_WORDS": decode_fp8_v_words(), **tile_config}
+              "FP8_V_WORDS": decode_fp8_v_words(), "ONE_PAGE": decode_one_page(), **tile_config}
     if not fp8:
         config.update(FP8_AS_F16=False, FP8_ASM=False)
     if not config["FP8_AS_F16"]:
         config["FP8_V_WORDS"] = False  # its tiles are fp16: q must be 16-bit
+    # Splits and tiles start at multiples of BLOCK_N: where a page holds whole tiles, each
+    # tile lies in one page.
+    config["ONE_PAGE"] = config["ONE_PAGE"] and block_size % config["BLOCK_N"] == 0
     if prefetch is None:
         prefetch = decode_prefetch() and not loaded
     block_n = config["BLOCK_N"]

@@ -7,7 +7,7 @@ are declared with the other variables in `minivllm.envs`: MINIVLLM_GEMV_MAX_K,
 MINIVLLM_GEMV_SILU_TILE, MINIVLLM_GEMV_WIDE, MINIVLLM_DECODE_PREFETCH,
 MINIVLLM_DECODE_MIN_SPLIT, MINIVLLM_DECODE_MAX_SPLITS, MINIVLLM_DECODE_TILE,
 MINIVLLM_DECODE_LOADED_TILE(_FP8), MINIVLLM_DECODE_LOADED_REGS_FP8,
-MINIVLLM_DECODE_FP8_V_WORDS,
+MINIVLLM_DECODE_FP8_V_WORDS, MINIVLLM_DECODE_ONE_PAGE,
 MINIVLLM_DECODE_SHORT_TILE, MINIVLLM_PREFILL_TILE,
 MINIVLLM_PREFILL_SMALL(_TILE), MINIVLLM_PREFILL_TMA, MINIVLLM_PREFILL_LAST_FIRST,
 MINIVLLM_DECODE_SHORT, MINIVLLM_DECODE_LATE_TRIGGER and MINIVLLM_GRAPH_GREEDY.
@@ -92,6 +92,11 @@ def decode_fp8_v_words() -> bool:
 
 
 @functools.cache
+def decode_one_page() -> bool:
+    return _choice("MINIVLLM_DECODE_ONE_PAGE") == "1"
+
+
+@functools.cache
 def decode_short_tile() -> tuple[int, int, int]:
     """The same for the engine's short launch (DECODE_SHORT)."""
     return _tile("MINIVLLM_DECODE_SHORT_TILE")
@@ -136,6 +141,6 @@ def clear() -> None:
     """Forget the values read (tests that change the environment)."""
     for fn in (gemv_max_k_tile, gemv_silu_tile, gemv_wide, decode_prefetch, decode_min_split,
                decode_max_splits, decode_tile, decode_loaded_tile, decode_loaded_regs_fp8,
-               decode_fp8_v_words, decode_short_tile, decode_late_trigger, decode_short_max,
-               graph_picks, _prefill_tiles, prefill_small_max):
+               decode_fp8_v_words, decode_one_page, decode_short_tile, decode_late_trigger,
+               decode_short_max, graph_picks, _prefill_tiles, prefill_small_max):
         fn.cache_clear()
