@@ -159,6 +159,54 @@ def test_cpu_rows_ops_equal_the_references():
     assert torch.equal(silu_and_mul_cpu(half), silu_and_mul_ref(half))
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_cpu_qkv_rotary_store_equals_the_reference(qk_norm):
+    """The CPU kernel set's q/k norm + rotary + K/V store (`qkv_rotary_store_cpu`, one C++
+    pass over a prefill's rows) against the torch reference: q, and the caches it writes
+    (a slot of -1 stores nothing); a bf16 input takes the reference; bad positions and
+    slots are errors that name them."""
+    from minivllm.kernels.cpu_ops import qkv_rotary_store_cpu
+    from minivllm.kernels.qkv_rotary_store import qkv_rotary_store_ref
+    from minivllm.kernels.testing import cos_sin_table, paged_kv, qk_norm_weights
+
+    g = torch.Generator().manual_seed(0)
+    table = cos_sin_table(2048, 64)
+    norms = qk_norm_weights(64, torch.float32) if qk_norm else {}
+    weights = (norms.get("q_norm_weight"), norms.get("k_norm_weight"), 1e-6)
+    for num_heads, num_kv_heads, tokens in ((9, 3, 137), (4, 4, 1)):
+        cache = paged_kv([40, 90], num_kv_heads, 64, 16, torch.float32, "cpu")
+        qkv = torch.randn(tokens, (num_heads + 2 * num_kv_heads) * 64, generator=g) * 2
+        positions = torch.randint(0, 2048, (tokens,), generator=g)
+        slots = torch.randperm(cache.k_cache.shape[0] * 16, generator=g)[:tokens]
+        slots[tokens // 2] = -1
+        k_want, v_want = cache.k_cache.clone(), cache.v_cache.clone()
+        want = qkv_rotary_store_ref(positions, qkv, num_heads, table, k_want, v_want, slots,
+                                    *weights)
+        k_got, v_got = cache.k_cache.clone(), cache.v_cache.clone()
+        got = qkv_rotary_store_cpu(positions, qkv, num_heads, table, k_got, v_got, slots,
+                                   *weights)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k_got, k_want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(v_got, v_want)
+    # bf16 rows take the reference: the same bits.
+    half = paged_kv([40, 90], 3, 64, 16, torch.bfloat16, "cpu")
+    qkv = torch.randn(5, 15 * 64, generator=g).bfloat16()
+    args = (torch.arange(5), qkv, 9, table.bfloat16())
+    slots = torch.arange(5) + 16
+    k_ref, v_ref = half.k_cache.clone(), half.v_cache.clone()
+    want = qkv_rotary_store_ref(*args, k_ref, v_ref, slots)
+    got = qkv_rotary_store_cpu(*args, half.k_cache, half.v_cache, slots)
+    assert torch.equal(got, want) and torch.equal(half.k_cache, k_ref)
+    cache = paged_kv([40], 3, 64, 16, torch.float32, "cpu")
+    qkv = torch.randn(2, 15 * 64, generator=g)
+    with pytest.raises(RuntimeError, match="position 5000 is past the rotary cache"):
+        qkv_rotary_store_cpu(torch.tensor([0, 5000]), qkv, 9, table, cache.k_cache,
+                             cache.v_cache, torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="slot 100000 is outside the pool"):
+        qkv_rotary_store_cpu(torch.tensor([0, 1]), qkv, 9, table, cache.k_cache,
+                             cache.v_cache, torch.tensor([0, 100000]))
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 48])  # vector paths (AVX-512 / AVX2); plain
 @pytest.mark.parametrize("heads", [(9, 3), (8, 8), (16, 4)])  # groups of 3, 1 and 4
 def test_native_decode_attention_equals_the_reference(head_dim, heads):

@@ -480,6 +480,89 @@ at::Tensor silu_and_mul_rows(const at::Tensor& x_in) {
   return out;
 }
 
+// A prefill's q/k norm (Qwen3) + rotary + K/V store over its rows in one pass (the CPU
+// kernel set's `qkv_rotary_store`, kernels/qkv_rotary_store.py's contract): q rows into a
+// new [tokens, num_heads, head_dim] tensor, each token's K/V rows into its cache slot (-1:
+// not stored). The same per-head steps as `decode_layers`; torch's version is ~12 ops a
+// layer over [tokens, heads, head_dim]. Tokens are split between threads.
+at::Tensor qkv_rotary_store_rows(const at::Tensor& positions_in, const at::Tensor& qkv_in,
+                                 int64_t num_heads, const at::Tensor& cos_sin_cache,
+                                 at::Tensor& k_cache, at::Tensor& v_cache,
+                                 const at::Tensor& slot_mapping_in,
+                                 const std::optional<at::Tensor>& q_norm,
+                                 const std::optional<at::Tensor>& k_norm, double eps) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kFloat &&
+                  k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == at::kFloat && v_cache.is_contiguous(),
+              "qkv_rotary_store_rows: contiguous fp32 caches [blocks, block_size, kv_heads, "
+              "head_dim]");
+  const int64_t kv_heads = k_cache.size(2), hd = k_cache.size(3);
+  const int64_t q_size = num_heads * hd, kv_size = kv_heads * hd;
+  const int64_t qkv_size = q_size + 2 * kv_size;
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  TORCH_CHECK(qkv_in.dim() == 2 && qkv_in.scalar_type() == at::kFloat &&
+                  qkv_in.size(1) == qkv_size,
+              "qkv_rotary_store_rows: qkv must be fp32 [tokens, ", qkv_size, "]");
+  TORCH_CHECK(cos_sin_cache.dim() == 2 && cos_sin_cache.scalar_type() == at::kFloat &&
+                  cos_sin_cache.is_contiguous() && cos_sin_cache.size(1) == hd,
+              "qkv_rotary_store_rows: cos_sin_cache must be contiguous fp32 [positions, ", hd,
+              "]");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(),
+              "qkv_rotary_store_rows: q_norm and k_norm come together");
+  const at::Tensor qkv = qkv_in.contiguous();
+  const at::Tensor positions = positions_in.to(at::kLong).contiguous();
+  const at::Tensor slot_mapping = slot_mapping_in.to(at::kLong).contiguous();
+  const int64_t tokens = qkv.size(0);
+  TORCH_CHECK(positions.numel() == tokens && slot_mapping.numel() == tokens,
+              "qkv_rotary_store_rows: one position and slot per token");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos_sin_cache.size(0), "qkv_rotary_store_rows: ",
+                "position ", pos[t], " is past the rotary cache");
+    TORCH_CHECK(slots[t] < num_slots, "qkv_rotary_store_rows: slot ", slots[t],
+                " is outside the pool");
+  }
+  at::Tensor q_weight, k_weight;  // the norms' weights, held while their pointers are used
+  if (q_norm.has_value()) {
+    q_weight = q_norm->to(at::kFloat).contiguous();
+    k_weight = k_norm->to(at::kFloat).contiguous();
+    TORCH_CHECK(q_weight.numel() == hd && k_weight.numel() == hd,
+                "qkv_rotary_store_rows: q/k norm weights must have ", hd, " elements");
+  }
+  const float* qw = q_norm.has_value() ? q_weight.data_ptr<float>() : nullptr;
+  const float* kw = k_norm.has_value() ? k_weight.data_ptr<float>() : nullptr;
+  at::Tensor q_out = at::empty({tokens, num_heads, hd}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* cos_sin = cos_sin_cache.data_ptr<float>();
+  float* qp = q_out.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const float feps = (float)eps;
+  at::parallel_for(0, tokens, 16, [&](int64_t b, int64_t e) {
+    std::vector<float> k(kv_size);
+    for (int64_t t = b; t < e; ++t) {
+      const float* row = src + t * qkv_size;
+      const float* cs = cos_sin + pos[t] * hd;
+      float* q = qp + t * q_size;
+      std::copy(row, row + q_size, q);
+      for (int64_t head = 0; head < num_heads; ++head) {
+        if (qw) rms_norm(q + head * hd, qw, feps, hd, q + head * hd);
+        rotate(q + head * hd, cs, hd);
+      }
+      if (slots[t] < 0) continue;
+      std::copy(row + q_size, row + q_size + kv_size, k.data());
+      for (int64_t head = 0; head < kv_heads; ++head) {
+        if (kw) rms_norm(k.data() + head * hd, kw, feps, hd, k.data() + head * hd);
+        rotate(k.data() + head * hd, cs, hd);
+      }
+      std::copy(k.begin(), k.end(), kc + slots[t] * kv_size);
+      std::copy(row + q_size + kv_size, row + qkv_size, vc + slots[t] * kv_size);
+    }
+  });
+  return q_out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
@@ -490,6 +573,9 @@ TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
       "float eps, float qk_eps, bool int8_activations=False) -> (Tensor, Tensor)");
   m.def("rms_norm_rows(Tensor x, Tensor weight, float eps, Tensor? residual) -> (Tensor, Tensor)");
   m.def("silu_and_mul_rows(Tensor x) -> Tensor");
+  m.def("qkv_rotary_store_rows(Tensor positions, Tensor qkv, int num_heads, Tensor cos_sin_cache, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, Tensor? q_norm, "
+        "Tensor? k_norm, float eps) -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> Tensor");
 }
@@ -498,5 +584,6 @@ TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {
   m.impl("decode_layers", &decode_layers);
   m.impl("rms_norm_rows", &rms_norm_rows);
   m.impl("silu_and_mul_rows", &silu_and_mul_rows);
+  m.impl("qkv_rotary_store_rows", &qkv_rotary_store_rows);
   m.impl("paged_decode_attention", &paged_decode_attention);
 }

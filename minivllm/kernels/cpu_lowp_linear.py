@@ -180,6 +180,11 @@ def _load_or_compile() -> str | None:
     def _(x, values, scales, mins, bias, n, int8_activations=False):
         return x.new_empty(x.shape[0], n)
 
+    @torch.library.register_fake("minivllm_cpu::qkv_rotary_store_rows")
+    def _(positions, qkv, num_heads, cos_sin_cache, k_cache, v_cache, slot_mapping, q_norm,
+          k_norm, eps):
+        return qkv.new_empty(qkv.shape[0], num_heads, k_cache.shape[3])
+
     return None
 
 

@@ -39,8 +39,8 @@ class Kernels:
     prefill_attention: Callable
     decode_attention: Callable
     # The fused decode-path ops (kernels/gemv.py, kernels/qkv_rotary_store.py,
-    # kernels/decode_attention.py): Triton only; None in a set without them, where callers
-    # take the unfused path.
+    # kernels/decode_attention.py): Triton, and `qkv_rotary_store` in the CPU set too
+    # (kernels/cpu_ops.py); None in a set without them, where callers take the unfused path.
     gemv: Callable | None = None
     rms_norm_gemv: Callable | None = None
     qkv_rotary_store: Callable | None = None
@@ -123,16 +123,18 @@ def triton_kernels() -> Kernels:
 
 @functools.cache
 def cpu_kernels() -> Kernels:
-    """The torch references, with the norm and SiLU of fp32 rows in C++ (kernels/cpu_ops.py)
-    where the CPU extension builds (it is built once per machine, with the weight-only
-    kernels); else the references alone. One set per process."""
+    """The torch references, with the norm, the SiLU and the q/k rotary + K/V store of
+    fp32 rows in C++ (kernels/cpu_ops.py) where the CPU extension builds (it is built once
+    per machine, with the weight-only kernels); else the references alone. One set per
+    process."""
     from minivllm.kernels import cpu_lowp_linear
 
     if cpu_lowp_linear.unavailable_reason() is not None:
         return TORCH_KERNELS
-    from minivllm.kernels.cpu_ops import rms_norm_cpu, silu_and_mul_cpu
+    from minivllm.kernels.cpu_ops import qkv_rotary_store_cpu, rms_norm_cpu, silu_and_mul_cpu
 
-    return replace(TORCH_KERNELS, name="cpu", rms_norm=rms_norm_cpu, silu_and_mul=silu_and_mul_cpu)
+    return replace(TORCH_KERNELS, name="cpu", rms_norm=rms_norm_cpu,
+                   silu_and_mul=silu_and_mul_cpu, qkv_rotary_store=qkv_rotary_store_cpu)
 
 
 def with_prefill_dtype(kernels: Kernels, dtype: torch.dtype) -> Kernels:
