@@ -82,6 +82,36 @@ def test_prefill_rows_run_in_bf16_and_decode_rows_stay_exact(bias):
     torch.testing.assert_close(mixed[1:39], got[1:39], rtol=0, atol=0)
 
 
+@needs_bf16_packing
+def test_the_gate_up_product_keeps_bf16_for_the_silu():
+    """`wide_keeps_dtype` (the MLP's gate_up): a prefill's product stays bf16, the CPU set's
+    SiLU takes the bf16 rows and the down product the bf16 result: the same bits as
+    widening to fp32 and back; a step with decode rows, or a bias, still gives fp32."""
+    from minivllm.kernels.cpu_ops import silu_and_mul_cpu
+
+    def q4_1(n: int, k: int) -> cpu_linear.LowpWeight:
+        weight = torch.randn(n, k, generator=g) * 0.1
+        values, scales, mins = kernel.quantize_q4_1(weight, kernel.block_width())
+        wide = cpu_linear.pack_weight(
+            kernel.dequantize_group(values, scales, mins, n).to(torch.bfloat16))
+        return cpu_linear.LowpWeight(values, scales, n, mins, "q4_1", wide=wide)
+
+    g = torch.Generator().manual_seed(2)
+    gate_up, down = q4_1(128, 64), q4_1(64, 64)
+    keeps = gate_up._replace(wide_keeps_dtype=True)
+    x = torch.randn(40, 64, generator=g)
+    with cpu_linear.wide_rows(cpu_linear.WideRows(every=True)):
+        widened = gate_up.product(x, None)
+        kept = keeps.product(x, None)
+        assert widened.dtype == torch.float32 and kept.dtype == torch.bfloat16
+        assert torch.equal(kept.float(), widened)
+        assert torch.equal(down.product(silu_and_mul_cpu(kept), None),
+                           down.product(silu_and_mul_cpu(widened), None))
+        assert keeps.product(x, torch.zeros(128)).dtype == torch.float32
+    with cpu_linear.wide_rows(cpu_linear.WideRows.of([0, 1, 39, 40])):
+        assert keeps.product(x, None).dtype == torch.float32
+
+
 def test_fp32_copies_without_fast_bf16(monkeypatch):
     from minivllm import cpu_features
 

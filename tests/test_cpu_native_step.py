@@ -5,6 +5,8 @@ refuses what it cannot run with a clear reason."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import transformers
@@ -155,8 +157,15 @@ def test_cpu_rows_ops_equal_the_references():
     gates = torch.tensor([[-200.0, -90.0, -50.0, 0.0, 30.0, 90.0, 200.0, 1.0]])
     x = torch.cat([gates, torch.ones_like(gates)], dim=1)
     torch.testing.assert_close(silu_and_mul_cpu(x), silu_and_mul_ref(x), rtol=1e-6, atol=1e-30)
-    half = torch.randn(3, 8, generator=g).to(torch.bfloat16)
-    assert torch.equal(silu_and_mul_cpu(half), silu_and_mul_ref(half))
+    # bf16 rows: computed in fp32, rounded once to nearest even (the reference rounds twice).
+    half = (torch.randn(513, 3072, generator=g) * 4).to(torch.bfloat16)
+    got = silu_and_mul_cpu(half)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, silu_and_mul_ref(half.float()).to(torch.bfloat16))
+    torch.testing.assert_close(got, silu_and_mul_ref(half), rtol=1e-2, atol=1e-2)
+    nan = torch.tensor([[float("nan"), 1.0, 2.0, 3.0]]).to(torch.bfloat16)  # gates, ups
+    got = silu_and_mul_cpu(nan)
+    assert got[0, 0].isnan() and got[0, 1] == torch.tensor(3 / (1 + math.exp(-1))).bfloat16()
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])

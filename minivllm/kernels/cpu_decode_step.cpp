@@ -465,17 +465,43 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_rows(const at::Tensor& x_in, const a
   return {out, sum};
 }
 
-// [rows, 2 * inter] -> [rows, inter]: silu(gate) * up.
+// [rows, 2 * inter] -> [rows, inter]: silu(gate) * up, fp32 or bf16 rows (a bf16 row is
+// widened, computed in fp32 and rounded once, to nearest even).
 at::Tensor silu_and_mul_rows(const at::Tensor& x_in) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.size(1) % 2 == 0,
-              "silu_and_mul_rows: x must be fp32 [rows, 2 * inter]");
+  const bool bf16 = x_in.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x_in.dim() == 2 && (bf16 || x_in.scalar_type() == at::kFloat) &&
+                  x_in.size(1) % 2 == 0,
+              "silu_and_mul_rows: x must be fp32 or bf16 [rows, 2 * inter]");
   const at::Tensor x = x_in.contiguous();
   const int64_t rows = x.size(0), inter = x.size(1) / 2;
   at::Tensor out = at::empty({rows, inter}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  if (!bf16) {
+    const float* xp = x.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) silu_mul(xp + r * 2 * inter, inter, op + r * inter);
+    });
+    return out;
+  }
+  // bf16's bits are fp32's top half.
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, rows, 8, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) silu_mul(xp + r * 2 * inter, inter, op + r * inter);
+    std::vector<uint32_t> row(2 * inter);
+    std::vector<float> y(inter);
+    for (int64_t r = b; r < e; ++r) {
+      const uint16_t* src = xp + r * 2 * inter;
+      for (int64_t i = 0; i < 2 * inter; ++i) row[i] = (uint32_t)src[i] << 16;
+      silu_mul(reinterpret_cast<const float*>(row.data()), inter, y.data());
+      uint16_t* dst = op + r * inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, &y[i], sizeof bits);
+        const bool nan = (bits & 0x7fffffffu) > 0x7f800000u;
+        dst[i] = nan ? (uint16_t)((bits >> 16) | 0x40u)
+                     : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+      }
+    }
   });
   return out;
 }

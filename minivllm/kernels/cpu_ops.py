@@ -30,7 +30,9 @@ def rms_norm_cpu(
 
 
 def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:  # [..., 2 * inter] -> [..., inter]
-    if x.dtype != torch.float32 or x.device.type != "cpu":
+    """fp32 rows, or bf16 rows computed in fp32 and rounded once (the reference rounds
+    after the SiLU and again after the product)."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
         return silu_and_mul_ref(x)
     rows = x.reshape(-1, x.shape[-1])
     return torch.ops.minivllm_cpu.silu_and_mul_rows(rows).view(*x.shape[:-1], -1)

@@ -97,9 +97,14 @@ class LowpWeight(NamedTuple):
     # q8_0 / q4_1: the kernel quantizes the activations to int8 per group of 32
     # (`cpu_decode_dtype`, `int8_activations`); else fp32 activations and sums.
     int8_act: bool = False
+    # A prefill's product on a bf16 wide copy comes back in bf16, not widened to fp32: the
+    # MLP's gate_up, whose SiLU reads bf16 rows (kernels/cpu_ops.py) and gives the down
+    # product the bf16 rows it takes (2 x intermediate columns not widened and narrowed).
+    wide_keeps_dtype: bool = False
 
     def product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, in] fp32 (unit stride in `in`) @ weight^T (+ bias): [M, out] fp32."""
+        """x [M, in] fp32 (unit stride in `in`; bf16 on the wide copy) @ weight^T (+ bias):
+        [M, out] fp32, or bf16 where every row is wide and `wide_keeps_dtype`."""
         rows = _WIDE_ROWS.get() if self.wide is not None else None
         if rows is None:
             return self.kernel_product(x, bias)
@@ -107,17 +112,19 @@ class LowpWeight(NamedTuple):
             return self.wide_product(x, bias)
         y = x.new_empty(x.shape[0], self.out_features)
         y[rows.narrow] = self.kernel_product(x[rows.narrow], bias)
-        y[rows.wide] = self.wide_product(x[rows.wide], bias)
+        y[rows.wide] = self.wide_product(x[rows.wide], bias).float()
         return y
 
     def wide_product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The product on the wide copy: x in the copy's dtype (bf16: rounded; fp32: as
-        is), fp32 sums, out in that dtype, as fp32."""
+        is), fp32 sums, out in that dtype, as fp32 (or as is: `wide_keeps_dtype`)."""
         wide = self.wide.get() if isinstance(self.wide, WideCopy) else self.wide
         if wide.layout == torch.strided:  # a plain fp32 weight (`WideCopy`): MKL's product
             y = F.linear(x.to(wide.dtype), wide)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x.to(wide.dtype), wide, None, "none", [], "")
+        if self.wide_keeps_dtype and bias is None:
+            return y
         y = y.float()
         return y if bias is None else y + bias
 
@@ -416,7 +423,8 @@ def add_wide_copies(
     )
     dense = DenseCopies({name: m.lowp for name, m in slots.items()}, dtype, file)
     for name, module in slots.items():
-        module.lowp = module.lowp._replace(wide=WideCopy(module.lowp, dtype, dense, name))
+        module.lowp = module.lowp._replace(wide=WideCopy(module.lowp, dtype, dense, name),
+                                           wide_keeps_dtype=name.endswith("mlp.gate_up_proj"))
     return len(slots)
 
 
