@@ -126,9 +126,9 @@ def kv_tile_slots(
     its length and a page holds whole tiles (BLOCK_SIZE a multiple of BLOCK_N), so one
     block-table entry serves the tile and the slots are consecutive: one load a tile instead
     of one a position, and offsets the compiler knows to be contiguous."""
+    # NOTE: int64: a layer's pool can exceed 2**31 elements.
     if ONE_PAGE:
         page = tl.load(block_table + tile_start // BLOCK_SIZE)
-        # NOTE: int64: a layer's pool can exceed 2**31 elements.
         return (page.to(tl.int64) * BLOCK_SIZE + tile_start % BLOCK_SIZE
                 + tl.arange(0, offs.shape[0]))
     if MASKED:
