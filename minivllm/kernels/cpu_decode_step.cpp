@@ -62,6 +62,31 @@ inline void rotate(float* x, const float* cos_sin, int64_t head_dim) {
   }
 }
 
+// `rotate` with each product rounded before the sum, as torch's separate ops round them (the
+// file is built with -ffp-contract=fast, which would fuse them into FMAs): the prefill's
+// q/k are then the reference path's bits, so a prompt's K/V and its first token do not
+// depend on which path computed them (a greedy near-tie would go either way).
+#if defined(__clang__)
+inline void rotate_unfused(float* x, const float* cos_sin, int64_t head_dim) {
+#pragma clang fp contract(off)
+#else
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+inline void rotate_unfused(float* x, const float* cos_sin, int64_t head_dim) {
+#endif
+  const int64_t half = head_dim / 2;
+  const float* cos = cos_sin;
+  const float* sin = cos_sin + half;
+  for (int64_t i = 0; i < half; ++i) {
+    const float x1 = x[i], x2 = x[i + half];
+    x[i] = x1 * cos[i] - x2 * sin[i];
+    x[i + half] = x2 * cos[i] + x1 * sin[i];
+  }
+}
+#if !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
 // e^x for n floats in place, L at a time: Cephes' expf (range reduction by ln 2, a degree-7
 // polynomial, the exponent added as bits), within ~2 ulp of std::exp for x in [-87.3, 88.7]
 // (clamped there). std::exp is a call per float (~20 cycles): at 8 sequences the softmax
@@ -574,13 +599,13 @@ at::Tensor qkv_rotary_store_rows(const at::Tensor& positions_in, const at::Tenso
       std::copy(row, row + q_size, q);
       for (int64_t head = 0; head < num_heads; ++head) {
         if (qw) rms_norm(q + head * hd, qw, feps, hd, q + head * hd);
-        rotate(q + head * hd, cs, hd);
+        rotate_unfused(q + head * hd, cs, hd);
       }
       if (slots[t] < 0) continue;
       std::copy(row + q_size, row + q_size + kv_size, k.data());
       for (int64_t head = 0; head < kv_heads; ++head) {
         if (kw) rms_norm(k.data() + head * hd, kw, feps, hd, k.data() + head * hd);
-        rotate(k.data() + head * hd, cs, hd);
+        rotate_unfused(k.data() + head * hd, cs, hd);
       }
       std::copy(k.begin(), k.end(), kc + slots[t] * kv_size);
       std::copy(row + q_size + kv_size, row + qkv_size, vc + slots[t] * kv_size);
