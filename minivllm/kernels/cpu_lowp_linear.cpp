@@ -519,6 +519,55 @@ inline void i8_block_sums(const QuantizedRows& xq, int64_t r0, int64_t K, int64_
   }
 }
 
+// i8_block_sums<Q4, 1> over two blocks at once, block i's weights at q[i], d[i], m[i]: each
+// block's sums formed exactly as there (the same bits), the row's quads read once for both.
+template <bool Q4>
+inline void i8_pair_sums(const QuantizedRows& xq, int64_t K, int64_t groups,
+                         const uint8_t* const* q, const uint16_t* const* d,
+                         const uint16_t* const* m, const __m512i index, vf* acc) {
+  acc[0] = acc[1] = vf{};
+  const __m512i nibble = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
+  for (int64_t g = 0; g < groups; ++g) {
+    int32_t quads[G / 4];
+    std::memcpy(quads, xq.q.data() + g * G, sizeof quads);
+    for (int i = 0; i < 2; ++i) {
+      __m512i w[G / 4];
+      for (int t = 0; t < G / 4; ++t) {
+        __m512i z;
+        if constexpr (Q4) {
+          const __m256i v = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(q[i] + (g * G + 4 * t) * (L / 2)));
+          const __m512i both =
+              _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+          z = _mm512_and_si512(both, nibble);
+        } else {
+          z = _mm512_loadu_si512(q[i] + (g * G + 4 * t) * L);
+        }
+        w[t] = _mm512_permutexvar_epi8(index, z);
+      }
+      _mm_prefetch(reinterpret_cast<const char*>(q[i] + (g + 1) * G * (Q4 ? L / 2 : L)) +
+                       PREFETCH_BYTES,
+                   _MM_HINT_T0);
+      __m512i wsum = _mm512_setzero_si512();
+      if constexpr (!Q4)
+        for (int t = 0; t < G / 4; ++t) wsum = _mm512_dpbusd_epi32(wsum, ones, w[t]);
+      const vf dv = widen_halves(d[i] + g * L);
+      vf mv{};
+      if constexpr (Q4) mv = widen_halves(m[i] + g * L);
+      __m512i s = _mm512_setzero_si512();
+      for (int t = 0; t < G / 4; ++t) {
+        if constexpr (Q4)
+          s = _mm512_dpbusd_epi32(s, w[t], _mm512_set1_epi32(quads[t]));
+        else
+          s = _mm512_dpbusd_epi32(s, _mm512_set1_epi32(quads[t] ^ (int32_t)0x80808080), w[t]);
+      }
+      if constexpr (!Q4) s = _mm512_sub_epi32(s, _mm512_slli_epi32(wsum, 7));
+      acc[i] += dv * ((vf)_mm512_cvtepi32_ps(s) * xq.scale[g]);
+      if constexpr (Q4) acc[i] += mv * xq.sum[g];
+    }
+  }
+}
+
 template <bool Q4>
 void i8_rows(const QuantizedRows& xq, int64_t r0, int64_t K, int64_t groups, const uint8_t* q,
              const uint16_t* d, const uint16_t* m, const __m512i index, int rows, vf* acc) {
@@ -542,6 +591,22 @@ void group_linear_i8_impl(const float* x, int64_t ldx, int64_t M, int64_t K, con
   QuantizedRows xq;
   quantize_rows(x, ldx, M, K, xq);
   const __m512i index = quad_index(Q4);
+  if (M == 1) {
+    for_each_block_pair(
+        N, nullptr, bias, y,
+        [&](int64_t b, vf* acc) {
+          const uint8_t* qs[2] = {q + b * K * bytes_per_k, q + (b + 1) * K * bytes_per_k};
+          const uint16_t* ds[2] = {d + b * groups * L, d + (b + 1) * groups * L};
+          const uint16_t* ms[2] = {m ? m + b * groups * L : nullptr,
+                                   m ? m + (b + 1) * groups * L : nullptr};
+          i8_pair_sums<Q4>(xq, K, groups, qs, ds, ms, index, acc);
+        },
+        [&](int64_t b, vf* acc) {
+          i8_rows<Q4>(xq, 0, K, groups, q + b * K * bytes_per_k, d + b * groups * L,
+                      m ? m + b * groups * L : nullptr, index, 1, acc);
+        });
+    return;
+  }
   for_each_block(M, N, nullptr, bias, y, [&](int64_t b, int64_t r0, int rows, vf* acc) {
     i8_rows<Q4>(xq, r0, K, groups, q + b * K * bytes_per_k, d + b * groups * L,
                 m ? m + b * groups * L : nullptr, index, rows, acc);
