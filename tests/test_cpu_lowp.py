@@ -24,12 +24,12 @@ pytestmark = pytest.mark.skipif(
 
 # [out, in] of the linears: SmolLM2-135M (qkv, down), the tiny Qwen3 and Llama
 # of conftest.py, and odd sizes (a partial last block, in-features not a multiple of 8, an
-# odd number of blocks: one row takes them two at a time, the last one alone).
+# odd number of blocks: one row takes them four at a time, those left one by one).
 SHAPES = [
     (960, 576), (576, 1536),
     (256, 64), (64, 128), (512, 64),
     (128, 64),
-    (13, 7), (17, 1536), (1, 5), (9, 33), (48, 64), (40, 70),
+    (13, 7), (17, 1536), (1, 5), (9, 33), (48, 64), (40, 70), (112, 64),
 ]
 
 

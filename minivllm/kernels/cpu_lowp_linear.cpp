@@ -177,23 +177,25 @@ void for_each_block(int64_t M, int64_t N, const float* scales, const float* bias
   });
 }
 
-// for_each_block for one row (a decode token), two blocks at a time: `pair(b, acc)` fills
-// acc[0..1] with blocks b and b + 1's sums, `one(b, acc)` acc[0] with block b's (an odd last
-// block). Two weight streams in flight a thread: on a 2-core AMX Xeon, bf16 weights of
-// SmolLM2's 30 layers read at ~19 GB/s against ~16 a block at a time (the same sums).
-template <typename Pair, typename One>
-void for_each_block_pair(int64_t N, const float* scales, const float* bias, float* y,
-                         const Pair& pair, const One& one) {
+// for_each_block for one row (a decode token), NB blocks at a time: `several(b, acc)` fills
+// acc[0..NB) with blocks b .. b + NB - 1's sums, `one(b, acc)` acc[0] with block b's (the
+// blocks left at the end). NB weight streams in flight a thread: on a 2-core AMX Xeon, bf16
+// weights of SmolLM2's 30 layers read at ~16-17 GB/s a block at a time, ~19 two at a time
+// and ~21-22 four at a time (the same sums each way).
+template <int NB, typename Several, typename One>
+void for_each_block_set(int64_t N, const float* scales, const float* bias, float* y,
+                        const Several& several, const One& one) {
   const int64_t num_blocks = (N + L - 1) / L;
-  at::parallel_for(0, (num_blocks + 1) / 2, 2, [&](int64_t p0, int64_t p1) {
-    vf acc[2];
+  const int64_t sets = (num_blocks + NB - 1) / NB;
+  at::parallel_for(0, sets, std::max(1, 4 / NB), [&](int64_t p0, int64_t p1) {
+    vf acc[NB];
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t b = 2 * p;
-      const int count = b + 1 < num_blocks ? 2 : 1;
-      if (count == 2) {
-        pair(b, acc);
+      const int64_t b = p * NB;
+      const int count = (int)std::min<int64_t>(NB, num_blocks - b);
+      if (count == NB) {
+        several(b, acc);
       } else {
-        one(b, acc);
+        for (int i = 0; i < count; ++i) one(b + i, acc + i);
       }
       for (int i = 0; i < count; ++i) {
         vf scale, add;
@@ -204,46 +206,41 @@ void for_each_block_pair(int64_t N, const float* scales, const float* bias, floa
   });
 }
 
-// block_sums<WT, 1> over two blocks at once: each block's four sums formed exactly as there
-// (the same bits), x[k] read once for both.
-template <typename WT>
-inline void pair_sums(const float* x, const WT* w0, const WT* w1, int64_t K, vf* acc) {
-  vf a[4], c[4];
-  for (int s = 0; s < 4; ++s) a[s] = c[s] = vf{};
+// block_sums<WT, 1> over NB blocks `stride` elements apart at once: each block's four sums
+// formed exactly as there (the same bits), x[k] read once for all.
+template <typename WT, int NB>
+inline void set_sums(const float* x, const WT* w, int64_t stride, int64_t K, vf* acc) {
+  vf a[NB][4];
+  for (int i = 0; i < NB; ++i)
+    for (int s = 0; s < 4; ++s) a[i][s] = vf{};
   int64_t k = 0;
   for (; k + 4 <= K; k += 4) {
 #if defined(__AVX2__) || defined(__AVX512F__)
-    _mm_prefetch(reinterpret_cast<const char*>(w0 + k * L) + PREFETCH_BYTES, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w1 + k * L) + PREFETCH_BYTES, _MM_HINT_T0);
+    for (int i = 0; i < NB; ++i)
+      _mm_prefetch(reinterpret_cast<const char*>(w + i * stride + k * L) + PREFETCH_BYTES,
+                   _MM_HINT_T0);
 #endif
     for (int s = 0; s < 4; ++s) {
       const float xs = x[k + s];
-      a[s] += widen(w0 + (k + s) * L) * xs;
-      c[s] += widen(w1 + (k + s) * L) * xs;
+      for (int i = 0; i < NB; ++i) a[i][s] += widen(w + i * stride + (k + s) * L) * xs;
     }
   }
-  for (; k < K; ++k) {
-    a[0] += widen(w0 + k * L) * x[k];
-    c[0] += widen(w1 + k * L) * x[k];
+  for (; k < K; ++k)
+    for (int i = 0; i < NB; ++i) a[i][0] += widen(w + i * stride + k * L) * x[k];
+  for (int i = 0; i < NB; ++i) {
+    vf t = a[i][0];
+    for (int s = 1; s < 4; ++s) t += a[i][s];
+    acc[i] = t;
   }
-  vf t = a[0], u = c[0];
-  for (int s = 1; s < 4; ++s) {
-    t += a[s];
-    u += c[s];
-  }
-  acc[0] = t;
-  acc[1] = u;
 }
 
 template <typename WT>
 void lowp_linear_impl(const float* x, int64_t ldx, int64_t M, int64_t K, const WT* packed,
                       const float* scales, const float* bias, float* y, int64_t N) {
   if (M == 1) {
-    for_each_block_pair(
+    for_each_block_set<4>(
         N, scales, bias, y,
-        [&](int64_t b, vf* acc) {
-          pair_sums<WT>(x, packed + b * K * L, packed + (b + 1) * K * L, K, acc);
-        },
+        [&](int64_t b, vf* acc) { set_sums<WT, 4>(x, packed + b * K * L, K * L, K, acc); },
         [&](int64_t b, vf* acc) { block_rows<WT>(x, ldx, packed + b * K * L, K, 1, acc); });
     return;
   }
@@ -592,7 +589,7 @@ void group_linear_i8_impl(const float* x, int64_t ldx, int64_t M, int64_t K, con
   quantize_rows(x, ldx, M, K, xq);
   const __m512i index = quad_index(Q4);
   if (M == 1) {
-    for_each_block_pair(
+    for_each_block_set<2>(
         N, nullptr, bias, y,
         [&](int64_t b, vf* acc) {
           const uint8_t* qs[2] = {q + b * K * bytes_per_k, q + (b + 1) * K * bytes_per_k};
