@@ -469,31 +469,38 @@ inline __m512i quad_index(bool q4) {
   return _mm512_load_si512(idx);
 }
 
+// Group g of a block's weights in vpdpbusd's operand layout (w[0 .. G/4)), the next group's
+// bytes asked for; returns, for Q8_0, each output's sum of the group's weights (its weights
+// are signed: x + 128 is the unsigned operand, and 128 * sum(w) comes off), else zeros.
+template <bool Q4>
+inline __m512i i8_group_weights(const uint8_t* q, int64_t g, const __m512i index, __m512i* w) {
+  for (int t = 0; t < G / 4; ++t) {
+    __m512i z;
+    if constexpr (Q4) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (g * G + 4 * t) * (L / 2)));
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+      z = _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+    } else {
+      z = _mm512_loadu_si512(q + (g * G + 4 * t) * L);
+    }
+    w[t] = _mm512_permutexvar_epi8(index, z);
+  }
+  _mm_prefetch(reinterpret_cast<const char*>(q + (g + 1) * G * (Q4 ? L / 2 : L)) + PREFETCH_BYTES,
+               _MM_HINT_T0);
+  __m512i wsum = _mm512_setzero_si512();
+  if constexpr (!Q4)
+    for (int t = 0; t < G / 4; ++t) wsum = _mm512_dpbusd_epi32(wsum, _mm512_set1_epi8(1), w[t]);
+  return wsum;
+}
+
 template <bool Q4, int R>
 inline void i8_block_sums(const QuantizedRows& xq, int64_t r0, int64_t K, int64_t groups,
                           const uint8_t* q, const uint16_t* d, const uint16_t* m,
                           const __m512i index, vf* acc) {
   for (int r = 0; r < R; ++r) acc[r] = vf{};
-  const __m512i nibble = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
   for (int64_t g = 0; g < groups; ++g) {
     __m512i w[G / 4];
-    for (int t = 0; t < G / 4; ++t) {
-      __m512i z;
-      if constexpr (Q4) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (g * G + 4 * t) * (L / 2)));
-        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
-        z = _mm512_and_si512(both, nibble);
-      } else {
-        z = _mm512_loadu_si512(q + (g * G + 4 * t) * L);
-      }
-      w[t] = _mm512_permutexvar_epi8(index, z);
-    }
-    _mm_prefetch(reinterpret_cast<const char*>(q + (g + 1) * G * (Q4 ? L / 2 : L)) + PREFETCH_BYTES,
-                 _MM_HINT_T0);
-    // Q8_0's weights are signed: x + 128 is the unsigned operand, and 128 * sum(w) comes off.
-    __m512i wsum = _mm512_setzero_si512();
-    if constexpr (!Q4)
-      for (int t = 0; t < G / 4; ++t) wsum = _mm512_dpbusd_epi32(wsum, ones, w[t]);
+    const __m512i wsum = i8_group_weights<Q4>(q, g, index, w);
     const vf dv = widen_halves(d + g * L);
     vf mv{};
     if constexpr (Q4) mv = widen_halves(m + g * L);
@@ -523,31 +530,12 @@ inline void i8_pair_sums(const QuantizedRows& xq, int64_t K, int64_t groups,
                          const uint8_t* const* q, const uint16_t* const* d,
                          const uint16_t* const* m, const __m512i index, vf* acc) {
   acc[0] = acc[1] = vf{};
-  const __m512i nibble = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
   for (int64_t g = 0; g < groups; ++g) {
     int32_t quads[G / 4];
     std::memcpy(quads, xq.q.data() + g * G, sizeof quads);
     for (int i = 0; i < 2; ++i) {
       __m512i w[G / 4];
-      for (int t = 0; t < G / 4; ++t) {
-        __m512i z;
-        if constexpr (Q4) {
-          const __m256i v = _mm256_loadu_si256(
-              reinterpret_cast<const __m256i*>(q[i] + (g * G + 4 * t) * (L / 2)));
-          const __m512i both =
-              _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
-          z = _mm512_and_si512(both, nibble);
-        } else {
-          z = _mm512_loadu_si512(q[i] + (g * G + 4 * t) * L);
-        }
-        w[t] = _mm512_permutexvar_epi8(index, z);
-      }
-      _mm_prefetch(reinterpret_cast<const char*>(q[i] + (g + 1) * G * (Q4 ? L / 2 : L)) +
-                       PREFETCH_BYTES,
-                   _MM_HINT_T0);
-      __m512i wsum = _mm512_setzero_si512();
-      if constexpr (!Q4)
-        for (int t = 0; t < G / 4; ++t) wsum = _mm512_dpbusd_epi32(wsum, ones, w[t]);
+      const __m512i wsum = i8_group_weights<Q4>(q[i], g, index, w);
       const vf dv = widen_halves(d[i] + g * L);
       vf mv{};
       if constexpr (Q4) mv = widen_halves(m[i] + g * L);
