@@ -81,14 +81,15 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
            "programs resident per SM)", DECODE_TILES),
     EnvVar("MINIVLLM_DECODE_LOADED_TILE_FP8", "128x4x2",
            "the same with an fp8 KV cache", DECODE_TILES),
-    EnvVar("MINIVLLM_DECODE_LOADED_REGS_FP8", "0",
+    EnvVar("MINIVLLM_DECODE_LOADED_REGS_FP8", "128",
            "registers a thread the fp8 loaded launch is compiled under (0: the compiler's "
            "choice); fewer let more programs share an SM, at the cost of spills",
            ("0", "72", "80", "88", "96", "104", "112", "120", "128")),
-    EnvVar("MINIVLLM_DECODE_FP8_V_WORDS", "0",
-           "1: decode attention's loop loads an fp8 cache's V tiles as 32-bit words and "
-           "upcasts them before the products' layout change", ("0", "1")),
-    EnvVar("MINIVLLM_DECODE_ONE_PAGE", "0",
+    EnvVar("MINIVLLM_DECODE_FP8_V_WORDS", "light",
+           "which decode launches load an fp8 cache's V tiles as 32-bit words and upcast "
+           "them before the products' layout change: 0 none, 1 all, light those of at most "
+           "two programs an SM (not MINIVLLM_DECODE_LOADED_TILE's)", ("0", "1", "light")),
+    EnvVar("MINIVLLM_DECODE_ONE_PAGE", "1",
            "1: where a cache page holds whole tiles, decode attention reads one block-table "
            "entry a K/V tile (consecutive slots) instead of one a position", ("0", "1")),
     EnvVar("MINIVLLM_PREFILL_TILE", "128x64x4x3",

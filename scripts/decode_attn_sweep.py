@@ -95,11 +95,13 @@ def variants(fp8: bool, tiles: list[tuple[int, int, int]],
 
     out: list[dict | None] = [None]
     if one_page:
-        switches = [{"MINIVLLM_DECODE_ONE_PAGE": "1"}]
+        switches = [{"MINIVLLM_DECODE_ONE_PAGE": "0"}]
         if fp8:
-            switches.append(dict(switches[0], MINIVLLM_DECODE_LOADED_REGS_FP8="128"))
+            switches.append(dict(switches[0], MINIVLLM_DECODE_LOADED_REGS_FP8="0",
+                                 MINIVLLM_DECODE_FP8_V_WORDS="0"))
+            switches.append({"MINIVLLM_DECODE_LOADED_REGS_FP8": "0"})
         if fp8 and v_words:
-            switches += [dict(env, MINIVLLM_DECODE_FP8_V_WORDS="1") for env in switches]
+            switches += [{"MINIVLLM_DECODE_FP8_V_WORDS": words} for words in ("0", "1")]
         out += [dict(env=env) for env in switches]
     for cap in maxnregs:
         engine = _tile_config(torch.bfloat16, loaded=True, kv_fp8=fp8)
@@ -128,11 +130,10 @@ def describe(config: dict | None, fp8: bool) -> str:
     if "num_splits" in config:
         return f"{'fp8' if fp8 else 'bf16'} engine, {config['num_splits']} splits"
     if "env" in config:
-        short = {"MINIVLLM_DECODE_ONE_PAGE": "1p", "MINIVLLM_DECODE_FP8_V_WORDS": "v-words",
+        short = {"MINIVLLM_DECODE_ONE_PAGE": "1p=", "MINIVLLM_DECODE_FP8_V_WORDS": "v-words=",
                  "MINIVLLM_DECODE_LOADED_REGS_FP8": "r"}
         return f"{'fp8' if fp8 else 'bf16'} engine, " + " ".join(
-            short[name] + (value if short[name] == "r" else "")
-            for name, value in config["env"].items())
+            short[name] + value for name, value in config["env"].items())
     upcast = ""
     if fp8:
         upcast = "/asm" if config["FP8_ASM"] else "/f16" if config["FP8_AS_F16"] else "/bf16"

@@ -807,7 +807,14 @@ def test_decode_launch_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("MINIVLLM_DECODE_LOADED_TILE_FP8", "32x4x2")
         tuning.clear()
         assert _tile_config(torch.bfloat16, loaded=True, kv_fp8=True)["BLOCK_N"] == 32
+        assert _tile_config(torch.bfloat16, loaded=True, kv_fp8=True)["maxnreg"] == 128
+        assert tuning.decode_fp8_v_words(loaded=False)  # V as words outside loaded launches
+        assert not tuning.decode_fp8_v_words(loaded=True)
+        monkeypatch.setenv("MINIVLLM_DECODE_LOADED_REGS_FP8", "0")
+        monkeypatch.setenv("MINIVLLM_DECODE_FP8_V_WORDS", "1")
+        tuning.clear()
         assert "maxnreg" not in _tile_config(torch.bfloat16, loaded=True, kv_fp8=True)
+        assert tuning.decode_fp8_v_words(loaded=True)
         monkeypatch.setenv("MINIVLLM_DECODE_LOADED_REGS_FP8", "96")
         tuning.clear()
         assert _tile_config(torch.bfloat16, loaded=True, kv_fp8=True)["maxnreg"] == 96
@@ -821,6 +828,7 @@ def test_decode_launch_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         monkeypatch.delenv("MINIVLLM_DECODE_LOADED_TILE_FP8", raising=False)
         monkeypatch.delenv("MINIVLLM_DECODE_LOADED_REGS_FP8", raising=False)
+        monkeypatch.delenv("MINIVLLM_DECODE_FP8_V_WORDS", raising=False)
         monkeypatch.delenv("MINIVLLM_DECODE_LOADED_TILE", raising=False)
         tuning.clear()
 

@@ -87,8 +87,10 @@ def decode_loaded_regs_fp8() -> int:
 
 
 @functools.cache
-def decode_fp8_v_words() -> bool:
-    return _choice("MINIVLLM_DECODE_FP8_V_WORDS") == "1"
+def decode_fp8_v_words(loaded: bool) -> bool:
+    """Whether a launch (loaded or not: decode_attention.is_loaded) loads fp8 V as words."""
+    choice = _choice("MINIVLLM_DECODE_FP8_V_WORDS")
+    return choice == "1" or (choice == "light" and not loaded)
 
 
 @functools.cache
