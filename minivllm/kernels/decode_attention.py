@@ -575,7 +575,8 @@ def _launch(
     # The interpreter (CPU tensors) cannot run inline PTX; Triton's own upcast there gives
     # the same fp16 values.
     config = {"FP8_AS_F16": f16, "FP8_ASM": f16 and device.type == "cuda",
-              "FP8_V_WORDS": decode_fp8_v_words(loaded), "ONE_PAGE": decode_one_page(), **tile_config}
+              "FP8_V_WORDS": decode_fp8_v_words(loaded), "ONE_PAGE": decode_one_page(),
+              **tile_config}
     if not fp8:
         config.update(FP8_AS_F16=False, FP8_ASM=False)
     if not config["FP8_AS_F16"]:
