@@ -88,7 +88,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("MINIVLLM_DECODE_FP8_V_WORDS", "light",
            "which decode launches load an fp8 cache's V tiles as 32-bit words and upcast "
            "them before the products' layout change: 0 none, 1 all, light those of at most "
-           "two programs an SM (not MINIVLLM_DECODE_LOADED_TILE's)", ("0", "1", "light")),
+           "two programs an SM but the short launch (MINIVLLM_DECODE_SHORT)",
+           ("0", "1", "light")),
     EnvVar("MINIVLLM_DECODE_ONE_PAGE", "1",
            "1: where a cache page holds whole tiles, decode attention reads one block-table "
            "entry a K/V tile (consecutive slots) instead of one a position", ("0", "1")),

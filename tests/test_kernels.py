@@ -792,7 +792,7 @@ def test_decode_launch_choice(monkeypatch: pytest.MonkeyPatch) -> None:
     CPU) takes the loaded tiles, per KV dtype; the tiles come from the environment, and a
     bad value is an error naming the variable."""
     from minivllm.kernels import tuning
-    from minivllm.kernels.decode_attention import _tile_config, is_loaded
+    from minivllm.kernels.decode_attention import _tile_config, is_loaded, short_tile_config
 
     cpu = torch.device("cpu")
     assert not is_loaded(1, 8, 1, cpu)  # 8 programs on 4 "SMs": two an SM
@@ -808,13 +808,16 @@ def test_decode_launch_choice(monkeypatch: pytest.MonkeyPatch) -> None:
         tuning.clear()
         assert _tile_config(torch.bfloat16, loaded=True, kv_fp8=True)["BLOCK_N"] == 32
         assert _tile_config(torch.bfloat16, loaded=True, kv_fp8=True)["maxnreg"] == 128
-        assert tuning.decode_fp8_v_words(loaded=False)  # V as words outside loaded launches
+        # fp8 V as words in launches neither loaded nor the engine's short one
+        assert tuning.decode_fp8_v_words(loaded=False)
         assert not tuning.decode_fp8_v_words(loaded=True)
+        assert not short_tile_config(torch.bfloat16)["FP8_V_WORDS"]
         monkeypatch.setenv("MINIVLLM_DECODE_LOADED_REGS_FP8", "0")
         monkeypatch.setenv("MINIVLLM_DECODE_FP8_V_WORDS", "1")
         tuning.clear()
         assert "maxnreg" not in _tile_config(torch.bfloat16, loaded=True, kv_fp8=True)
         assert tuning.decode_fp8_v_words(loaded=True)
+        assert short_tile_config(torch.bfloat16)["FP8_V_WORDS"]
         monkeypatch.setenv("MINIVLLM_DECODE_LOADED_REGS_FP8", "96")
         tuning.clear()
         assert _tile_config(torch.bfloat16, loaded=True, kv_fp8=True)["maxnreg"] == 96

@@ -87,10 +87,11 @@ def decode_loaded_regs_fp8() -> int:
 
 
 @functools.cache
-def decode_fp8_v_words(loaded: bool) -> bool:
-    """Whether a launch (loaded or not: decode_attention.is_loaded) loads fp8 V as words."""
+def decode_fp8_v_words(loaded: bool, short: bool = False) -> bool:
+    """Whether a launch loads fp8 V as words: `loaded` as decode_attention.is_loaded says,
+    `short` the engine's short launch (MINIVLLM_DECODE_SHORT)."""
     choice = _choice("MINIVLLM_DECODE_FP8_V_WORDS")
-    return choice == "1" or (choice == "light" and not loaded)
+    return choice == "1" or (choice == "light" and not loaded and not short)
 
 
 @functools.cache
