@@ -2,7 +2,7 @@
 # One device call: GPU tests, then the benchmarks; a short table is printed last.
 # Usage on the GPU machine, from the repo root:
 #   bash scripts/gpu_check.sh [quick|profile|decode|decode-ab|prefill|host|app|faces|
-#                              structured|stalls|occupancy|batch1|vwords|kvloop|kvengine|all]
+#                              structured|stalls|occupancy|batch1|kvdefaults|kvloop|kvengine|all]
 # (no argument: tests + benchmarks; quick: tests; profile: tests + step profile;
 #  decode: tests + batch-1/long-context decode benchmarks, kernel table, per-kernel profile;
 #  decode-ab: the decode switches' tests, then scripts/decode_ab.py (kernels/tuning.py's
@@ -16,9 +16,8 @@
 #  batch1: decode attention at batch 1 (1 x 8192, 1 x 32768) timed in CUDA graphs per split
 #  count, then batch-1 decode in the engine with MINIVLLM_DECODE_MAX_SPLITS at 32 / 64 / 128
 #  (bf16 and fp8 KV, 128 and 32k positions; ~4 minutes);
-#  vwords: fp8 decode attention with V loaded as 32-bit words (FP8_V_WORDS) against the
-#  engine's launch, in CUDA graphs, then bench throughput with fp8 KV, interleaved: the
-#  switch off / on, and on with the 64-position loaded tile (~4 minutes);
+#  kvdefaults: the decode kernels' GPU tests and the short launch's, batch-1 decode (bf16
+#  and fp8 KV, 128 and 32k positions), the batch-256 x 512 step's profile per KV dtype;
 #  kvloop: the GPU tests of decode attention under its switches, then every decode
 #  attention variant in CUDA graphs at 256 x 512, 64 x 2048, 1 x 8192 and 1 x 32768 (bf16
 #  and fp8 KV: one block-table entry a tile, V as words, a register cap, 64 / 128 splits;
@@ -118,19 +117,20 @@ if [ "${1:-}" = "batch1" ]; then
   exit 0
 fi
 
-if [ "${1:-}" = "vwords" ]; then
-  (cd /tmp && timeout 150 $PY "$REPO/scripts/decode_attn_sweep.py" --engine-only --graphs \
-    --kv-dtype fp8 --v-words --shape 256x512 --shape 64x2048 --shape 1x32768) 2>&1 \
-    | tee "$OUT/vwords-sweep.log" | sed -n '/^== decode attention alone/,$p'
-  for round in 1 2; do
-    for setting in "0 128x4x2" "1 128x4x2" "1 64x4x2"; do
-      read -r words tile <<<"$setting"
-      echo -n "round $round, FP8_V_WORDS=$words, loaded tile $tile: " | tee -a "$OUT/vwords.log"
-      (cd /tmp && MINIVLLM_DECODE_FP8_V_WORDS=$words MINIVLLM_DECODE_LOADED_TILE_FP8=$tile \
-        timeout 100 $PY -m minivllm.cli bench throughput --kv-cache-dtype fp8) 2>&1 \
-        | grep -E "^  throughput" | tee -a "$OUT/vwords.log"
-    done
+if [ "${1:-}" = "kvdefaults" ]; then
+  # The decode defaults where kvengine timed them: the GPU tests of the decode kernels and
+  # of the short launch, batch-1 decode, then the batch-256 step's profile per KV dtype.
+  (cd /tmp && $PY -m pytest "$REPO/tests/test_fp8_kv_gpu.py" "$REPO/tests/test_kernels_gpu.py" \
+    "$REPO/tests/test_gpu_decode_switches.py" -m gpu -q -p no:cacheprovider \
+    -k "not test_gpu_decode_switches or short_launch" 2>&1 | tee "$OUT/gpu-tests.log" | tail -3)
+  (cd /tmp && timeout 100 $PY "$REPO/scripts/fp8_kv_gpu.py" --skip-throughput --repeats 2) \
+    2>&1 | tee "$OUT/kvdefaults.log" | grep -E "^decode"
+  for kv in auto fp8; do
+    (cd /tmp && timeout 120 $PY "$REPO/scripts/profile_steps.py" --decode 256x512 \
+      --kv-cache-dtype $kv) 2>&1 | grep -v "it/s\]" | tee "$OUT/profile-$kv.log" | tail -25
   done
+  echo; echo "== summary =="; grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -1
+  grep -E "^decode" "$OUT/kvdefaults.log"
   exit 0
 fi
 
