@@ -493,6 +493,24 @@ inline __m512i i8_group_weights(const uint8_t* q, int64_t g, const __m512i index
   return wsum;
 }
 
+// One row's group (its G int8 values at x) against the group's weights in vpdpbusd's
+// layout (i8_group_weights, whose Q8_0 weight sums are wsum): each output's int32 dot
+// product, Q8_0's 128 * sum(w) taken off.
+template <bool Q4>
+inline __m512i i8_group_dot(const int8_t* x, const __m512i* w, const __m512i wsum) {
+  __m512i s = _mm512_setzero_si512();
+  for (int t = 0; t < G / 4; ++t) {
+    int32_t quad;
+    std::memcpy(&quad, x + 4 * t, sizeof quad);
+    if constexpr (Q4)
+      s = _mm512_dpbusd_epi32(s, w[t], _mm512_set1_epi32(quad));
+    else
+      s = _mm512_dpbusd_epi32(s, _mm512_set1_epi32(quad ^ (int32_t)0x80808080), w[t]);
+  }
+  if constexpr (!Q4) s = _mm512_sub_epi32(s, _mm512_slli_epi32(wsum, 7));
+  return s;
+}
+
 template <bool Q4, int R>
 inline void i8_block_sums(const QuantizedRows& xq, int64_t r0, int64_t K, int64_t groups,
                           const uint8_t* q, const uint16_t* d, const uint16_t* m,
@@ -505,17 +523,7 @@ inline void i8_block_sums(const QuantizedRows& xq, int64_t r0, int64_t K, int64_
     vf mv{};
     if constexpr (Q4) mv = widen_halves(m + g * L);
     for (int r = 0; r < R; ++r) {
-      const int8_t* xr = xq.q.data() + (r0 + r) * K + g * G;
-      __m512i s = _mm512_setzero_si512();
-      for (int t = 0; t < G / 4; ++t) {
-        int32_t quad;
-        std::memcpy(&quad, xr + 4 * t, sizeof quad);
-        if constexpr (Q4)
-          s = _mm512_dpbusd_epi32(s, w[t], _mm512_set1_epi32(quad));
-        else
-          s = _mm512_dpbusd_epi32(s, _mm512_set1_epi32(quad ^ (int32_t)0x80808080), w[t]);
-      }
-      if constexpr (!Q4) s = _mm512_sub_epi32(s, _mm512_slli_epi32(wsum, 7));
+      const __m512i s = i8_group_dot<Q4>(xq.q.data() + (r0 + r) * K + g * G, w, wsum);
       const int64_t rg = (r0 + r) * groups + g;
       acc[r] += dv * ((vf)_mm512_cvtepi32_ps(s) * xq.scale[rg]);
       if constexpr (Q4) acc[r] += mv * xq.sum[rg];
@@ -524,29 +532,20 @@ inline void i8_block_sums(const QuantizedRows& xq, int64_t r0, int64_t K, int64_
 }
 
 // i8_block_sums<Q4, 1> over two blocks at once, block i's weights at q[i], d[i], m[i]: each
-// block's sums formed exactly as there (the same bits), the row's quads read once for both.
+// block's sums formed exactly as there (the same bits).
 template <bool Q4>
 inline void i8_pair_sums(const QuantizedRows& xq, int64_t K, int64_t groups,
                          const uint8_t* const* q, const uint16_t* const* d,
                          const uint16_t* const* m, const __m512i index, vf* acc) {
   acc[0] = acc[1] = vf{};
   for (int64_t g = 0; g < groups; ++g) {
-    int32_t quads[G / 4];
-    std::memcpy(quads, xq.q.data() + g * G, sizeof quads);
     for (int i = 0; i < 2; ++i) {
       __m512i w[G / 4];
       const __m512i wsum = i8_group_weights<Q4>(q[i], g, index, w);
       const vf dv = widen_halves(d[i] + g * L);
       vf mv{};
       if constexpr (Q4) mv = widen_halves(m[i] + g * L);
-      __m512i s = _mm512_setzero_si512();
-      for (int t = 0; t < G / 4; ++t) {
-        if constexpr (Q4)
-          s = _mm512_dpbusd_epi32(s, w[t], _mm512_set1_epi32(quads[t]));
-        else
-          s = _mm512_dpbusd_epi32(s, _mm512_set1_epi32(quads[t] ^ (int32_t)0x80808080), w[t]);
-      }
-      if constexpr (!Q4) s = _mm512_sub_epi32(s, _mm512_slli_epi32(wsum, 7));
+      const __m512i s = i8_group_dot<Q4>(xq.q.data() + g * G, w, wsum);
       acc[i] += dv * ((vf)_mm512_cvtepi32_ps(s) * xq.scale[g]);
       if constexpr (Q4) acc[i] += mv * xq.sum[g];
     }
